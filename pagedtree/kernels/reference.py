@@ -1,0 +1,190 @@
+"""Pure-torch paged attention: the CPU backend and the reference for the Triton kernels.
+
+KV cache layout (one pair per layer): ``[num_blocks, block_size, num_kv_heads,
+head_dim]``; token slot ``s`` lives at ``cache.view(-1, H_kv, D)[s]``.
+
+A step's queries are a flat run of tokens, request after request (varlen). Request
+``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]`` and sees
+``context_lens[i]`` KV entries through its block table: a prefix of
+``context_len - q_len`` entries, then its own new tokens, among which it attends
+causally, or, for a token tree, only to each node's ancestors and itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Requests with at most this many new tokens (decode steps, token trees) are padded
+# into one batched attention call; longer prefill chunks each get their own call so
+# that padding never multiplies their cost.
+SMALL_QUERY_LEN = 64
+
+
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """``[T, T]`` bool: entry ``[j, k]`` is True when node ``k`` is ``j`` or its ancestor.
+
+    ``parents[j]`` is the index of node ``j``'s parent among the nodes, or -1 for a
+    root (a node attached directly to the prefix). Parents precede their children.
+    """
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for j, p in enumerate(parents):
+        if p >= j or p < -1:
+            raise ValueError(f"tree node {j} has parent {p}: parents must precede children")
+        if p >= 0:
+            mask[j] = mask[p]
+        mask[j, j] = True
+    return mask
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Requests whose queries are padded into one ``[B, Q, K]`` attention call."""
+
+    query_index: torch.Tensor  # [B, Q] flat token index of each padded query (0 for padding)
+    query_valid: torch.Tensor  # [B, Q] bool
+    kv_slots: torch.Tensor  # [B, K] cache slot of each key (0 for padding)
+    mask: torch.Tensor  # [B, 1, Q, K] bool, True = may attend
+
+
+@dataclass(slots=True)
+class ReferencePlan:
+    """Per-step gather indices and masks, built once and reused by every layer."""
+
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_reference_plan(
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    tree_parents: Sequence[Sequence[int] | None],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> ReferencePlan:
+    """Group the step's requests and precompute their gathers and masks."""
+    num_requests = len(context_lens)
+    if len(query_start_loc) != num_requests + 1:
+        raise ValueError("query_start_loc must have one more entry than context_lens")
+    small = [i for i in range(num_requests) if _qlen(query_start_loc, i) <= SMALL_QUERY_LEN]
+    large = [i for i in range(num_requests) if _qlen(query_start_loc, i) > SMALL_QUERY_LEN]
+    groups = [[i] for i in large] + ([small] if small else [])
+    built = [
+        _build_group(g, query_start_loc, context_lens, block_tables, tree_parents, block_size, device)
+        for g in groups
+    ]
+    return ReferencePlan(groups=built, num_tokens=query_start_loc[-1])
+
+
+def _qlen(query_start_loc: Sequence[int], i: int) -> int:
+    return query_start_loc[i + 1] - query_start_loc[i]
+
+
+def _build_group(
+    members: list[int],
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    tree_parents: Sequence[Sequence[int] | None],
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionGroup:
+    qlens = [_qlen(query_start_loc, i) for i in members]
+    q_max = max(qlens)
+    k_max = max(context_lens[i] for i in members)
+    b = len(members)
+    query_index = torch.zeros(b, q_max, dtype=torch.long)
+    query_valid = torch.zeros(b, q_max, dtype=torch.bool)
+    kv_slots = torch.zeros(b, k_max, dtype=torch.long)
+    mask = torch.zeros(b, q_max, k_max, dtype=torch.bool)
+    key_pos = torch.arange(k_max)
+    for row, (i, q_len) in enumerate(zip(members, qlens)):
+        ctx = context_lens[i]
+        prefix = ctx - q_len
+        if prefix < 0:
+            raise ValueError(f"request {i}: context_len {ctx} shorter than its {q_len} queries")
+        table = torch.as_tensor(list(block_tables[i]), dtype=torch.long)
+        if len(table) * block_size < ctx:
+            raise ValueError(f"request {i}: block table too short for context_len {ctx}")
+        start = query_start_loc[i]
+        query_index[row, :q_len] = torch.arange(start, start + q_len)
+        query_valid[row, :q_len] = True
+        pos = key_pos[:ctx]
+        kv_slots[row, :ctx] = table[pos // block_size] * block_size + pos % block_size
+        mask[row, :q_len, :prefix] = True
+        parents = tree_parents[i]
+        if parents is None:
+            new_mask = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        else:
+            if len(parents) != q_len:
+                raise ValueError(f"request {i}: {len(parents)} tree parents for {q_len} tokens")
+            new_mask = ancestor_mask(parents)
+        mask[row, :q_len, prefix:ctx] = new_mask
+        # Padding queries attend to one key so that softmax stays finite; their
+        # outputs are dropped.
+        mask[row, q_len:, 0] = True
+    return AttentionGroup(
+        query_index=query_index.to(device),
+        query_valid=query_valid.to(device),
+        kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, H_kv, D]`` into the cache slots ``slot_mapping``."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, value.to(value_cache.dtype)
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: ReferencePlan,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[T, H, D]`` over the paged cache; returns ``[T, H, D]``.
+
+    The new tokens' keys and values must already be stored in the cache.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[-2]
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(query)
+    for group in plan.groups:
+        q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+        k = flat_k[group.kv_slots].transpose(1, 2).to(query.dtype)  # [B, H_kv, K, D]
+        v = flat_v[group.kv_slots].transpose(1, 2).to(query.dtype)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+        o = o.transpose(1, 2)  # [B, Q, H, D]
+        out[group.query_index[group.query_valid]] = o[group.query_valid]
+    return out
+
+
+def copy_blocks(
+    caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` in every layer's key and value cache."""
+    for key_cache, value_cache in caches:
+        key_cache[dst] = key_cache[src]
+        value_cache[dst] = value_cache[src]

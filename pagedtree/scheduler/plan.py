@@ -1,0 +1,71 @@
+"""The per-step plan handed from the scheduler to the workers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedtree.request import Request
+from pagedtree.scheduler.block_manager import BlockCopy
+
+
+class Phase(enum.Enum):
+    """What a request does in one step. Different requests mix phases in one step."""
+
+    PREFILL = "prefill"  # computing prompt (or recomputed) tokens, possibly a chunk
+    DECODE = "decode"  # computing the last token and sampling the next
+    DRAFT = "draft"  # draft-model tree expansion (tree speculation)
+    VERIFY = "verify"  # target-model verification of a token tree (tree speculation)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of a step: a run of new tokens whose KV the step computes.
+
+    ``positions`` are rotary positions (for a token tree: prefix length + depth);
+    ``slot_mapping`` are the physical KV slots they are written to. ``context_len``
+    is how many KV entries the request can see once this step has written its
+    tokens. ``tree_parents`` (index of each new token's parent among the new
+    tokens, -1 for a root attached to the prefix) replaces the causal mask among
+    the new tokens when set. ``logits_from`` is the first of the new tokens whose
+    logits the step must produce (None: none, e.g. a prefill chunk that does not
+    reach the end of the prompt).
+    """
+
+    request: Request
+    phase: Phase
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_table: list[int]
+    context_len: int
+    logits_from: int | None
+    tree_parents: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """How many new tokens this chunk computes."""
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step produces logits (and so a sampled token) for this request."""
+        return self.logits_from is not None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything one engine step runs: the chunks and the block copies to do first."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total new tokens in the step (the token budget used)."""
+        return sum(c.num_tokens for c in self.chunks)
+
+    def is_empty(self) -> bool:
+        """True when nothing is scheduled."""
+        return not self.chunks

@@ -1,0 +1,56 @@
+"""GGUF files: converted once to a Hugging Face folder by transformers' own loader.
+
+transformers knows every GGUF quantisation and the llama.cpp tensor layout quirks
+(for instance the permuted Q/K projections of llama-architecture files), so we use
+it for the one-off conversion instead of re-implementing it, then load the plain
+folder with our own fast loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+
+def gguf_cache_folder(gguf_file: Path) -> Path:
+    """Cache folder for a user-supplied GGUF file, keyed by path, size and mtime."""
+    from pagedtree.worker.packaged_models import cache_dir
+
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "hf" / f"{gguf_file.stem}-{key[:12]}"
+
+
+def convert_gguf_to_hf(gguf_file: Path, out_folder: Path) -> Path:
+    """Write ``gguf_file`` as a Hugging Face folder (fp32 safetensors + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
+    started = time.monotonic()
+    print(f"[pagedtree] converting {gguf_file.name} to a Hugging Face folder (once)...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    # transformers refuses to save a model it still believes is quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_folder.with_name(out_folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    del model
+    if out_folder.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out_folder)
+    print(f"[pagedtree] converted in {time.monotonic() - started:.0f}s -> {out_folder}", flush=True)
+    return out_folder

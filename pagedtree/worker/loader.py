@@ -1,0 +1,154 @@
+"""Find a model (packaged name, HF folder, GGUF file or hub id) and load its weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from pagedtree.worker.models import model_class_for
+from pagedtree.worker.models.decoder import DecoderForCausalLM, RotaryEmbedding
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run, its config, and its tokenizer (None for a bare folder)."""
+
+    model: DecoderForCausalLM
+    config: PretrainedConfig
+    tokenizer: object | None
+    path: Path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A local Hugging Face folder for ``model``.
+
+    Accepts a packaged model name (see ``packaged_models``; None means the default
+    target), a folder with config.json, a ``.gguf`` file (converted once into the
+    cache), or a hub id (downloaded where a hub is reachable).
+    """
+    from pagedtree.worker import packaged_models as pm
+    from pagedtree.worker.gguf import convert_gguf_to_hf, gguf_cache_folder
+
+    if model is None:
+        model = pm.DEFAULT_MODEL
+    name = str(model)
+    if name in pm.PACKAGED_MODELS:
+        return pm.converted_folder(pm.PACKAGED_MODELS[name])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json")
+        return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        folder = gguf_cache_folder(path)
+        if not (folder / "config.json").exists():
+            convert_gguf_to_hf(path, folder)
+        return folder
+    if path.exists():
+        raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
+    return _download_from_hub(name)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - the hub raises many kinds; all mean "not here"
+        from pagedtree.worker.packaged_models import PACKAGED_MODELS
+
+        raise ValueError(
+            f"model {repo_id!r} is not a local folder, a .gguf file, a packaged model "
+            f"({', '.join(PACKAGED_MODELS)}), nor downloadable from the hub ({exc})"
+        ) from exc
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it ships none (token-id-only use)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((folder / n).exists() for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {folder}")
+    return files
+
+
+def load_model(
+    model: str | Path | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Build our implementation of ``model`` and load its weights onto ``device``."""
+    folder = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(str(folder))
+    cls = model_class_for(config)
+    net = build_empty(cls, config, dtype, device)
+    load_safetensors_weights(net, _safetensors_files(folder))
+    net.eval()
+    return LoadedModel(model=net, config=config, tokenizer=load_tokenizer(folder), path=folder)
+
+
+def build_empty(
+    cls: type[DecoderForCausalLM], config, dtype: torch.dtype, device: str | torch.device
+) -> DecoderForCausalLM:
+    """An uninitialised model of ``cls`` (no random init: weights are loaded next)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            net = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    net.to_empty(device=device)
+    # to_empty gives tied parameters separate storage and leaves the computed (not
+    # loaded) rotary table empty: restore both.
+    if net.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net.rotary = RotaryEmbedding(config, net.head_dim).to(device)
+    return net
+
+
+def load_safetensors_weights(net: DecoderForCausalLM, files: list[Path]) -> None:
+    """Copy every tensor of ``files`` into ``net``; fail on missing or unknown names."""
+    params = dict(net.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name == "lm_head.weight" and net.tie_word_embeddings:
+                    continue
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(net).__name__}")
+                target = params[name]
+                tensor = f.get_tensor(name)
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor.to(target.dtype))
+                loaded.add(name)
+    if net.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

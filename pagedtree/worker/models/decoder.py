@@ -1,0 +1,201 @@
+"""A Llama-family decoder written against a paged KV cache.
+
+Llama, Qwen2, Mistral and their relatives differ only in a few switches (biases on
+the projections, tied embeddings, the rotary scaling), so one implementation serves
+them all and each architecture file only states its switches. Parameter names
+mirror Hugging Face's so checkpoints load without renaming.
+
+Numerics follow transformers' implementation step for step (RMSNorm in fp32, rotary
+tables computed in fp32) so greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderSpec:
+    """The switches that tell one Llama-family architecture from another."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+
+class AttentionFn(Protocol):
+    """Stores a layer's new keys/values in the paged cache and attends over it."""
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """``query [T, H, D]``, ``key/value [T, H_kv, D]`` -> output ``[T, H, D]``."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 like transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding for arbitrary (e.g. tree-depth) positions."""
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic NTK rope scaling depends on sequence length; not supported")
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, D]`` cos and sin tables for ``positions`` ``[T]``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by the tables ``cos/sin [T, D]`` (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class DecoderAttention(nn.Module):
+    """Multi-head (grouped-query) self-attention over the paged cache."""
+
+    def __init__(self, config, spec: DecoderSpec, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = attention(self.layer_index, q, k, v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    """Gated feed-forward block: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, config, spec: DecoderSpec):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=spec.mlp_bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config, spec: DecoderSpec, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, spec, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config, spec)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    """Embeddings, the stack of layers and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config, spec: DecoderSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama-family causal LM over a flat (varlen) batch of tokens.
+
+    Subclasses set ``spec_for(config)``; everything else is shared.
+    """
+
+    @classmethod
+    def spec_for(cls, config) -> DecoderSpec:
+        """The architecture switches for ``config`` (overridden per architecture)."""
+        return DecoderSpec()
+
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
+        self.config = config
+        spec = self.spec_for(config)
+        self.model = DecoderBody(config, spec)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.rotary = RotaryEmbedding(config, attn.head_dim)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm for flat ``input_ids [T]``."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits for hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden)

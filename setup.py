@@ -1,0 +1,33 @@
+"""pagedtree: an LLM inference engine with tree speculative decoding built in."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="pagedtree",
+    version="0.1.0",
+    description="LLM inference engine with paged KV cache and tree speculative decoding",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pagedtree", "pagedtree.*"]),
+    install_requires=[
+        # torch is pinned by scripts/setup.sh (a CPU build from local disk here);
+        # an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+        "torch>=2.5",
+        "triton>=3.0",
+        "transformers>=5.0,<6",
+        "tokenizers",
+        "sentencepiece",
+        "safetensors",
+        "gguf>=0.10",
+        "numpy",
+        "numba",
+        "tqdm",
+        "aiohttp",
+        "uvloop",
+        "prometheus-client",
+        "huggingface-hub",
+    ],
+    extras_require={"test": ["pytest", "hypothesis"]},
+    entry_points={"console_scripts": ["pagedtree=pagedtree.entrypoints.cli:main"]},
+)
