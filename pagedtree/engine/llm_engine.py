@@ -1,0 +1,369 @@
+"""The step loop: schedule, execute, append tokens, emit outputs."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Union
+
+import torch
+
+from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedtree.engine.output_processor import OutputProcessor
+from pagedtree.outputs import RequestOutput
+from pagedtree.request import Request, RequestStatus
+from pagedtree.sampling_params import SamplingParams
+from pagedtree.scheduler.block_manager import BlockManager
+from pagedtree.scheduler.plan import StepPlan
+from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.worker.attention import resolve_backend_name
+from pagedtree.worker.loader import load_model, load_tokenizer, resolve_model_path
+from pagedtree.worker.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
+
+logger = logging.getLogger("pagedtree")
+
+PromptType = Union[str, Mapping[str, Any]]
+
+
+@dataclass(slots=True)
+class ParentRequest:
+    """A user request; with ``n > 1`` it fans out into ``n`` child sequences.
+
+    Like vLLM v1, the children are independent requests; they share the prompt's
+    KV through the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """Whether every child has ended."""
+        return all(c.status.finished for c in self.children)
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler; ``step()`` advances every request."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype()
+        started = time.monotonic()
+        folder = resolve_model_path(config.model)
+        loaded = load_model(folder, dtype=self.dtype, device=self.device)
+        self.model_path = loaded.path
+        self.model_config = loaded.config
+        self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer)) if config.tokenizer else loaded.tokenizer
+        self.vocab_size = int(loaded.config.vocab_size)
+        self.eos_token_ids = _eos_token_ids(loaded.config, loaded.path, self.tokenizer)
+
+        model_limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
+        requested_len = config.max_model_len or model_limit
+        if requested_len > model_limit:
+            raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
+        num_blocks = self._num_kv_blocks(loaded.model, requested_len)
+        self.max_model_len = min(requested_len, num_blocks * config.block_size)
+        backend = resolve_backend_name(config.attention_backend, self.device)
+        self.runner = ModelRunner(
+            loaded.model, num_blocks, config.block_size, self.device, self.dtype, backend
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        max_batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            max_batched = max(max_batched, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._rng = random.Random(config.seed)
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_to_parent: dict[str, ParentRequest] = {}
+        self._request_counter = 0
+        self.num_prompt_tokens = 0
+        self.num_failed_requests = 0
+        self.load_seconds = time.monotonic() - started
+        logger.info(
+            "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d, attention %s",
+            self.model_path, self.load_seconds, num_blocks, config.block_size, self.max_model_len, backend,
+        )
+
+    # ------------------------------------------------------------- set-up
+    def _num_kv_blocks(self, model, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(model, cfg.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Leave room for activations of a full token budget (a generous estimate).
+            activations = 16 * cfg.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
+            budget = int(total * cfg.gpu_memory_utilization) - used - activations
+        else:
+            budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        blocks = budget // per_block
+        # More blocks than every sequence at full length could use is waste.
+        useful = cfg.max_num_seqs * -(-max_model_len // cfg.block_size) + 1
+        blocks = min(blocks, useful)
+        if blocks < 2:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes"
+            )
+        return int(blocks)
+
+    # ------------------------------------------------------------ requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``(text, token ids)`` of a prompt, validated; raises ``ValueError`` naming the problem."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is text but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
+                )
+            text, ids = prompt, list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                ids = list(ids)
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        else:
+            raise ValueError(
+                f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, but the context (max_model_len) is {self.max_model_len}: "
+                "it must leave room for at least one generated token"
+            )
+        return text, ids
+
+    def make_requests(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None
+    ) -> ParentRequest:
+        """Validate and build the request(s) for one prompt without queuing them."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad_stop_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop_ids:
+            raise ValueError(f"stop_token_ids has ids outside the vocabulary: {bad_stop_ids}")
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        params = replace(params, eos_token_ids=self.eos_token_ids)
+        parent = ParentRequest(request_id, text, ids)
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            parent.children.append(
+                Request(child_id, text, list(ids), replace(params, n=1), sampling_seed=seed)
+            )
+        return parent
+
+    def add_request(
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None
+    ) -> str:
+        """Validate and queue a request; returns its id."""
+        if request_id is None:
+            request_id = self.next_request_id()
+        return self.add_parent(self.make_requests(request_id, prompt, params))
+
+    def add_parent(self, parent: ParentRequest) -> str:
+        """Queue requests built by ``make_requests``."""
+        self._parents[parent.request_id] = parent
+        for child in parent.children:
+            self._child_to_parent[child.request_id] = parent
+            self.scheduler.add_request(child)
+            self.num_prompt_tokens += child.num_prompt_tokens
+        return parent.request_id
+
+    def next_request_id(self) -> str:
+        """A fresh request id."""
+        self._request_counter += 1
+        return str(self._request_counter)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.status.finished:
+                self._finish(child, RequestStatus.FINISHED_ABORTED)
+        return self._output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return outputs of the requests it touched."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty():
+            return []
+        result = self._execute(plan)
+        self.scheduler.update(plan)
+        touched: dict[str, ParentRequest] = {}
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status.finished:  # failed in isolation
+                touched[request.request_id] = self._child_to_parent[request.request_id]
+                continue
+            sample = result.samples.get(request.request_id)
+            if sample is None:
+                continue
+            status = self.output_processor.append_token(
+                request, sample.token_id, sample.logprob, sample.top_logprobs
+            )
+            if status is not None:
+                self._finish(request, status)
+            touched[request.request_id] = self._child_to_parent[request.request_id]
+        outputs = []
+        for parent in {id(p): p for p in touched.values()}.values():
+            outputs.append(self._output(parent))
+        return outputs
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not sink the batch
+            if len(plan.chunks) == 1:
+                self._fail(plan.chunks[0].request, exc)
+                return StepOutput(samples={})
+            logger.warning("step failed (%s); retrying its %d requests one by one", exc, len(plan.chunks))
+        samples = {}
+        copies_done = False
+        for chunk in plan.chunks:
+            single = StepPlan(chunks=[chunk], block_copies=[] if copies_done else plan.block_copies)
+            copies_done = True
+            try:
+                samples.update(self.runner.execute(single).samples)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(chunk.request, exc)
+        return StepOutput(samples=samples)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        self.num_failed_requests += 1
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        request.finish_time = time.monotonic()
+        self.runner.release([request.request_id])
+        self.output_processor.release(request.request_id)
+
+    def _output(self, parent: ParentRequest) -> RequestOutput:
+        finished = parent.finished
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._child_to_parent.pop(child.request_id, None)
+        errors = [c.error for c in parent.children if c.error]
+        first = parent.children[0]
+        metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": float(first.num_cached_tokens)}
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        if finished:
+            metrics["finish_time"] = max(c.finish_time or 0.0 for c in parent.children)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[OutputProcessor.completion(c, i) for i, c in enumerate(parent.children)],
+            finished=finished,
+            error="; ".join(errors) if errors else None,
+            metrics=metrics,
+        )
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict[str, float]:
+        """Counters of the cache, the scheduler and the work done so far."""
+        bm = self.block_manager
+        return {
+            "num_total_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "kv_cache_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.output_processor.num_generated_tokens,
+            "num_forward_passes": self.runner.num_forward_passes,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_failed_requests": self.num_failed_requests,
+            "max_model_len": self.max_model_len,
+        }
+
+
+def _eos_token_ids(config, folder, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the config, generation_config.json and the tokenizer, merged."""
+    ids: list[int] = []
+
+    def add(value) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    add(getattr(config, "eos_token_id", None))
+    try:
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(str(folder)).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)
+
+
+def prompts_and_params(
+    prompts: PromptType | Sequence[PromptType],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+) -> list[tuple[PromptType, SamplingParams | None]]:
+    """Pair each prompt with its params (one for all, or one each)."""
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [(p, sampling_params) for p in prompts]
+    params = list(sampling_params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+    return list(zip(prompts, params))

@@ -1,0 +1,104 @@
+"""Turning logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+The processing is split from the draw so that tree verification (the speculation
+issue) can compute the exact target distribution the plain sampler would draw from
+and run its acceptance tests against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedtree.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    history: Sequence[int]  # prompt + output tokens, for the repetition penalty
+    num_output_tokens: int  # generated so far, for min_tokens
+    generator: torch.Generator | None  # None only for greedy rows
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """The token drawn for one row, its raw logprob, and the top raw logprobs asked for."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty and min_tokens suppression, in place on fp32 ``logits``."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0 and row.history:
+            seen = torch.as_tensor(sorted(set(row.history)), dtype=torch.long, device=logits.device)
+            values = logits[i, seen]
+            # Same rule as transformers and vLLM: shrink positive logits, grow negative ones.
+            logits[i, seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if row.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(p.eos_token_ids))
+            if banned:
+                logits[i, torch.as_tensor(banned, dtype=torch.long, device=logits.device)] = -float("inf")
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy row is drawn from, for fp32 (penalised) ``logits [.., V]``."""
+    x = logits / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -float("inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+    """Draw one token per row of ``logits [N, V]``."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    processed = apply_penalties(logits.clone(), rows)
+    tokens: list[int] = []
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    greedy_tokens = processed[greedy].argmax(dim=-1).tolist() if greedy else []
+    greedy_of = dict(zip(greedy, greedy_tokens))
+    for i, row in enumerate(rows):
+        if i in greedy_of:
+            tokens.append(greedy_of[i])
+            continue
+        probs = target_probs(processed[i], row.params)
+        tokens.append(int(torch.multinomial(probs, 1, generator=row.generator).item()))
+    results: list[SampleResult] = []
+    chosen = raw_logprobs[torch.arange(len(rows)), torch.as_tensor(tokens, dtype=torch.long)].tolist()
+    for i, row in enumerate(rows):
+        top = None
+        if row.params.logprobs is not None:
+            k = row.params.logprobs
+            top = {}
+            if k > 0:
+                values, ids = torch.topk(raw_logprobs[i], k)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            top[tokens[i]] = chosen[i]
+        results.append(SampleResult(token_id=tokens[i], logprob=chosen[i], top_logprobs=top))
+    return results
