@@ -27,6 +27,7 @@ setup(
         "uvloop",
         "prometheus-client",
         "huggingface-hub",
+        "accelerate",  # transformers needs it to read GGUF files
     ],
     extras_require={"test": ["pytest", "hypothesis"]},
     entry_points={"console_scripts": ["pagedtree=pagedtree.entrypoints.cli:main"]},
