@@ -1,0 +1,143 @@
+"""Bad input fails alone, early, with a message naming the problem."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedtree import LLM, SamplingParams
+from tests.conftest import assert_no_leaks
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_text_model):
+    return LLM(str(tiny_text_model.path), block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 0}, "n"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [1] * 64}, "max_model_len"),
+        ({"prompt_token_ids": [10**6]}, "vocabulary"),
+        ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+        (42, "prompt must be"),
+        ({"foo": 1}, "prompt"),
+    ],
+)
+def test_bad_prompts_raise_before_any_work(llm, prompt, message):
+    good = "Hello world"
+    before = llm.stats()["num_forward_passes"]
+    with pytest.raises(ValueError, match=message):
+        llm.generate([good, prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats()["num_forward_passes"] == before
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm)
+
+
+def test_error_names_the_prompt_index(llm):
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate(["ok", ""], use_tqdm=False)
+
+
+def test_params_list_length_must_match(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_wrong_params_type(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a"], {"temperature": 0}, use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_engine_config_rejects_bad_values(tiny_llama):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(tiny_llama.path), block_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(tiny_llama.path), dtype="int3")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(tiny_llama.path), attention_backend="magic")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(tiny_llama.path), max_model_len=10**6)
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_text_prompt_needs_tokenizer(tiny_llama):
+    llm = LLM(str(tiny_llama.path))
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["hello"], use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(stop=["x"]), use_tqdm=False)
+
+
+def test_runtime_failure_of_one_request_spares_the_batch(tiny_llama, monkeypatch):
+    """A request whose forward pass raises ends with an error; the others finish."""
+    llm = LLM(str(tiny_llama.path), block_size=4)
+    model = llm.engine.runner.model
+    poison = 250
+    original = model.forward
+
+    def faulty_forward(input_ids, positions, attention):
+        # Only the poisoned prompt has this token at position 1 (outputs start later).
+        if bool(((input_ids == poison) & (positions == 1)).any()):
+            raise RuntimeError("injected fault")
+        return original(input_ids, positions, attention)
+
+    monkeypatch.setattr(model, "forward", faulty_forward)
+    prompts = [[5, 6, 7], [8, poison, 9], [10, 11], [12] * 9]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "injected fault" in outs[1].error
+    for i in (0, 2, 3):
+        assert outs[i].error is None
+        assert outs[i].outputs[0].finish_reason == "length"
+        assert len(outs[i].outputs[0].token_ids) == 6
+    assert llm.stats()["num_failed_requests"] == 1
+    assert_no_leaks(llm)
+
+    # The survivors' tokens are the same as in a clean run.
+    monkeypatch.setattr(model, "forward", original)
+    clean = llm.generate([{"prompt_token_ids": prompts[i]} for i in (0, 2, 3)], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in clean] == [outs[i].outputs[0].token_ids for i in (0, 2, 3)]
+
+
+def test_generation_stops_at_context_limit(tiny_llama):
+    llm = LLM(str(tiny_llama.path), max_model_len=20, block_size=4)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 18))}], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 20
+    assert torch.tensor(out.outputs[0].token_ids).max() < 256

@@ -1,0 +1,49 @@
+"""Greedy outputs on real pretrained weights equal transformers, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.worker import packaged_models as pm
+from tests.conftest import assert_no_leaks
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "Write a haiku about paged memory.",
+    "The capital of France is",
+]
+
+
+def _check(model: pm.PackagedModel, new_tokens: int, prompts=PROMPTS) -> None:
+    if not pm.is_installed(model):
+        pytest.skip(f"{model.name} not installed: {pm.install_command(model)}")
+    from transformers import AutoModelForCausalLM
+
+    folder = pm.converted_folder(model)
+    llm = LLM(model.name, max_model_len=512, kv_cache_memory=256 * 2**20)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, ours):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        assert out.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+    assert_no_leaks(llm)
+
+
+def test_smollm2_135m_matches_transformers():
+    _check(pm.SMOLLM2_135M, new_tokens=24)
+
+
+def test_qwen_coder_0_5b_matches_transformers():
+    _check(pm.QWEN_CODER_0_5B, new_tokens=16)
+
+
+@pytest.mark.slow
+def test_qwen_coder_1_5b_matches_transformers():
+    _check(pm.QWEN_CODER_1_5B, new_tokens=16, prompts=PROMPTS[:2])
