@@ -49,6 +49,11 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [B, Q] bool
     kv_slots: torch.Tensor  # [B, K] cache slot of each key (0 for padding)
     mask: torch.Tensor  # [B, 1, Q, K] bool, True = may attend
+    valid_rows: torch.Tensor  # flat indices into [B * Q] of the real queries
+    valid_tokens: torch.Tensor  # their flat token indices (query_index at valid_rows)
+    # When the group's queries are tokens first..first+B*Q-1 in order with no padding
+    # (a batch of decodes, one prefill chunk), gathers become views.
+    contiguous_from: int | None
 
 
 @dataclass(slots=True)
@@ -128,11 +133,20 @@ def _build_group(
         # Padding queries attend to one key so that softmax stays finite; their
         # outputs are dropped.
         mask[row, q_len:, 0] = True
+    valid_rows = query_valid.flatten().nonzero().flatten()
+    valid_tokens = query_index.flatten()[valid_rows]
+    first = query_start_loc[members[0]]
+    contiguous = bool(query_valid.all()) and torch.equal(
+        query_index.flatten(), torch.arange(first, first + b * q_max)
+    )
     return AttentionGroup(
         query_index=query_index.to(device),
         query_valid=query_valid.to(device),
         kv_slots=kv_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
+        valid_rows=valid_rows.to(device),
+        valid_tokens=valid_tokens.to(device),
+        contiguous_from=first if contiguous else None,
     )
 
 
@@ -168,14 +182,23 @@ def paged_attention(
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(query)
     for group in plan.groups:
-        q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+        b, q_len = group.query_index.shape
+        first = group.contiguous_from
+        if first is not None:
+            q = query[first : first + b * q_len].view(b, q_len, num_heads, head_dim)
+        else:
+            q = query[group.query_index]
         k = flat_k[group.kv_slots].transpose(1, 2).to(query.dtype)  # [B, H_kv, K, D]
         v = flat_v[group.kv_slots].transpose(1, 2).to(query.dtype)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+            q.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
         )
-        o = o.transpose(1, 2)  # [B, Q, H, D]
-        out[group.query_index[group.query_valid]] = o[group.query_valid]
+        o = o.transpose(1, 2).reshape(b * q_len, num_heads, head_dim)  # [B*Q, H, D]
+        if first is not None:
+            out[first : first + b * q_len] = o
+        else:
+            out[group.valid_tokens] = o[group.valid_rows]
     return out
 
 

