@@ -230,6 +230,13 @@ class LLMEngine:
         """Run one scheduled step; return outputs of the requests it touched."""
         plan = self.scheduler.schedule()
         if plan.is_empty():
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Cannot happen while max_model_len fits the cache; fail loudly rather
+                # than let generate() spin forever.
+                raise RuntimeError(
+                    f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
+                    f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free"
+                )
             return []
         result = self._execute(plan)
         self.scheduler.update(plan)
