@@ -73,11 +73,6 @@ class Request:
         """Prompt followed by generated tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_id_at(self, position: int) -> int:
-        """The token at ``position`` of prompt + output without building a new list."""
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Tokens ``start .. end-1`` of prompt + output."""
         n = len(self.prompt_token_ids)

@@ -22,7 +22,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Text already reported per request, so stop strings can be held back.
         self.num_generated_tokens = 0
 
     def append_token(

@@ -115,9 +115,10 @@ class Scheduler:
             request = self.waiting[0]
             if not bm.can_allocate(request.all_token_ids):
                 break
-            remaining = request.num_tokens - self._cached_prefix_len(request)
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                break
+            if not self.config.enable_chunked_prefill and (
+                request.num_tokens - self._cached_prefix_len(request) > budget
+            ):
+                break  # the whole uncached prompt must fit in this step
             self.waiting.popleft()
             request.num_cached_tokens = bm.allocate(request.request_id, request.all_token_ids)
             request.num_computed_tokens = request.num_cached_tokens

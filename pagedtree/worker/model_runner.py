@@ -24,7 +24,6 @@ class StepOutput:
     """What one forward produced: a sample for every chunk that asked for logits."""
 
     samples: dict[str, SampleResult]
-    logits: dict[str, torch.Tensor] | None = None  # per request, rows from logits_from on
 
 
 class ModelRunner:
@@ -94,7 +93,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execute
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, sample_tokens: bool = True, return_logits: bool = False) -> StepOutput:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``: copy-on-write copies, one forward, logits, and sampling."""
         if plan.block_copies:
             self.attention.copy_blocks([c.src for c in plan.block_copies], [c.dst for c in plan.block_copies])
@@ -105,28 +104,19 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.attention)
         self.num_forward_passes += 1
 
-        logit_rows: list[int] = []
-        owners: list[tuple[ScheduledChunk, int, int]] = []
-        for chunk, start in zip(plan.chunks, meta.query_start_loc):
-            if chunk.logits_from is None:
-                continue
-            first = len(logit_rows)
-            logit_rows.extend(range(start + chunk.logits_from, start + chunk.num_tokens))
-            owners.append((chunk, first, len(logit_rows)))
-        if not logit_rows:
+        # Plain decoding samples from each chunk's last token (tree verification,
+        # which needs every node's logits, will read rows from logits_from on).
+        sampling = [
+            (chunk, start + chunk.num_tokens - 1)
+            for chunk, start in zip(plan.chunks, meta.query_start_loc)
+            if chunk.logits_from is not None
+        ]
+        if not sampling:
             return StepOutput(samples={})
-        logits = self.model.compute_logits(hidden[torch.as_tensor(logit_rows, device=self.device)])
-
-        per_request = None
-        if return_logits:
-            per_request = {c.request.request_id: logits[a:b] for c, a, b in owners}
-        samples: dict[str, SampleResult] = {}
-        if sample_tokens:
-            last_rows = [b - 1 for _, _, b in owners]
-            rows = [self._sampling_row(chunk) for chunk, _, _ in owners]
-            results = sample(logits[last_rows], rows)
-            samples = {chunk.request.request_id: r for (chunk, _, _), r in zip(owners, results)}
-        return StepOutput(samples=samples, logits=per_request)
+        rows = torch.as_tensor([row for _, row in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        results = sample(logits, [self._sampling_row(chunk) for chunk, _ in sampling])
+        return StepOutput(samples={chunk.request.request_id: r for (chunk, _), r in zip(sampling, results)})
 
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         request = chunk.request

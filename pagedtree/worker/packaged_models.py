@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,8 +173,3 @@ def is_installed(model: PackagedModel) -> bool:
     if (cache_dir() / "hf" / model.name / "config.json").exists():
         return True
     return all(_module_dir(m) is not None for m in model.modules)
-
-
-def remove_cached(model: PackagedModel) -> None:
-    """Delete the converted folder of ``model`` (it is rebuilt on next use)."""
-    shutil.rmtree(cache_dir() / "hf" / model.name, ignore_errors=True)
