@@ -46,7 +46,6 @@ class AttentionGroup:
     """Requests whose queries are padded into one ``[B, Q, K]`` attention call."""
 
     query_index: torch.Tensor  # [B, Q] flat token index of each padded query (0 for padding)
-    query_valid: torch.Tensor  # [B, Q] bool
     kv_slots: torch.Tensor  # [B, K] cache slot of each key (0 for padding)
     mask: torch.Tensor  # [B, 1, Q, K] bool, True = may attend
     valid_rows: torch.Tensor  # flat indices into [B * Q] of the real queries
@@ -141,7 +140,6 @@ def _build_group(
     )
     return AttentionGroup(
         query_index=query_index.to(device),
-        query_valid=query_valid.to(device),
         kv_slots=kv_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
         valid_rows=valid_rows.to(device),
