@@ -209,3 +209,21 @@ def copy_blocks(
     for key_cache, value_cache in caches:
         key_cache[dst] = key_cache[src]
         value_cache[dst] = value_cache[src]
+
+
+def copy_slots(
+    caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """Copy single token slots ``src[i] -> dst[i]`` in every layer (tree compaction).
+
+    All sources are read before any destination is written, so a destination may be
+    another move's source (an accepted tree path slides down onto rejected slots).
+    """
+    for key_cache, value_cache in caches:
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+        flat_k[dst] = flat_k[src]
+        flat_v[dst] = flat_v[src]

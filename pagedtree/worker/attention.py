@@ -63,6 +63,15 @@ class TorchPagedAttention:
             torch.as_tensor(dst, dtype=torch.long, device=device),
         )
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy single token slots in every layer (compacting an accepted tree path)."""
+        device = self.kv_caches[0][0].device
+        reference.copy_slots(
+            self.kv_caches,
+            torch.as_tensor(src, dtype=torch.long, device=device),
+            torch.as_tensor(dst, dtype=torch.long, device=device),
+        )
+
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
     """The concrete backend for ``name`` ("auto" picks by device)."""
