@@ -1,0 +1,284 @@
+"""The dedicated thread that owns an ``LLMEngine``.
+
+Every engine call (load, add, abort, step, stats) happens on this one thread, so the
+engine needs no locks. Other threads talk to it through a FIFO command queue; each
+command carries a ``concurrent.futures.Future`` for its answer. Step outputs go back
+to each request's event loop with one ``call_soon_threadsafe`` per loop per step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedtree.config import EngineConfig
+from pagedtree.engine.errors import EngineStoppedError
+from pagedtree.engine.llm_engine import LLMEngine, PromptType
+from pagedtree.outputs import RequestOutput
+from pagedtree.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedtree.async")
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go (``RequestStream``); its methods run on ``loop``."""
+
+    request_id: str
+    loop: Any
+
+    def push(self, output: RequestOutput, stamp: float) -> None: ...
+
+    def fail(self, message: str, stamp: float) -> None: ...
+
+
+@dataclass(slots=True)
+class AddCommand:
+    """Validate and queue a request; the answer is its number of prompt tokens."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams | None
+    sink: OutputSink
+    check_context: bool
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(slots=True)
+class AbortCommand:
+    """Abort a request; the answer says whether it was still running."""
+
+    request_id: str
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(slots=True)
+class CallCommand:
+    """Run ``fn(engine)`` on the engine thread; the answer is its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(slots=True)
+class StopCommand:
+    """Abort whatever still runs and end the thread."""
+
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+Command = AddCommand | AbortCommand | CallCommand | StopCommand
+
+
+class EngineThread(threading.Thread):
+    """Loads the engine, then loops: run queued commands, step while there is work, repeat."""
+
+    def __init__(self, config: EngineConfig, name: str = "pagedtree-engine"):
+        super().__init__(name=name, daemon=True)
+        self._config = config
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._ready: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        self._sinks: dict[str, OutputSink] = {}
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._stopping = False
+        self.engine: LLMEngine | None = None
+        # Replaced (never mutated) after every loop turn, so readers on other threads
+        # always see a consistent dict without a lock.
+        self.stats_snapshot: dict[str, Any] = {}
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------ other threads
+    def start_and_wait(self) -> LLMEngine:
+        """Start the thread and block until the model is loaded (re-raising a load error)."""
+        self.start()
+        return self._ready.result()
+
+    def submit(self, command: Command) -> concurrent.futures.Future:
+        """Queue a command; raises ``EngineStoppedError`` once the thread has ended."""
+        with self._close_lock:
+            if self._closed:
+                raise EngineStoppedError(self._stopped_message())
+            self._commands.put(command)
+        return command.future
+
+    @property
+    def closed(self) -> bool:
+        """Whether the thread accepts no more commands."""
+        return self._closed
+
+    def _stopped_message(self) -> str:
+        if self.error is not None:
+            return f"the engine thread died: {type(self.error).__name__}: {self.error}"
+        return "the engine is shut down"
+
+    # --------------------------------------------------------- the thread
+    def run(self) -> None:
+        try:
+            engine = LLMEngine(self._config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
+            self.error = exc
+            self._ready.set_exception(exc)
+            self._close()
+            return
+        self.engine = engine
+        self.stats_snapshot = engine.stats()
+        self._ready.set_result(engine)
+        try:
+            while not self._stopping:
+                self._run_commands(block=not engine.has_unfinished_requests())
+                if not self._stopping and engine.has_unfinished_requests():
+                    self._step(engine)
+                self.stats_snapshot = engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - the engine is unusable; fail everyone
+            logger.exception("the engine thread died")
+            self.error = exc
+            message = f"engine failure: {type(exc).__name__}: {exc}"
+            self._post([(sink, None) for sink in self._sinks.values()], fail_message=message)
+            self._sinks.clear()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Refuse new commands, and answer the ones still queued so no caller waits forever."""
+        with self._close_lock:
+            self._closed = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, StopCommand):
+                command.future.set_result(None)
+            elif command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineStoppedError(self._stopped_message()))
+
+    def _run_commands(self, block: bool) -> None:
+        # When idle, sleep on the queue instead of spinning; when busy, only drain it.
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._run_command(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_command(self, command: Command) -> None:
+        engine = self.engine
+        assert engine is not None
+        if isinstance(command, StopCommand):
+            self._stopping = True
+            for request_id in list(self._sinks):
+                self._abort(engine, request_id)
+            command.future.set_result(None)
+            return
+        if not command.future.set_running_or_notify_cancel():
+            # The caller gave up before we got here: skip an add, still run an abort.
+            if isinstance(command, AbortCommand):
+                self._abort(engine, command.request_id)
+            return
+        try:
+            if isinstance(command, AddCommand):
+                command.future.set_result(self._add(engine, command))
+            elif isinstance(command, AbortCommand):
+                command.future.set_result(self._abort(engine, command.request_id))
+            else:
+                command.future.set_result(command.fn(engine))
+        except Exception as exc:  # noqa: BLE001 - the caller gets it (ValueError for bad input)
+            command.future.set_exception(exc)
+
+    def _add(self, engine: LLMEngine, command: AddCommand) -> int:
+        parent = engine.make_requests(command.request_id, command.prompt, command.params)
+        params = parent.children[0].params
+        num_prompt = len(parent.prompt_token_ids)
+        if command.check_context and params.max_tokens is not None:
+            if num_prompt + params.max_tokens > engine.max_model_len:
+                raise ValueError(
+                    f"max_tokens: the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) "
+                    f"exceeds the model's context of {engine.max_model_len} tokens"
+                )
+        engine.add_parent(parent)
+        self._sinks[command.request_id] = command.sink
+        return num_prompt
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        output = engine.abort_request(request_id)
+        if output is None:
+            return False
+        self._deliver([output])
+        return True
+
+    def _step(self, engine: LLMEngine) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
+            outputs = []
+            message = f"engine step failed: {type(exc).__name__}: {exc}"
+            for request_id in list(self._sinks):
+                output = engine.abort_request(request_id)
+                if output is not None:
+                    outputs.append(_as_error(output, message))
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            items.append((sink, output))
+        self._post(items)
+
+    def _post(self, items: list[tuple[OutputSink, RequestOutput | None]], fail_message: str = "") -> None:
+        """One ``call_soon_threadsafe`` per event loop for all of this step's outputs."""
+        if not items:
+            return
+        stamp = time.monotonic()
+        by_loop: dict[int, list] = {}
+        for sink, output in items:
+            by_loop.setdefault(id(sink.loop), []).append((sink, output))
+        for batch in by_loop.values():
+            loop = batch[0][0].loop
+            try:
+                loop.call_soon_threadsafe(_push_batch, batch, stamp, fail_message)
+            except RuntimeError:
+                # The consumer's loop is closed: nobody will read these; stop the work.
+                logger.warning("event loop closed; aborting its %d requests", len(batch))
+                if self.engine is not None and self.error is None:
+                    for sink, _ in batch:
+                        self._sinks.pop(sink.request_id, None)
+                        self.engine.abort_request(sink.request_id)
+
+
+def _push_batch(batch: list, stamp: float, fail_message: str) -> None:
+    """Runs on the consumer's event loop."""
+    for sink, output in batch:
+        try:
+            if output is None:
+                sink.fail(fail_message, stamp)
+            else:
+                sink.push(output, stamp)
+        except Exception:  # noqa: BLE001 - one broken consumer must not starve the others
+            logger.exception("delivering an output failed")
+
+
+def _as_error(output: RequestOutput, message: str) -> RequestOutput:
+    """The aborted output of a request that failed with the whole step, marked as an error."""
+    outputs = [
+        dataclasses.replace(c, finish_reason="error") if c.finish_reason in (None, "abort") else c
+        for c in output.outputs
+    ]
+    return dataclasses.replace(output, outputs=outputs, error=message)
+
