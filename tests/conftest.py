@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in Triton's interpreter, which must be on
+# before any kernel is defined (pagedtree.kernels.triton_kernels decides at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Keep the 2-core CI machine from oversubscribing when pytest runs alongside torch.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

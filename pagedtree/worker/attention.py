@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedtree.kernels import reference
+
+if TYPE_CHECKING:
+    from pagedtree.kernels.triton_attention import TritonPagedAttention
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -74,20 +78,29 @@ class TorchPagedAttention:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """The concrete backend for ``name`` ("auto" picks by device)."""
+    """The concrete backend for ``name``: "auto" is Triton on CUDA, torch elsewhere.
+
+    "triton" on CPU runs the kernels in Triton's interpreter (slow; for tests), which
+    must be switched on with ``TRITON_INTERPRET=1`` before pagedtree is imported.
+    """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         return "triton" if device.type == "cuda" and _triton_kernels_available() else "torch"
-    if name == "triton" and not _triton_kernels_available():
-        raise ValueError(
-            "attention_backend='triton' needs the Triton paged attention kernels "
-            "(pagedtree.kernels.triton_attention), which are not built yet; use 'torch'"
-        )
+    if name == "triton":
+        if not _triton_kernels_available():
+            raise ValueError(
+                "attention_backend='triton' needs Triton (pip install triton); "
+                "it could not be imported, use attention_backend='torch'"
+            )
+        from pagedtree.kernels.triton_ops import check_device
+
+        check_device(device)  # on CPU: a clear error unless TRITON_INTERPRET=1 was set in time
     return name
 
 
 def _triton_kernels_available() -> bool:
+    """Whether the Triton kernels import (Triton installed)."""
     try:
         import pagedtree.kernels.triton_attention  # noqa: F401
     except ImportError:
@@ -97,10 +110,14 @@ def _triton_kernels_available() -> bool:
 
 def make_backend(
     name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float
-) -> TorchPagedAttention:
-    """Instantiate the backend called ``name`` (already resolved)."""
+) -> TorchPagedAttention | TritonPagedAttention:
+    """Instantiate the backend called ``name`` ("auto" is resolved by the caches' device)."""
+    if name == "auto" and kv_caches:
+        name = resolve_backend_name(name, kv_caches[0][0].device)
     if name == "torch":
         return TorchPagedAttention(kv_caches, scale)
+    if name != "triton":
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     from pagedtree.kernels.triton_attention import TritonPagedAttention
 
     return TritonPagedAttention(kv_caches, scale)

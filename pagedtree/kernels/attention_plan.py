@@ -1,0 +1,286 @@
+"""Per-step plan for the Triton paged attention kernels (host side, no Triton needed).
+
+A step's metadata (query offsets, context lengths, block tables, token-tree masks)
+is validated on the host and packed into one int32 tensor that is copied to the
+device in a single transfer into a reused buffer; every layer's kernel launch reads
+the same views. The query-tile map (which request and which query offset each
+program handles) depends on the query heads per KV head, which the backend only
+learns at the first layer's call, so it is built then and cached for the step.
+
+Tree masks are ancestor bitmasks: token ``j`` of a tree request owns
+``tree_words`` int32 words whose bit ``k`` is set when node ``k`` is ``j`` or one of
+its ancestors. Any tree size works (``tree_words = ceil(T / 32)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+@dataclass(slots=True, frozen=True)
+class TileShape:
+    """How one launch cuts the work: one program per (query tile, KV head, KV split)."""
+
+    block_q: int  # query tokens of one request per program
+    group_p: int  # query heads per KV head, padded to a power of two
+    tile_n: int  # keys per inner-loop iteration (any block size: keys are gathered one by one)
+    num_splits: int  # KV segments per query tile (split-KV); > 1 adds a reduce kernel
+
+    @property
+    def block_m(self) -> int:
+        """Rows of the query tile: tokens x heads of the group."""
+        return self.block_q * self.group_p
+
+
+def choose_tile_shape(
+    max_query_len: int,
+    group: int,
+    num_requests: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    interpreted: bool,
+    num_sms: int = 132,
+) -> TileShape:
+    """A reasonable tile shape for the step (no autotuning: the interpreter has none).
+
+    On a GPU, ``tl.dot`` needs at least 16 rows, so short query runs (decodes, small
+    trees) are padded with query-head rows rather than shrunk; rows are capped at 64
+    so the fp32 accumulator fits in registers at head dim 128. Split-KV is used when
+    the step has too few programs to fill the GPU and the contexts are long
+    (flash-decoding). In the interpreter, cost is per executed op, so bigger tiles
+    and fewer programs are faster.
+    """
+    group_p = next_power_of_2(group)
+    q = next_power_of_2(max(1, max_query_len))
+    if interpreted:
+        block_q = max(1, min(q, 128 // group_p))
+        return TileShape(block_q=block_q, group_p=group_p, tile_n=64, num_splits=1)
+    block_q = max(1, min(q, max(64, group_p) // group_p))
+    if block_q * group_p < 16:
+        block_q = 16 // group_p  # pad with query tokens up to the 16 rows tl.dot needs
+    num_tiles = num_requests * max(1, cdiv(max(1, max_query_len), block_q))
+    programs = num_tiles * num_kv_heads
+    num_splits = 1
+    if programs < num_sms and max_context_len >= 1024:
+        want = cdiv(2 * num_sms, programs)
+        by_length = max_context_len // 512
+        num_splits = min(16, next_power_of_2(min(want, by_length)))
+    return TileShape(block_q=block_q, group_p=group_p, tile_n=32, num_splits=num_splits)
+
+
+def tree_ancestor_words(parents: Sequence[int], num_words: int) -> list[list[int]]:
+    """Per node, ``num_words`` int32 words of its ancestor bitmask (self included)."""
+    masks: list[int] = []
+    for j, p in enumerate(parents):
+        if p >= j or p < -1:
+            raise ValueError(f"tree node {j} has parent {p}: parents must precede children")
+        masks.append((masks[p] if p >= 0 else 0) | (1 << j))
+    rows = []
+    for m in masks:
+        words = []
+        for w in range(num_words):
+            v = (m >> (32 * w)) & 0xFFFFFFFF
+            words.append(v - (1 << 32) if v >= 1 << 31 else v)  # as signed int32
+        rows.append(words)
+    return rows
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Device-side metadata of one step, shared by every layer's launches."""
+
+    num_tokens: int
+    num_requests: int
+    block_size: int
+    max_query_len: int
+    max_context_len: int
+    query_lens: list[int]
+    query_start: torch.Tensor  # int32 [B + 1]
+    context_lens: torch.Tensor  # int32 [B]
+    is_tree: torch.Tensor  # int32 [B], 1 = ancestors-only mask among the new tokens
+    block_tables: torch.Tensor  # int32 [B, max_blocks], padded with 0 (never read: masked)
+    tree_mask: torch.Tensor  # int32 [num_tokens, tree_words] (a [1, 1] dummy without trees)
+    tree_words: int
+    slot_mapping: torch.Tensor  # [T] as given (int64), validated
+    buffers: "PlanBuffers"
+    tile_cache: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+
+    def tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(tile_req, tile_q, num_tiles)``: the request and first query of each program row."""
+        cached = self.tile_cache.get(block_q)
+        if cached is not None:
+            return cached
+        tile_req: list[int] = []
+        tile_q: list[int] = []
+        for i, n in enumerate(self.query_lens):
+            starts = range(0, n, block_q)
+            tile_req.extend([i] * len(starts))
+            tile_q.extend(starts)
+        num_tiles = len(tile_req)
+        host = torch.tensor(tile_req + tile_q, dtype=torch.int32)
+        dev = self.buffers.upload(host, slot=f"tiles{block_q}")
+        result = (dev[:num_tiles], dev[num_tiles:], num_tiles)
+        self.tile_cache[block_q] = result
+        return result
+
+
+class PlanBuffers:
+    """Reused device buffers for the step metadata (grown by doubling, never shrunk).
+
+    Reusing one allocation per kind keeps the per-step cost to one host-to-device
+    copy and keeps addresses stable between steps of similar size, which is what a
+    CUDA graph capture of the attention launches needs.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def upload(self, host: torch.Tensor, slot: str) -> torch.Tensor:
+        """Copy the int32 ``host`` tensor into the buffer ``slot``; returns the filled view."""
+        n = host.numel()
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(next_power_of_2(max(n, 256)), dtype=torch.int32, device=self.device)
+            self._buffers[slot] = buf
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        buf[:n].copy_(host, non_blocking=True)
+        return buf[:n]
+
+
+def validate_step(
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    tree_parents: Sequence[Sequence[int] | None],
+    block_size: int,
+    num_blocks: int,
+) -> list[int]:
+    """Check the step's metadata against the cache; returns the query lengths.
+
+    Every index the kernels will read through is checked here, since an
+    out-of-range block id would read (or, for the store, write) foreign memory.
+    """
+    num_requests = len(context_lens)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if len(query_start_loc) != num_requests + 1:
+        raise ValueError(
+            f"query_start_loc has {len(query_start_loc)} entries, expected {num_requests + 1} "
+            "(one more than context_lens)"
+        )
+    if len(block_tables) != num_requests or len(tree_parents) != num_requests:
+        raise ValueError("block_tables, tree_parents and context_lens must have one entry per request")
+    if query_start_loc and query_start_loc[0] != 0:
+        raise ValueError(f"query_start_loc must start at 0, got {query_start_loc[0]}")
+    query_lens = []
+    for i in range(num_requests):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        ctx = context_lens[i]
+        if q_len < 0:
+            raise ValueError(f"request {i}: query_start_loc decreases ({query_start_loc[i]} -> {query_start_loc[i + 1]})")
+        if ctx < q_len:
+            raise ValueError(f"request {i}: context_len {ctx} shorter than its {q_len} queries")
+        table = block_tables[i]
+        if len(table) * block_size < ctx:
+            raise ValueError(
+                f"request {i}: block table too short for context_len {ctx} "
+                f"({len(table)} blocks of {block_size})"
+            )
+        if table and (min(table) < 0 or max(table) >= num_blocks):
+            raise ValueError(f"request {i}: block table has ids outside [0, {num_blocks}): {list(table)}")
+        parents = tree_parents[i]
+        if parents is not None and len(parents) != q_len:
+            raise ValueError(f"request {i}: {len(parents)} tree parents for {q_len} tokens")
+        query_lens.append(q_len)
+    return query_lens
+
+
+def build_step_plan(
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    tree_parents: Sequence[Sequence[int] | None],
+    block_size: int,
+    num_blocks: int,
+    slot_mapping: torch.Tensor,
+    buffers: PlanBuffers,
+) -> StepPlan:
+    """Validate the step and upload its metadata in one host-to-device copy."""
+    query_lens = validate_step(query_start_loc, context_lens, block_tables, tree_parents, block_size, num_blocks)
+    num_requests = len(context_lens)
+    num_tokens = query_start_loc[-1] if query_start_loc else 0
+    _validate_slots(slot_mapping, num_tokens, num_blocks * block_size, buffers.device)
+
+    tree_sizes = [len(p) for p in tree_parents if p is not None]
+    tree_words = max(1, cdiv(max(tree_sizes, default=1), 32))
+    max_blocks = max(1, max((len(t) for t in block_tables), default=1))
+    tables = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+    # Non-tree tokens' rows are never read (the kernel masks the load by is_tree).
+    if tree_sizes:
+        tree_rows = [[0] * tree_words for _ in range(num_tokens)]
+        for i, parents in enumerate(tree_parents):
+            if parents is not None:
+                start = query_start_loc[i]
+                tree_rows[start : start + len(parents)] = tree_ancestor_words(parents, tree_words)
+        tree_flat = [w for row in tree_rows for w in row]
+    else:
+        tree_flat = [0]
+    sections = [
+        list(query_start_loc),
+        list(context_lens),
+        [int(p is not None) for p in tree_parents],
+        [b for t in tables for b in t],
+        tree_flat,
+    ]
+    sizes = [len(s) for s in sections]
+    host = torch.tensor([x for s in sections for x in s], dtype=torch.int32)
+    dev = buffers.upload(host, slot="step")
+    views = list(torch.split(dev, sizes))
+    return StepPlan(
+        num_tokens=num_tokens,
+        num_requests=num_requests,
+        block_size=block_size,
+        max_query_len=max(query_lens, default=0),
+        max_context_len=max(context_lens, default=0),
+        query_lens=query_lens,
+        query_start=views[0],
+        context_lens=views[1],
+        is_tree=views[2],
+        block_tables=views[3].view(num_requests, max_blocks) if num_requests else views[3].view(0, 1),
+        tree_mask=views[4].view(-1, tree_words) if tree_sizes else views[4].view(1, 1),
+        tree_words=tree_words,
+        slot_mapping=slot_mapping,
+        buffers=buffers,
+        tile_cache={},
+    )
+
+
+def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device) -> None:
+    if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
+        raise ValueError(f"slot_mapping must have shape [{num_tokens}], got {list(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, the KV cache on {device}")
+    if num_tokens:
+        # One device sync per step (not per layer): a bad slot would be a silent
+        # out-of-bounds write in the store kernel.
+        lo, hi = torch.aminmax(slot_mapping)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"slot_mapping has slots outside [0, {num_slots}): min {lo}, max {hi}")

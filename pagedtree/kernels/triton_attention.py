@@ -1,0 +1,98 @@
+"""The Triton attention backend: same interface as ``TorchPagedAttention``.
+
+Importing this module raises ImportError when Triton is not installed. On CPU the
+kernels run in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set before
+the first import of this module; otherwise creating the backend on CPU raises a
+ValueError that says so.
+
+Per step: ``begin_step`` validates the metadata and uploads it once (block tables,
+query offsets, context lengths, ancestor bitmasks of token trees) into reused
+device buffers. Per layer: one store launch writes the new keys and values, one
+attention launch serves every request of the batch (plus a small reduce launch
+when split-KV is on).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedtree.kernels import triton_ops
+from pagedtree.kernels.attention_plan import PlanBuffers, StepPlan, build_step_plan
+from pagedtree.kernels.triton_kernels import INTERPRETED
+
+if TYPE_CHECKING:
+    from pagedtree.worker.attention import AttentionMetadata
+
+__all__ = ["INTERPRETED", "TritonPagedAttention"]
+
+
+class TritonPagedAttention:
+    """Paged (tree) attention through Triton kernels; one attention launch per layer."""
+
+    name = "triton"
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        first = kv_caches[0][0]
+        for key_cache, value_cache in kv_caches:
+            triton_ops.check_cache(key_cache, value_cache)
+            if key_cache.shape != first.shape or key_cache.dtype != first.dtype or key_cache.device != first.device:
+                raise ValueError("every layer's KV cache must have the same shape, dtype and device")
+            if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+                raise ValueError("KV caches must be contiguous (block copies address them as rows)")
+        triton_ops.check_device(first.device)
+        self.kv_caches = kv_caches
+        self.scale = scale
+        self.device = first.device
+        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = first.shape
+        self._buffers = PlanBuffers(self.device)
+        self._plan: StepPlan | None = None
+        # Every layer's key and value cache, for the all-layers copy launches.
+        self._flat_caches = [c for pair in kv_caches for c in pair]
+        self._cache_table = triton_ops.pointer_table(self._flat_caches, self.device)
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Validate the step and upload its metadata once for every layer."""
+        if meta.block_size != self.block_size:
+            raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
+        self._plan = build_step_plan(
+            meta.query_start_loc,
+            meta.context_lens,
+            meta.block_tables,
+            meta.tree_parents,
+            meta.block_size,
+            self.num_blocks,
+            meta.slot_mapping,
+            self._buffers,
+        )
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``key``/``value`` ``[T, H_kv, D]`` and return attention of ``query`` ``[T, H, D]``."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("begin_step must be called before attention")
+        if not 0 <= layer_index < len(self.kv_caches):
+            raise ValueError(f"layer_index {layer_index} outside [0, {len(self.kv_caches)})")
+        key_cache, value_cache = self.kv_caches[layer_index]
+        triton_ops.store_kv(key, value, key_cache, value_cache, plan.slot_mapping, slots_checked=True)
+        return triton_ops.unified_attention(query, key_cache, value_cache, plan, self.scale)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write) in every layer, one launch."""
+        row = self.block_size * self.num_kv_heads * self.head_dim
+        triton_ops.copy_rows(self._flat_caches, self._cache_table, self.num_blocks, row, src, dst)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy token slots ``src[i] -> dst[i]`` in every layer (compacting an accepted tree path).
+
+        All sources are read before any destination is written, as in the reference.
+        """
+        row = self.num_kv_heads * self.head_dim
+        triton_ops.copy_rows(
+            self._flat_caches, self._cache_table, self.num_blocks * self.block_size, row, src, dst
+        )

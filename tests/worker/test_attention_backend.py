@@ -1,0 +1,79 @@
+"""Choosing the attention backend: auto, forced Triton, and clear errors when it cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedtree.worker.attention import make_backend, resolve_backend_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_auto_is_torch_on_cpu():
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    cache = torch.zeros(2, 4, 1, 16)
+    assert make_backend("auto", [(cache, cache.clone())], 1.0).name == "torch"
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        resolve_backend_name("flash", torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_triton_on_cpu_uses_the_interpreter():
+    pytest.importorskip("triton")
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # set by tests/conftest.py
+    assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
+    cache = torch.zeros(2, 4, 1, 16)
+    assert make_backend("triton", [(cache, cache.clone())], 1.0).name == "triton"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import torch\n"
+        "from pagedtree.worker.attention import resolve_backend_name\n"
+        "try:\n"
+        "    resolve_backend_name('triton', torch.device('cpu'))\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    result = _run(code, env)
+    assert result.returncode == 0, result.stderr
+    assert "ERR" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
+
+
+def test_missing_triton_is_an_import_error_and_a_clear_value_error():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch\n"
+        "try:\n"
+        "    import pagedtree.kernels.triton_attention\n"
+        "except ImportError:\n"
+        "    print('IMPORT-ERROR')\n"
+        "from pagedtree.worker.attention import resolve_backend_name\n"
+        "print('AUTO', resolve_backend_name('auto', torch.device('cpu')))\n"
+        "try:\n"
+        "    resolve_backend_name('triton', torch.device('cpu'))\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    result = _run(code, dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    assert "IMPORT-ERROR" in result.stdout and "AUTO torch" in result.stdout
+    assert "ERR" in result.stdout and "pip install triton" in result.stdout
