@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from pagedtree.spec.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -28,6 +31,12 @@ class EngineConfig:
     hub id; None means the embedded default. ``kv_cache_memory`` (bytes) sizes the
     KV cache on CPU, ``gpu_memory_utilization`` (a fraction of the device's memory)
     on CUDA; ``num_kv_blocks`` overrides both (tests use it to force preemption).
+
+    Tree speculation is on when ``draft_model`` names one draft model or a list of
+    them (their trees are merged); ``speculative`` (a ``SpeculativeConfig`` or a dict
+    of its fields) shapes the trees. Each draft keeps its own KV cache with as many
+    blocks as the target's plus room for every request's tree branches
+    (``num_draft_kv_blocks`` overrides it).
     """
 
     model: str | None = None
@@ -45,6 +54,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    draft_model: str | list[str] | None = None
+    speculative: SpeculativeConfig | None = None
+    num_draft_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -59,6 +71,27 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if isinstance(self.draft_model, str):
+            self.draft_model = [self.draft_model]
+        elif self.draft_model is not None:
+            if isinstance(self.draft_model, Mapping) or not isinstance(self.draft_model, Sequence):
+                raise ValueError("draft_model must be a model name/path or a list of them")
+            self.draft_model = list(self.draft_model)
+            if not self.draft_model or not all(isinstance(d, str) for d in self.draft_model):
+                raise ValueError("draft_model must be a model name/path or a non-empty list of them")
+        if isinstance(self.speculative, Mapping):
+            try:
+                self.speculative = SpeculativeConfig(**self.speculative)
+            except TypeError as exc:
+                raise ValueError(f"speculative: {exc}") from exc
+        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or a dict, got {type(self.speculative).__name__}")
+        if self.speculative is not None and self.draft_model is None:
+            raise ValueError("speculative is set but no draft_model was given")
+        if self.draft_model is not None and self.speculative is None:
+            self.speculative = SpeculativeConfig()
+        if self.num_draft_kv_blocks is not None and self.num_draft_kv_blocks < 1:
+            raise ValueError(f"num_draft_kv_blocks must be >= 1, got {self.num_draft_kv_blocks}")
         self.resolve_device()
         self.resolve_dtype()
 

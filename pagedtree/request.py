@@ -57,6 +57,10 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Tree speculation, per request.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,9 +17,12 @@ from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import StepPlan
+from pagedtree.engine.speculator import Speculator
+from pagedtree.scheduler.plan import Phase, StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.spec.tree import TokenTree
 from pagedtree.worker.attention import resolve_backend_name
+from pagedtree.worker.draft_worker import DraftWorker
 from pagedtree.worker.loader import load_model, load_tokenizer, resolve_model_path
 from pagedtree.worker.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
 
@@ -86,6 +89,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        self.speculator = self._load_drafts(backend, num_blocks) if config.draft_model else None
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
@@ -122,6 +126,34 @@ class LLMEngine:
                 f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes"
             )
         return int(blocks)
+
+    def _load_drafts(self, backend: str, target_blocks: int) -> Speculator:
+        cfg = self.config
+        spec = cfg.speculative
+        drafts = []
+        for index, name in enumerate(cfg.draft_model):
+            loaded = load_model(resolve_model_path(name), dtype=self.dtype, device=self.device)
+            vocab = int(loaded.config.vocab_size)
+            if vocab != self.vocab_size:
+                raise ValueError(
+                    f"draft model {name!r} has a vocabulary of {vocab} tokens, the target {self.vocab_size}: "
+                    "a draft must share the target's tokenizer"
+                )
+            limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
+            # Tree nodes never go past max_model_len (the scheduler caps the budget).
+            if limit < self.max_model_len:
+                raise ValueError(
+                    f"draft model {name!r} has {limit} positions, fewer than max_model_len "
+                    f"{self.max_model_len}; lower max_model_len"
+                )
+            # As many blocks as the target, plus every request's tree branches (each fed
+            # node may take a copy-on-write copy or a fresh block).
+            blocks = cfg.num_draft_kv_blocks or target_blocks + cfg.max_num_seqs * (spec.max_nodes + 2)
+            runner = ModelRunner(loaded.model, blocks, cfg.block_size, self.device, self.dtype, backend)
+            bm = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
+            drafts.append(DraftWorker(runner, bm, name=f"draft{index}"))
+            logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
+        return Speculator(spec, drafts)
 
     # ------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -227,8 +259,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs of the requests it touched."""
-        plan = self.scheduler.schedule()
+        """Run one scheduled step; return outputs of the requests it touched.
+
+        With speculation: choose the tree budget, schedule (decoding requests enter
+        the DRAFT phase), draft their trees, run one target pass over prefill chunks
+        and verify chunks together, accept a path per tree, compact its KV and free
+        the rejected branches, then append the committed tokens one by one.
+        """
+        tree_budget = self._tree_budget()
+        plan = self.scheduler.schedule(tree_budget)
+        if self.speculator is not None:
+            for request in plan.preempted:
+                self.speculator.release(request.request_id)
         if plan.is_empty():
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen while max_model_len fits the cache; fail loudly rather
@@ -238,27 +280,111 @@ class LLMEngine:
                     f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free"
                 )
             return []
+        trees = self._draft(plan)
+        started = time.perf_counter()
         result = self._execute(plan)
-        self.scheduler.update(plan)
+        if self.speculator is not None:
+            self.speculator.observe_target(plan.num_tokens, time.perf_counter() - started)
+        committed = self._verify(plan, trees, result)
         touched: dict[str, ParentRequest] = {}
         for chunk in plan.chunks:
             request = chunk.request
+            rid = request.request_id
             if request.status.finished:  # failed in isolation
-                touched[request.request_id] = self._child_to_parent[request.request_id]
+                touched[rid] = self._child_to_parent[rid]
                 continue
-            sample = result.samples.get(request.request_id)
-            if sample is None:
-                continue
-            status = self.output_processor.append_token(
-                request, sample.token_id, sample.logprob, sample.top_logprobs
-            )
-            if status is not None:
-                self._finish(request, status)
-            touched[request.request_id] = self._child_to_parent[request.request_id]
+            if rid in committed:
+                tokens = committed[rid]
+            else:
+                sample = result.samples.get(rid)
+                if sample is None:
+                    continue
+                tokens = [(sample.token_id, sample.logprob, sample.top_logprobs)]
+            for token_id, logprob, top in tokens:
+                status = self.output_processor.append_token(request, token_id, logprob, top)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            touched[rid] = self._child_to_parent[rid]
+        accepted = {rid: len(tokens) - 1 for rid, tokens in committed.items()}
+        self.scheduler.update(plan, accepted)
+        if self.speculator is not None:
+            for chunk in plan.chunks:
+                if chunk.phase == Phase.VERIFY and chunk.request.status == RequestStatus.RUNNING:
+                    self.speculator.cache_blocks(chunk.request)
         outputs = []
         for parent in {id(p): p for p in touched.values()}.values():
             outputs.append(self._output(parent))
         return outputs
+
+    def _tree_budget(self) -> int:
+        """This step's per-request tree budget (0 without speculation)."""
+        if self.speculator is None:
+            return 0
+        sched = self.scheduler
+        decoding = sum(1 for r in sched.running if r.num_tokens - r.num_computed_tokens == 1 and r.output_token_ids)
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in sched.running) - decoding
+        pending += sum(r.num_tokens for r in sched.waiting)
+        other = min(pending, self.config.max_num_batched_tokens)
+        return self.speculator.choose_budget(decoding, other)
+
+    def _draft(self, plan: StepPlan) -> dict[str, TokenTree]:
+        """Draft trees for the plan's DRAFT chunks and turn them into VERIFY chunks."""
+        drafting = [c for c in plan.chunks if c.phase == Phase.DRAFT]
+        if not drafting:
+            return {}
+        assert self.speculator is not None
+        try:
+            trees = self.speculator.propose([(c.request, c.tree_budget) for c in drafting])
+        except Exception as exc:  # noqa: BLE001 - a draft failure must not lose the step
+            logger.warning("drafting failed (%s: %s); decoding this step without speculation", type(exc).__name__, exc)
+            for chunk in drafting:
+                self.speculator.release(chunk.request.request_id)
+            trees = {}
+        for chunk in drafting:
+            tree = trees.get(chunk.request.request_id)
+            if tree is None:
+                self.scheduler.attach_tree(chunk, chunk.token_ids[0], [], [], [])
+            else:
+                self.scheduler.attach_tree(chunk, tree.root_token, tree.tokens, tree.parents, tree.depths)
+        return trees
+
+    def _verify(
+        self, plan: StepPlan, trees: dict[str, TokenTree], result: StepOutput
+    ) -> dict[str, list[tuple[int, float, dict[int, float] | None]]]:
+        """Verify every VERIFY chunk; compact accepted paths; commit the drafts.
+
+        Returns the committed ``(token, logprob, top_logprobs)`` per request.
+        """
+        committed: dict[str, list[tuple[int, float, dict[int, float] | None]]] = {}
+        src: list[int] = []
+        dst: list[int] = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            rid = request.request_id
+            if chunk.phase != Phase.VERIFY:
+                continue
+            logits = result.verify_logits.get(rid)
+            if logits is None or request.status.finished:
+                if self.speculator is not None:
+                    self.speculator.release(rid)
+                continue
+            assert self.speculator is not None
+            generator = None if request.params.greedy else self.runner.generator_for(rid, request.sampling_seed)
+            try:
+                verified = self.speculator.verify(request, trees[rid], logits, generator)
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
+                self._fail(request, exc)
+                continue
+            # Slide the accepted nodes' KV down to the slots right after the root.
+            for depth, node in enumerate(verified.result.accepted_nodes, start=1):
+                if chunk.slot_mapping[1 + node] != chunk.slot_mapping[depth]:
+                    src.append(chunk.slot_mapping[1 + node])
+                    dst.append(chunk.slot_mapping[depth])
+            self.speculator.commit(request, verified.token_ids[:-1])
+            committed[rid] = list(zip(verified.token_ids, verified.logprobs, verified.top_logprobs))
+        self.runner.copy_slots(src, dst)
+        return committed
 
     def _execute(self, plan: StepPlan) -> StepOutput:
         try:
@@ -268,16 +394,19 @@ class LLMEngine:
                 self._fail(plan.chunks[0].request, exc)
                 return StepOutput(samples={})
             logger.warning("step failed (%s); retrying its %d requests one by one", exc, len(plan.chunks))
-        samples = {}
+        merged = StepOutput(samples={})
         copies_done = False
         for chunk in plan.chunks:
             single = StepPlan(chunks=[chunk], block_copies=[] if copies_done else plan.block_copies)
             copies_done = True
             try:
-                samples.update(self.runner.execute(single).samples)
+                out = self.runner.execute(single)
             except Exception as exc:  # noqa: BLE001
                 self._fail(chunk.request, exc)
-        return StepOutput(samples=samples)
+                continue
+            merged.samples.update(out.samples)
+            merged.verify_logits.update(out.verify_logits)
+        return merged
 
     def _fail(self, request: Request, exc: Exception) -> None:
         logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
@@ -290,6 +419,8 @@ class LLMEngine:
         request.finish_time = time.monotonic()
         self.runner.release([request.request_id])
         self.output_processor.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
         finished = parent.finished
@@ -304,6 +435,13 @@ class LLMEngine:
             metrics["first_token_time"] = first.first_token_time
         if finished:
             metrics["finish_time"] = max(c.finish_time or 0.0 for c in parent.children)
+        if self.speculator is not None:
+            drafts = sum(c.spec_num_drafts for c in parent.children)
+            accepted = sum(c.spec_num_accepted_tokens for c in parent.children)
+            metrics["spec_num_drafts"] = float(drafts)
+            metrics["spec_num_draft_tokens"] = float(sum(c.spec_num_draft_tokens for c in parent.children))
+            metrics["spec_num_accepted_tokens"] = float(accepted)
+            metrics["spec_mean_acceptance_length"] = 1.0 + accepted / drafts if drafts else 0.0
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -315,10 +453,10 @@ class LLMEngine:
         )
 
     # ----------------------------------------------------------------- stats
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
         """Counters of the cache, the scheduler and the work done so far."""
         bm = self.block_manager
-        return {
+        stats: dict[str, object] = {
             "num_total_blocks": bm.num_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_cached_blocks": bm.num_cached_blocks,
@@ -334,7 +472,11 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_failed_requests": self.num_failed_requests,
             "max_model_len": self.max_model_len,
+            "num_target_forward_passes": self.runner.num_forward_passes,
         }
+        if self.speculator is not None:
+            stats.update(self.speculator.stats())
+        return stats
 
 
 def _eos_token_ids(config, folder, tokenizer) -> tuple[int, ...]:

@@ -226,6 +226,17 @@ class BlockManager:
             list(parent.block_ids), parent.num_tokens, list(parent.block_hashes)
         )
 
+    def rename(self, seq_id: str, new_id: str) -> None:
+        """Give ``seq_id``'s block table the id ``new_id`` (a kept tree branch becomes
+        the request's sequence)."""
+        if new_id in self._seqs:
+            raise ValueError(f"sequence {new_id!r} already has blocks")
+        self._seqs[new_id] = self._seqs.pop(seq_id)
+
+    def sequences(self) -> list[str]:
+        """Ids of every sequence holding blocks."""
+        return list(self._seqs)
+
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Shrink ``seq_id`` to its first ``num_tokens`` slots, releasing unused blocks."""
         seq = self._seqs[seq_id]

@@ -30,6 +30,10 @@ class ScheduledChunk:
     the new tokens when set. ``logits_from`` is the first of the new tokens whose
     logits the step must produce (None: none, e.g. a prefill chunk that does not
     reach the end of the prompt).
+
+    A decoding request that may speculate is scheduled in the DRAFT phase with
+    ``tree_budget`` slots reserved after its newest token; once its tree is drafted
+    the scheduler turns the chunk into a VERIFY chunk holding ``[root] + tree``.
     """
 
     request: Request
@@ -41,6 +45,7 @@ class ScheduledChunk:
     context_len: int
     logits_from: int | None
     tree_parents: list[int] | None = None
+    tree_budget: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedtree.request import Request, RequestStatus
@@ -80,8 +81,14 @@ class Scheduler:
         request.status = status
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self) -> StepPlan:
-        """Plan one step within the token budget; reserve the KV slots it writes."""
+    def schedule(self, tree_budget: int = 0) -> StepPlan:
+        """Plan one step within the token budget; reserve the KV slots it writes.
+
+        With ``tree_budget > 0`` every decoding request goes into the DRAFT phase with
+        up to that many extra slots reserved for its token tree (fewer near its
+        length limits or when blocks are short — a smaller tree is better than
+        preempting someone). Tree nodes count against the token budget.
+        """
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
@@ -90,9 +97,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            # Slots up to request.num_tokens were reserved when the token was sampled
-            # or at admission; a decode step needs a slot for the newest token.
-            needed = request.num_computed_tokens + num_new - bm.num_tokens(request.request_id)
+            nodes = self._tree_budget(request, tree_budget, budget - num_new) if num_new == 1 else 0
+            # Slots up to the computed tokens exist; a decode step needs one for the
+            # newest token (plus its tree's).
+            needed = request.num_computed_tokens + num_new + nodes - bm.num_tokens(request.request_id)
+            while nodes > 0 and not bm.can_append_slots(request.request_id, needed):
+                nodes -= 1
+                needed -= 1
             while needed > 0 and not bm.can_append_slots(request.request_id, needed):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -102,8 +113,12 @@ class Scheduler:
                 break  # it preempted itself; everyone after it is gone too
             if needed > 0:
                 plan.block_copies.extend(bm.append_slots(request.request_id, needed))
-            plan.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            chunk = self._chunk(request, num_new)
+            if nodes > 0:
+                chunk.phase = Phase.DRAFT
+                chunk.tree_budget = nodes
+            plan.chunks.append(chunk)
+            budget -= num_new + nodes
             index += 1
 
         while (
@@ -128,6 +143,51 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return plan
+
+    def _tree_budget(self, request: Request, tree_budget: int, tokens_left: int) -> int:
+        """Tree nodes a decoding request may verify this step."""
+        if tree_budget <= 0 or not request.output_token_ids:
+            return 0
+        nodes = min(tree_budget, tokens_left, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            # The step always adds the target's own token after the accepted nodes.
+            nodes = min(nodes, max_tokens - len(request.output_token_ids) - 1)
+        return max(nodes, 0)
+
+    def attach_tree(self, chunk: ScheduledChunk, root_token: int, tokens: list[int], parents: list[int], depths: list[int]) -> None:
+        """Turn a DRAFT chunk into the VERIFY chunk of its drafted tree.
+
+        ``parents`` index the tree nodes (-1 = child of the root); the chunk becomes
+        ``[root] + tokens`` at positions ``root + depth``, written to the slots right
+        after the prefix. Reserved slots the tree did not use are released now; an
+        empty tree leaves an ordinary decode.
+        """
+        if chunk.phase != Phase.DRAFT:
+            raise ValueError(f"attach_tree needs a DRAFT chunk, got {chunk.phase}")
+        num_nodes = len(tokens)
+        if num_nodes > chunk.tree_budget:
+            raise ValueError(f"tree of {num_nodes} nodes exceeds the reserved {chunk.tree_budget}")
+        request = chunk.request
+        rid = request.request_id
+        bm = self.block_manager
+        n = request.num_tokens
+        bm.truncate(rid, n + num_nodes)
+        chunk.tree_budget = num_nodes
+        if num_nodes == 0:
+            chunk.phase = Phase.DECODE
+            chunk.block_table = bm.block_table(rid)
+            return
+        if root_token != request.all_token_ids[-1]:
+            raise ValueError("the tree's root is not the request's newest token")
+        chunk.phase = Phase.VERIFY
+        chunk.token_ids = [root_token] + list(tokens)
+        chunk.positions = [n - 1] + [n - 1 + d for d in depths]
+        chunk.slot_mapping = bm.slots(rid, n - 1, n + num_nodes)
+        chunk.block_table = bm.block_table(rid)
+        chunk.context_len = n + num_nodes
+        chunk.tree_parents = [-1] + [p + 1 for p in parents]
+        chunk.logits_from = 0
 
     def _cached_prefix_len(self, request: Request) -> int:
         return len(self.block_manager.find_cached_prefix(request.all_token_ids)) * (
@@ -161,11 +221,13 @@ class Scheduler:
         plan.preempted.append(request)
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: StepPlan) -> None:
+    def update(self, plan: StepPlan, num_accepted: Mapping[str, int] | None = None) -> None:
         """Record what a step computed and make newly full blocks findable by prefix.
 
         The engine appends sampled tokens (and calls ``finish`` for requests that
-        ended) before calling this.
+        ended) before calling this. For a VERIFY chunk only the root and the
+        ``num_accepted[request_id]`` accepted nodes (already compacted into sequence
+        order) count as computed; the slots of rejected nodes are released here.
         """
         bm = self.block_manager
         bs = bm.block_size
@@ -174,7 +236,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             before = request.num_computed_tokens
-            request.num_computed_tokens += chunk.num_tokens
+            if chunk.phase == Phase.VERIFY:
+                request.num_computed_tokens += 1 + (num_accepted or {}).get(request.request_id, 0)
+                bm.truncate(request.request_id, request.num_computed_tokens)
+            else:
+                request.num_computed_tokens += chunk.num_tokens
             if request.num_computed_tokens // bs > before // bs:
                 bm.cache_computed_blocks(
                     request.request_id, request.all_token_ids, request.num_computed_tokens

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.scheduler.plan import ScheduledChunk, StepPlan
+from pagedtree.scheduler.plan import Phase, ScheduledChunk, StepPlan
 from pagedtree.worker.attention import AttentionMetadata, make_backend
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 from pagedtree.worker.sampler import SampleResult, SamplingRow, sample
@@ -21,9 +21,11 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
 
 @dataclass(slots=True)
 class StepOutput:
-    """What one forward produced: a sample for every chunk that asked for logits."""
+    """What one forward produced: a sample for every plain chunk that asked for
+    logits, and every row's logits for each token-tree (VERIFY) chunk."""
 
     samples: dict[str, SampleResult]
+    verify_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -93,30 +95,67 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execute
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """Run ``plan``: copy-on-write copies, one forward, logits, and sampling."""
-        if plan.block_copies:
-            self.attention.copy_blocks([c.src for c in plan.block_copies], [c.dst for c in plan.block_copies])
-        if not plan.chunks:
-            return StepOutput(samples={})
-        input_ids, positions, meta = self._metadata(plan.chunks)
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """One forward over the chunks' new tokens; ``(hidden [T, E], query_start_loc)``."""
+        input_ids, positions, meta = self._metadata(chunks)
         self.attention.begin_step(meta)
         hidden = self.model(input_ids, positions, self.attention)
         self.num_forward_passes += 1
+        return hidden, meta.query_start_loc
 
-        # Plain decoding samples from each chunk's last token (tree verification,
-        # which needs every node's logits, will read rows from logits_from on).
-        sampling = [
-            (chunk, start + chunk.num_tokens - 1)
-            for chunk, start in zip(plan.chunks, meta.query_start_loc)
-            if chunk.logits_from is not None
-        ]
-        if not sampling:
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` of the given token rows of ``hidden``."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[index])
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole KV blocks (copy-on-write orders) in every layer."""
+        if src:
+            self.attention.copy_blocks(src, dst)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move single token slots in every layer (tree-path compaction)."""
+        if src:
+            self.attention.copy_slots(src, dst)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run ``plan``: copy-on-write copies, one forward, logits, and sampling.
+
+        Plain chunks sample from their last token; VERIFY chunks get the logits of
+        every row (root and tree nodes), which the speculator verifies.
+        """
+        if plan.block_copies:
+            self.copy_blocks([c.src for c in plan.block_copies], [c.dst for c in plan.block_copies])
+        if not plan.chunks:
             return StepOutput(samples={})
-        rows = torch.as_tensor([row for _, row in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        results = sample(logits, [self._sampling_row(chunk) for chunk, _ in sampling])
-        return StepOutput(samples={chunk.request.request_id: r for (chunk, _), r in zip(sampling, results)})
+        hidden, query_start_loc = self.forward(plan.chunks)
+        sampling: list[tuple[ScheduledChunk, int]] = []
+        verify: list[tuple[ScheduledChunk, int]] = []
+        for chunk, start in zip(plan.chunks, query_start_loc):
+            if chunk.logits_from is None:
+                continue
+            if chunk.phase == Phase.VERIFY:
+                verify.append((chunk, start))
+            else:
+                sampling.append((chunk, start + chunk.num_tokens - 1))
+        rows = [row for _, row in sampling]
+        for chunk, start in verify:
+            rows.extend(range(start + chunk.logits_from, start + chunk.num_tokens))
+        if not rows:
+            return StepOutput(samples={})
+        logits = self.logits(hidden, rows)
+        out = StepOutput(samples={})
+        if sampling:
+            results = sample(logits[: len(sampling)], [self._sampling_row(chunk) for chunk, _ in sampling])
+            out.samples = {chunk.request.request_id: r for (chunk, _), r in zip(sampling, results)}
+        offset = len(sampling)
+        for chunk, _ in verify:
+            n = chunk.num_tokens - chunk.logits_from
+            out.verify_logits[chunk.request.request_id] = logits[offset : offset + n]
+            offset += n
+        return out
 
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         request = chunk.request

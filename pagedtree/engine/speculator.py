@@ -1,0 +1,266 @@
+"""Tree speculation in the engine: budgets, drafting, verification, bookkeeping.
+
+The engine asks the speculator for the step's tree budget before scheduling, hands
+it the requests the scheduler put in the DRAFT phase, gets their token trees back
+(built by every draft worker and merged), and after the target's verify pass asks
+it which path of each tree was accepted. The speculator also keeps the metrics and
+the measurements (forward costs, per-rank acceptance) the adaptive budget uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedtree.request import Request
+from pagedtree.spec.adaptive import CostModel, RankAcceptance, choose_budget
+from pagedtree.spec.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
+from pagedtree.spec.config import SpeculativeConfig
+from pagedtree.spec.merge import merge_trees
+from pagedtree.spec.sequoia import optimal_shape
+from pagedtree.spec.tree import TokenTree, TreeShape
+from pagedtree.spec.verify import VerifyResult, verify_greedy, verify_stochastic
+from pagedtree.worker.draft_worker import DraftJob, DraftWorker
+from pagedtree.worker.sampler import SamplingRow, apply_penalties, target_probs
+
+logger = logging.getLogger("pagedtree")
+
+# Re-derive Sequoia shapes from the measured rates after this many verifications.
+_SEQUOIA_REFRESH = 64
+# Per-step tree sizes kept for stats (bounded so long runs do not grow without end).
+_TREE_SIZE_HISTORY = 10_000
+
+
+@dataclass(slots=True)
+class VerifiedTokens:
+    """What one verification commits: tokens in order, with their raw logprobs."""
+
+    result: VerifyResult
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Speculator:
+    """Drives the draft workers and verifies their trees (see module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, drafts: Sequence[DraftWorker]):
+        if not drafts:
+            raise ValueError("speculation needs at least one draft model")
+        self.config = config
+        self.drafts = list(drafts)
+        self.target_cost = CostModel()
+        self.draft_cost = CostModel()
+        for draft in self.drafts:
+            draft.on_forward = self.draft_cost.observe
+        self.rank_acceptance = RankAcceptance()
+        self._shapes: dict[int, TreeShape] = {}
+        self._verifications_since_refresh = 0
+        # Metrics (vLLM's names where vLLM has them).
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
+        self.tree_sizes_per_step: deque[int] = deque(maxlen=_TREE_SIZE_HISTORY)
+        self.num_steps_speculation_off = 0
+        self.last_budget = config.max_nodes
+
+    # --------------------------------------------------------------- budget
+    def shape_for(self, budget: int) -> TreeShape:
+        """The static shape used for a per-request budget (an estimate for dynamic trees)."""
+        cfg = self.config
+        shape = self._shapes.get(budget)
+        if shape is None:
+            if cfg.tree == "static":
+                shape = TreeShape.from_expansion(cfg.expansion, budget)
+            elif cfg.tree == "chain":
+                shape = TreeShape.chain(min(cfg.depth, budget))
+            else:  # sequoia, and the cost estimate of a dynamic tree
+                shape = optimal_shape(self._rates(), budget, cfg.depth)
+            self._shapes[budget] = shape
+        return shape
+
+    def _rates(self) -> tuple[float, ...]:
+        return self.config.acceptance_rates or self.rank_acceptance.rates()
+
+    def choose_budget(self, num_decoding: int, other_tokens: int) -> int:
+        """Node budget per request for the next step (0 = decode without speculation)."""
+        cfg = self.config
+        if num_decoding == 0:
+            return cfg.max_nodes
+        if not cfg.adaptive:
+            budget = cfg.max_nodes
+        else:
+            candidates = sorted({max(1, cfg.max_nodes >> i) for i in range(6)})
+            choice = choose_budget(
+                num_decoding, other_tokens, candidates, self.shape_for,
+                self._rates(), self.target_cost, self.draft_cost,
+            )
+            budget = choice.budget
+        if budget == 0:
+            self.num_steps_speculation_off += 1
+        self.last_budget = budget
+        return budget
+
+    # -------------------------------------------------------------- drafting
+    def _builder(self, request: Request, budget: int, draft: DraftWorker) -> TreeBuilder:
+        cfg = self.config
+        params = request.params
+        generator = None if params.greedy else draft.generator_for(request)
+        if cfg.tree == "dynamic":
+            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, request.output_token_ids[-1], params, generator)
+        return ShapeTreeBuilder(self.shape_for(budget), request.output_token_ids[-1], params, cfg.draft_sampling, generator)
+
+    def _deduplicates(self, request: Request) -> bool:
+        # Deterministic children can be merged by token; random draws must stay as drawn.
+        return request.params.greedy or self.config.tree == "dynamic" or self.config.draft_sampling == "topk"
+
+    def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """Trees for the requests in the DRAFT phase, each within its node budget."""
+        per_draft: list[dict[str, TokenTree]] = []
+        for draft in self.drafts:
+            jobs = []
+            for request, budget in requests_and_budgets:
+                share = budget
+                if len(self.drafts) > 1 and not self._deduplicates(request):
+                    share = max(1, budget // len(self.drafts))
+                jobs.append(DraftJob(request, self._builder(request, share, draft)))
+            per_draft.append(draft.propose(jobs))
+        trees: dict[str, TokenTree] = {}
+        for request, budget in requests_and_budgets:
+            rid = request.request_id
+            found = [d[rid] for d in per_draft if rid in d]
+            if not found:
+                continue
+            if len(found) == 1:
+                tree = found[0]
+                if tree.num_nodes > budget:
+                    tree = merge_trees([tree], budget, dedupe=True)
+            else:
+                tree = merge_trees(found, budget, dedupe=self._deduplicates(request))
+            trees[rid] = tree
+        sizes = sum(t.num_nodes for t in trees.values())
+        self.tree_sizes_per_step.append(sizes)
+        return trees
+
+    # ---------------------------------------------------------- verification
+    def verify(
+        self,
+        request: Request,
+        tree: TokenTree,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> VerifiedTokens:
+        """Accept a path of ``tree`` from the target's logits at every verify row."""
+        params = request.params
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        rows = self._sampling_rows(request, tree, generator)
+        processed = apply_penalties(logits.clone(), rows)
+        if params.greedy:
+            result = verify_greedy(tree, processed.argmax(dim=-1).tolist())
+        else:
+            result = verify_stochastic(tree, target_probs(processed, params), generator)
+        tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
+        # Each token was drawn from the distribution at its parent's row.
+        source_rows = [0] + [1 + n for n in result.accepted_nodes]
+        chosen = raw_logprobs[torch.as_tensor(source_rows), torch.as_tensor(tokens)].tolist()
+        tops: list[dict[int, float] | None] = []
+        for row, token, lp in zip(source_rows, tokens, chosen):
+            if params.logprobs is None:
+                tops.append(None)
+                continue
+            top: dict[int, float] = {}
+            if params.logprobs > 0:
+                values, ids = torch.topk(raw_logprobs[row], params.logprobs)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            top[token] = lp
+            tops.append(top)
+        self._record(request, tree, result)
+        return VerifiedTokens(result, tokens, chosen, tops)
+
+    def _sampling_rows(self, request: Request, tree: TokenTree, generator) -> list[SamplingRow]:
+        """One sampling row per verify row: the history and output count the target
+        would have at that node in plain decoding (for penalties and min_tokens)."""
+        params = request.params
+        needs_history = params.repetition_penalty != 1.0
+        base = request.all_token_ids if needs_history else ()
+        n_out = len(request.output_token_ids)
+        rows = [SamplingRow(params, base, n_out, generator)]
+        for node in range(tree.num_nodes):
+            history = base
+            if needs_history:
+                history = list(base) + [tree.tokens[i] for i in tree.path_to(node)]
+            rows.append(SamplingRow(params, history, n_out + tree.depths[node], generator))
+        return rows
+
+    def _record(self, request: Request, tree: TokenTree, result: VerifyResult) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += tree.num_nodes
+        self.num_accepted_tokens += result.num_accepted
+        while len(self.accepted_per_position) < result.num_accepted:
+            self.accepted_per_position.append(0)
+        for i in range(result.num_accepted):
+            self.accepted_per_position[i] += 1
+        request.spec_num_drafts += 1
+        request.spec_num_draft_tokens += tree.num_nodes
+        request.spec_num_accepted_tokens += result.num_accepted
+        self.rank_acceptance.observe(result.rank_trials)
+        if self.config.tree in ("sequoia", "dynamic") and self.config.acceptance_rates is None:
+            self._verifications_since_refresh += 1
+            if self._verifications_since_refresh >= _SEQUOIA_REFRESH:
+                self._verifications_since_refresh = 0
+                self._shapes.clear()
+
+    # ------------------------------------------------------------ bookkeeping
+    def commit(self, request: Request, accepted_tokens: Sequence[int]) -> None:
+        """Every draft keeps the KV of the accepted path and frees its other branches."""
+        for draft in self.drafts:
+            draft.commit(request.request_id, accepted_tokens)
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the drafts' full computed blocks for prefix reuse."""
+        tokens = request.all_token_ids
+        for draft in self.drafts:
+            draft.cache_blocks(request.request_id, tokens)
+
+    def release(self, request_id: str) -> None:
+        """Free a request's draft KV everywhere."""
+        for draft in self.drafts:
+            draft.release(request_id)
+
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        """Record one target forward's cost."""
+        self.target_cost.observe(num_tokens, seconds)
+
+    def stats(self) -> dict[str, object]:
+        """Speculation counters for ``LLM.stats()``."""
+        drafts = max(self.num_drafts, 1)
+        bms = [d.block_manager for d in self.drafts]
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_tokens_per_position": list(self.accepted_per_position),
+            "mean_acceptance_length": 1.0 + self.num_accepted_tokens / drafts if self.num_drafts else 0.0,
+            "draft_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            "num_draft_forward_passes": sum(d.num_forward_passes for d in self.drafts),
+            "tree_sizes_per_step": list(self.tree_sizes_per_step),
+            "num_steps_speculation_off": self.num_steps_speculation_off,
+            "last_tree_budget": self.last_budget,
+            "rank_acceptance_rates": list(self.rank_acceptance.rates()),
+            "draft_num_total_blocks": sum(bm.num_blocks for bm in bms),
+            "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
+        }
+
+
+def timed(fn, *args):
+    """``(fn(*args), seconds)``."""
+    started = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - started

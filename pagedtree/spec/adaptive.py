@@ -1,0 +1,145 @@
+"""Choosing each step's tree budget from measured costs and acceptance rates.
+
+Speculation pays when the extra tokens it commits outweigh what drafting and the
+wider verify pass cost. Both sides are measured while the engine runs:
+
+- ``CostModel``: seconds of one forward as a function of the tokens in it, per
+  model (piecewise-linear over log-spaced buckets of observed steps). On a CPU the
+  curve is flat while the weights' memory traffic dominates and linear once the
+  matmuls are compute bound, which is why trees must shrink as the batch grows.
+- ``RankAcceptance``: how often the rank-``r`` child is accepted when it is tried,
+  the per-rank rates of Sequoia (they also size Sequoia shapes).
+
+``choose_budget`` compares the expected committed tokens per second of every
+candidate budget, 0 (plain decoding) included, and takes the best.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pagedtree.spec.sequoia import expected_accepted
+from pagedtree.spec.tree import TreeShape
+
+_EMA = 0.2
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Measured forward time (seconds) against tokens per forward."""
+
+    prior_seconds_per_forward: float = 0.05
+    buckets: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean n, mean s)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Record one forward of ``num_tokens`` tokens that took ``seconds``."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        b = int(math.log2(num_tokens) * 2)  # half-octave buckets
+        if b in self.buckets:
+            n0, s0 = self.buckets[b]
+            self.buckets[b] = (n0 + _EMA * (num_tokens - n0), s0 + _EMA * (seconds - s0))
+        else:
+            self.buckets[b] = (float(num_tokens), seconds)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether any forward was observed."""
+        return bool(self.buckets)
+
+    def estimate(self, num_tokens: int) -> float:
+        """Predicted seconds of a forward of ``num_tokens`` tokens."""
+        if num_tokens <= 0:
+            return 0.0
+        points = sorted(self.buckets.values())
+        if not points:
+            return self.prior_seconds_per_forward * max(1.0, num_tokens / 64)
+        if num_tokens <= points[0][0]:
+            return points[0][1]
+        for (n0, s0), (n1, s1) in zip(points, points[1:]):
+            if num_tokens <= n1:
+                return s0 + (s1 - s0) * (num_tokens - n0) / (n1 - n0)
+        n_last, s_last = points[-1]
+        # Beyond what was seen: assume compute bound (proportional), never cheaper.
+        return s_last * max(1.0, num_tokens / n_last)
+
+
+@dataclass(slots=True)
+class RankAcceptance:
+    """Per-rank acceptance counts, with a weak prior so early estimates are sane."""
+
+    tried: list[float] = field(default_factory=lambda: [4.0, 4.0, 4.0, 4.0])
+    accepted: list[float] = field(default_factory=lambda: [2.4, 0.8, 0.4, 0.2])
+
+    def observe(self, rank_trials: Sequence[tuple[int, bool]]) -> None:
+        """Record the children tested by one verification."""
+        for rank, hit in rank_trials:
+            while rank >= len(self.tried):
+                self.tried.append(1.0)
+                self.accepted.append(0.0)
+            self.tried[rank] += 1
+            self.accepted[rank] += 1 if hit else 0
+
+    def rates(self) -> tuple[float, ...]:
+        """Conditional acceptance rate per rank (see ``pagedtree.spec.sequoia``)."""
+        return tuple(a / t for a, t in zip(self.accepted, self.tried))
+
+
+@dataclass(slots=True)
+class BudgetChoice:
+    """The budget picked for a step and the throughputs that decided it."""
+
+    budget: int
+    expected_tokens_per_second: dict[int, float]
+
+
+def choose_budget(
+    num_decoding: int,
+    other_tokens: int,
+    candidates: Sequence[int],
+    shape_for: Callable[[int], TreeShape],
+    rates: Sequence[float],
+    target_cost: CostModel,
+    draft_cost: CostModel,
+) -> BudgetChoice:
+    """The per-request node budget (0 = plain decoding) with the best expected rate.
+
+    ``num_decoding`` requests would speculate; ``other_tokens`` (prefill chunks) ride
+    along in the target pass either way. Costs: one target pass over every verify
+    row, plus one draft forward per tree level over the nodes fed at that level.
+    """
+    rates_by_budget: dict[int, float] = {}
+    r = num_decoding
+    for budget in sorted(set(candidates) | {0}):
+        if budget == 0:
+            seconds = target_cost.estimate(r + other_tokens)
+            tokens = float(r)
+        else:
+            shape = shape_for(budget)
+            fed_per_level = _fed_per_level(shape)
+            seconds = target_cost.estimate(r * (1 + shape.num_nodes) + other_tokens)
+            # The first draft level also catches up the root (usually 1-2 tokens).
+            seconds += sum(draft_cost.estimate(r * max(1, f)) for f in fed_per_level)
+            tokens = r * (1.0 + expected_accepted(shape, rates))
+        rates_by_budget[budget] = tokens / seconds if seconds > 0 else 0.0
+    best = max(rates_by_budget, key=lambda b: (rates_by_budget[b], -b))
+    return BudgetChoice(best, rates_by_budget)
+
+
+def _fed_per_level(shape: TreeShape) -> list[int]:
+    """Nodes the draft feeds per level: the root, then every node with children."""
+    depth = [0] * shape.num_nodes
+    has_children = [False] * shape.num_nodes
+    for i, p in enumerate(shape.parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+        if p >= 0:
+            has_children[p] = True
+    levels = [1]
+    for i in range(shape.num_nodes):
+        if has_children[i]:
+            while len(levels) <= depth[i]:
+                levels.append(0)
+            levels[depth[i]] += 1
+    return levels

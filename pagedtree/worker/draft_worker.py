@@ -1,0 +1,235 @@
+"""The draft worker: a draft model with its own paged KV cache that grows token trees.
+
+Each request's draft KV lives in a sequence of the draft's own ``BlockManager``. To
+grow a tree, the worker first feeds the tokens the draft has not seen yet (the
+request's newest token is the tree's root), then one tree level per forward: every
+node to expand becomes a forked sequence that shares its parent's blocks
+copy-on-write and decodes its own token. All requests' nodes of a level go into one
+batched draft forward.
+
+After verification, ``commit`` keeps the one branch that holds the longest accepted
+path (its KV is already in sequence order) and frees every other branch at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedtree.request import Request
+from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
+from pagedtree.scheduler.plan import Phase, ScheduledChunk
+from pagedtree.spec.builders import TreeBuilder
+from pagedtree.spec.tree import ROOT, TokenTree
+from pagedtree.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedtree")
+
+# Draft draws use their own random stream, apart from the target's sampling stream.
+_DRAFT_SEED_SALT = 0x5EED_D4AF
+
+
+@dataclass(slots=True)
+class DraftJob:
+    """One request to draft for this step, with the builder that shapes its tree."""
+
+    request: Request
+    builder: TreeBuilder
+
+
+@dataclass(slots=True)
+class _Branches:
+    """The forked sequences of one request's tree, kept until ``commit``."""
+
+    root_len: int  # the request's tokens when drafting began (root = last of them)
+    tree: TokenTree  # the builder's full tree (before any pruning)
+    seq_of: dict[int, str] = field(default_factory=dict)  # fed node -> sequence holding its path
+    seqs: list[str] = field(default_factory=list)
+
+
+class DraftWorker:
+    """Owns one draft model, its KV cache and block manager (see module docstring)."""
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, name: str = "draft"):
+        self.runner = runner
+        self.block_manager = block_manager
+        self.name = name
+        self._computed: dict[str, int] = {}
+        self._branches: dict[str, _Branches] = {}
+        self.num_forward_passes = 0
+        self.on_forward: Callable[[int, float], None] | None = None  # (tokens, seconds) hook
+
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The request's random stream for drawing draft children."""
+        return self.runner.generator_for(request.request_id, request.sampling_seed ^ _DRAFT_SEED_SALT)
+
+    # --------------------------------------------------------------- propose
+    def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
+        """Grow every job's tree; returns trees by request id (jobs without room get none)."""
+        bm = self.block_manager
+        copies: list[BlockCopy] = []
+        level: list[tuple[DraftJob, int, ScheduledChunk]] = []
+        for job in jobs:
+            chunk = self._catch_up_chunk(job.request, copies)
+            if chunk is not None:
+                level.append((job, ROOT, chunk))
+        trees: dict[str, TokenTree] = {}
+        while level:
+            logits = self._forward(copies, [chunk for _, _, chunk in level])
+            copies = []
+            fed_by_job: dict[int, tuple[DraftJob, list[tuple[int, torch.Tensor]]]] = {}
+            for (job, node, _), row in zip(level, logits):
+                fed_by_job.setdefault(id(job), (job, []))[1].append((node, row))
+            level = []
+            for job, fed in fed_by_job.values():
+                to_feed = job.builder.expand_level(fed)
+                level.extend(self._branch_chunks(job, to_feed, copies))
+        for job in jobs:
+            rid = job.request.request_id
+            if rid in self._branches:
+                trees[rid] = job.builder.finish()
+        bm_free = bm.num_free_blocks
+        if bm_free == 0:
+            logger.debug("%s: draft KV cache full after drafting", self.name)
+        return trees
+
+    def _catch_up_chunk(self, request: Request, copies: list[BlockCopy]) -> ScheduledChunk | None:
+        """Feed the tokens the draft has not seen, ending with the root; None if no room."""
+        bm = self.block_manager
+        rid = request.request_id
+        n = request.num_tokens
+        tokens = request.all_token_ids
+        if not bm.has_sequence(rid):
+            if not bm.can_allocate(tokens):
+                return None
+            self._computed[rid] = bm.allocate(rid, tokens)
+        else:
+            need = n - bm.num_tokens(rid)
+            if need > 0 and not bm.can_append_slots(rid, need):
+                self.release(rid)  # recomputed from scratch when there is room again
+                return None
+            copies.extend(bm.append_slots(rid, max(need, 0)))
+        start = self._computed[rid]
+        self._computed[rid] = n
+        self._branches[rid] = _Branches(root_len=n, tree=TokenTree(tokens[-1]), seq_of={ROOT: rid}, seqs=[rid])
+        return ScheduledChunk(
+            request=request,
+            phase=Phase.DRAFT,
+            token_ids=tokens[start:n],
+            positions=list(range(start, n)),
+            slot_mapping=bm.slots(rid, start, n),
+            block_table=bm.block_table(rid),
+            context_len=n,
+            logits_from=n - start - 1,
+        )
+
+    def _branch_chunks(
+        self, job: DraftJob, nodes: list[int], copies: list[BlockCopy]
+    ) -> list[tuple[DraftJob, int, ScheduledChunk]]:
+        """Fork a sequence per node to feed (the first child of a parent takes over the
+        parent's sequence), then reserve each node's slot."""
+        bm = self.block_manager
+        rid = job.request.request_id
+        branches = self._branches[rid]
+        branches.tree = job.builder.tree
+        tree = branches.tree
+        # Each node costs at most one block (a copy-on-write copy or a fresh block).
+        nodes = nodes[: bm.num_free_blocks]
+        claimed: set[str] = set()
+        assigned: list[tuple[int, str]] = []
+        for node in nodes:
+            parent_seq = branches.seq_of[tree.parents[node]]
+            if parent_seq not in claimed:
+                claimed.add(parent_seq)
+                assigned.append((node, parent_seq))
+            else:
+                child_seq = f"{rid}\x00{self.name}\x00{node}"
+                bm.fork(parent_seq, child_seq)
+                branches.seqs.append(child_seq)
+                assigned.append((node, child_seq))
+        out = []
+        for node, seq in assigned:
+            # Forks first, then appends: every sibling sees the parent's blocks unchanged.
+            copies.extend(bm.append_slots(seq, 1))
+            branches.seq_of[node] = seq
+            position = branches.root_len - 1 + tree.depths[node]
+            chunk = ScheduledChunk(
+                request=job.request,
+                phase=Phase.DRAFT,
+                token_ids=[tree.tokens[node]],
+                positions=[position],
+                slot_mapping=[bm.slot(seq, position)],
+                block_table=bm.block_table(seq),
+                context_len=position + 1,
+                logits_from=0,
+            )
+            out.append((job, node, chunk))
+        return out
+
+    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> torch.Tensor:
+        import time
+
+        started = time.perf_counter()
+        self.runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
+        hidden, starts = self.runner.forward(chunks)
+        rows = [s + c.num_tokens - 1 for c, s in zip(chunks, starts)]
+        logits = self.runner.logits(hidden, rows)
+        self.num_forward_passes += 1
+        if self.on_forward is not None:
+            self.on_forward(sum(c.num_tokens for c in chunks), time.perf_counter() - started)
+        return logits
+
+    # ---------------------------------------------------------------- commit
+    def commit(self, request_id: str, accepted_tokens: Sequence[int]) -> None:
+        """Keep the KV of the longest fed prefix of ``accepted_tokens``; free the rest."""
+        branches = self._branches.pop(request_id, None)
+        if branches is None:
+            return
+        tree = branches.tree
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            kids.setdefault(p, []).append(i)
+        node, depth, fed_node, fed_depth = ROOT, 0, ROOT, 0
+        for token in accepted_tokens:
+            matches = [c for c in kids.get(node, []) if tree.tokens[c] == token]
+            if not matches:
+                break
+            # Prefer a duplicate sibling that was fed (its KV exists).
+            node = next((c for c in matches if c in branches.seq_of), matches[0])
+            depth += 1
+            if node in branches.seq_of:
+                fed_node, fed_depth = node, depth
+        keep = branches.seq_of[fed_node]
+        bm = self.block_manager
+        for seq in branches.seqs:
+            if seq != keep:
+                bm.free(seq)
+        if keep != request_id:
+            bm.rename(keep, request_id)
+        computed = branches.root_len + fed_depth
+        bm.truncate(request_id, computed)
+        self._computed[request_id] = computed
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Make the draft's full computed blocks of a request findable by prefix."""
+        if self.block_manager.has_sequence(request_id):
+            self.block_manager.cache_computed_blocks(request_id, token_ids, self._computed[request_id])
+
+    def release(self, request_id: str) -> None:
+        """Free everything the draft holds for a request (finished, preempted, failed)."""
+        bm = self.block_manager
+        branches = self._branches.pop(request_id, None)
+        seqs = branches.seqs if branches is not None else [request_id]
+        for seq in seqs:
+            if bm.has_sequence(seq):
+                bm.free(seq)
+        self._computed.pop(request_id, None)
+        self.runner.release([request_id])
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose KV the draft holds."""
+        return len(self._computed)
