@@ -149,6 +149,14 @@ class PlanBuffers:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
 
+    def scratch(self, slot: str, numel: int) -> torch.Tensor:
+        """A reused fp32 work buffer of at least ``numel`` elements (contents undefined)."""
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(next_power_of_2(max(numel, 256)), dtype=torch.float32, device=self.device)
+            self._buffers[slot] = buf
+        return buf[:numel]
+
     def upload(self, host: torch.Tensor, slot: str) -> torch.Tensor:
         """Copy the int32 ``host`` tensor into the buffer ``slot``; returns the filled view."""
         n = host.numel()

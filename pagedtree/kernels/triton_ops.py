@@ -94,7 +94,7 @@ def store_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM_P=next_power_of_2(head_dim),
+        HEADS_P=max(2, next_power_of_2(num_kv_heads)), HEAD_DIM_P=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, MANUAL_BF16=K.INTERPRETED,
     )
 
@@ -147,6 +147,8 @@ def unified_attention(
             raise ValueError(f"tile {name} must be >= 1")
     if tile.block_q & (tile.block_q - 1) or tile.tile_n & (tile.tile_n - 1) or tile.tile_n < 16:
         raise ValueError("tile block_q and tile_n must be powers of two, tile_n >= 16")
+    if tile.block_m < 16 and not K.INTERPRETED:
+        raise ValueError(f"tile has {tile.block_m} rows; compiled tl.dot needs at least 16")
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.device != device or out.stride(-1) != 1:
@@ -158,8 +160,9 @@ def unified_attention(
     dot_fp32 = K.INTERPRETED or query.dtype == torch.float32 or query.dtype != key_cache.dtype
     splits = tile.num_splits
     if splits > 1:
-        part_acc = torch.empty(splits * plan.num_tokens * num_heads * head_dim_p, dtype=torch.float32, device=device)
-        part_ml = torch.empty(splits * plan.num_tokens * num_heads * 2, dtype=torch.float32, device=device)
+        # Reused by every layer of the step (launches are stream-ordered).
+        part_acc = plan.buffers.scratch("part_acc", splits * plan.num_tokens * num_heads * head_dim_p)
+        part_ml = plan.buffers.scratch("part_ml", splits * plan.num_tokens * num_heads * 2)
     else:  # never touched: the kernel writes partials only when NUM_SPLITS > 1
         part_acc = part_ml = out
     K._unified_attention_kernel[(num_tiles, num_kv_heads, splits)](

@@ -118,9 +118,10 @@ def test_tree_shapes_in_one_launch(dtype):
 @pytest.mark.parametrize(
     "tile",
     [
-        TileShape(block_q=4, group_p=2, tile_n=16, num_splits=1),  # several query tiles per request
+        # At least 16 rows each, so that the same shapes compile on a GPU.
+        TileShape(block_q=8, group_p=2, tile_n=16, num_splits=1),  # several query tiles per request
         TileShape(block_q=8, group_p=4, tile_n=32, num_splits=3),  # padded group, split-KV
-        TileShape(block_q=1, group_p=2, tile_n=16, num_splits=2),  # one token per program
+        TileShape(block_q=1, group_p=16, tile_n=16, num_splits=2),  # one token per program
     ],
     ids=["multi-tile", "padded-group-split", "one-token-split"],
 )
