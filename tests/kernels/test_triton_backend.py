@@ -84,3 +84,23 @@ def test_engine_greedy_triton_equals_torch(tiny_llama, block_size):
     kwargs = dict(block_size=block_size, max_num_batched_tokens=24, max_model_len=128)
     expected = _greedy(tiny_llama.path, prompts, "torch", **kwargs)
     assert _greedy(tiny_llama.path, prompts, "triton", **kwargs) == expected
+
+
+def test_tree_speculation_triton_equals_torch(tiny_llama, tmp_path):
+    """Tree verification (tree masks, compaction of accepted paths) through the kernels."""
+    from pagedtree.spec import SpeculativeConfig
+    from tests.spec.conftest import save_perturbed_copy
+
+    draft = save_perturbed_copy(tiny_llama, tmp_path / "draft", noise=0.1, seed=11)
+    prompts = random_prompts(3, vocab=256, min_len=2, max_len=30, seed=5)
+    spec = SpeculativeConfig(tree="static", expansion=(2, 2, 1), max_nodes=8, adaptive=False)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama.path), device="cpu", block_size=4, attention_backend=backend,
+                  draft_model=str(draft.path), speculative=spec)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[backend] = ([o.outputs[0].token_ids for o in outs], llm.stats())
+    assert runs["triton"][0] == runs["torch"][0]
+    stats = runs["triton"][1]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
