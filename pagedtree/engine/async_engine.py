@@ -180,6 +180,10 @@ class AsyncEngine:
         """Call ``listener(RequestMetrics)`` on the event loop whenever a request ends."""
         self._listeners.append(listener)
 
+    def is_active(self, request_id: str) -> bool:
+        """Whether a request with this id is accepted and not yet ended."""
+        return request_id in self._streams
+
     @property
     def num_active_requests(self) -> int:
         """Requests accepted and not yet ended."""

