@@ -9,10 +9,12 @@ the ``async for`` early, aborts the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import logging
+import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -28,28 +30,54 @@ logger = logging.getLogger("pagedtree.async")
 T = TypeVar("T")
 MetricsListener = Callable[[RequestMetrics], None]
 
+# A random per-process prefix plus a counter: unique ids without a urandom call per
+# request (uuid4 reads the OS entropy pool, which costs ~1 ms on some VMs).
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique within this process and very likely across processes."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
 
 class AsyncEngine:
     """Serve many concurrent requests from asyncio code.
 
     ``AsyncEngine(model, **kwargs)`` takes the same arguments as ``LLM`` (those of
-    ``EngineConfig``) plus ``max_waiting_requests``: how many requests may wait for
-    their first token before ``generate`` raises ``EngineOverloadedError`` (None: no
-    bound). The constructor blocks while the model loads; from a running event loop
-    use ``await asyncio.to_thread(AsyncEngine, ...)`` to keep the loop responsive.
+    ``EngineConfig``) plus:
+
+    * ``max_waiting_requests``: how many requests may wait for their first token
+      before ``generate`` raises ``EngineOverloadedError`` (None: no bound);
+    * ``freeze_gc`` (True): once the model is loaded, ``gc.collect()`` then
+      ``gc.freeze()``, so later full garbage collections skip the hundreds of
+      thousands of long-lived torch/transformers objects. Without it a full
+      collection stops every thread (the event loop too) for 100+ ms now and then.
+
+    The constructor blocks while the model loads; from a running event loop use
+    ``await asyncio.to_thread(AsyncEngine, ...)`` to keep the loop responsive.
     """
 
-    def __init__(self, model: str | None = None, *, max_waiting_requests: int | None = None, **kwargs: Any):
-        self._start(EngineConfig(model=model, **kwargs), max_waiting_requests)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        max_waiting_requests: int | None = None,
+        freeze_gc: bool = True,
+        **kwargs: Any,
+    ):
+        self._start(EngineConfig(model=model, **kwargs), max_waiting_requests, freeze_gc)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, max_waiting_requests: int | None = None) -> AsyncEngine:
+    def from_config(
+        cls, config: EngineConfig, *, max_waiting_requests: int | None = None, freeze_gc: bool = True
+    ) -> AsyncEngine:
         """An engine for an already-built ``EngineConfig``."""
         self = cls.__new__(cls)
-        self._start(config, max_waiting_requests)
+        self._start(config, max_waiting_requests, freeze_gc)
         return self
 
-    def _start(self, config: EngineConfig, max_waiting_requests: int | None) -> None:
+    def _start(self, config: EngineConfig, max_waiting_requests: int | None, freeze_gc: bool) -> None:
         if max_waiting_requests is not None and (
             not isinstance(max_waiting_requests, int) or max_waiting_requests < 1
         ):
@@ -70,6 +98,9 @@ class AsyncEngine:
         self.model_path = engine.model_path
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = engine.eos_token_ids
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
 
     # ------------------------------------------------------------ requests
     async def add_request(
@@ -91,7 +122,7 @@ class AsyncEngine:
         if self._stopping or self._thread.closed:
             raise EngineStoppedError("the engine is shutting down" if self._stopping else "the engine is shut down")
         if request_id is None:
-            request_id = uuid.uuid4().hex
+            request_id = new_request_id()
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         loop = asyncio.get_running_loop()

@@ -109,6 +109,9 @@ def run_server(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
         host=host,
         port=port,
         shutdown_timeout=shutdown_timeout,
+        # aiohttp's default accept queue (128) drops SYNs in a burst of clients,
+        # which then wait a full 1 s retransmit; uvicorn and vLLM use 2048.
+        backlog=2048,
         # A client that hangs up cancels its handler, which aborts its request at once.
         handler_cancellation=True,
         print=lambda message: logger.info("%s", message.strip()),

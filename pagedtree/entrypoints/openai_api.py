@@ -120,6 +120,7 @@ class OpenAIRoutes:
                 if out.finished and (out.error or _aborted(out)):
                     await response.write(sse_event(self._stream_error(out)))
                     break
+                events = []  # one write per engine step: a write is a syscall
                 for c in out.outputs:
                     k = i * n + c.index
                     completion_tokens += len(c.delta_token_ids)
@@ -136,13 +137,14 @@ class OpenAIRoutes:
                         offsets[k] = offsets.get(k, 0) + sum(len(t) for t in logprobs["tokens"])
                     choice = {"index": k, "text": text, "logprobs": logprobs,
                               "finish_reason": c.finish_reason if c.just_finished else None}
-                    await response.write(sse_event(meta.head(include_usage) | {"choices": [choice]}))
+                    events.append(sse_event(meta.head(include_usage) | {"choices": [choice]}))
+                if events:
+                    await response.write(b"".join(events))
                 if out.finished:
                     prompt_tokens += len(out.prompt_token_ids)
             else:
-                if include_usage:
-                    usage = _usage(prompt_tokens, completion_tokens)
-                    await response.write(sse_event(meta.head() | {"choices": [], "usage": usage}))
+                await response.write(self._stream_end(meta, include_usage, prompt_tokens, completion_tokens))
+                return response
             await response.write(_DONE)
         except ConnectionError:
             pass  # the client left; generation() aborts what still runs
@@ -170,7 +172,8 @@ class OpenAIRoutes:
             raise body.error("chat_template_kwargs", "must be an object")
         prompt = await asyncio.to_thread(self._render_chat, messages, add_generation_prompt, kwargs)
         meta = _Meta(f"chatcmpl-{request_id_of(request)}", "chat.completion", int(time.time()), model)
-        async with self.ctx.generation(request, [prompt], params) as streams:
+        names = {"prompt": "messages", "max_tokens": max_key}
+        async with self.ctx.generation(request, [prompt], params, names) as streams:
             if stream:
                 return await self._stream_chat(request, streams[0], meta, include_usage, top or 0)
             return await self._chat(streams[0], meta, top or 0)
@@ -222,9 +225,9 @@ class OpenAIRoutes:
                 if out.finished and (out.error or _aborted(out)):
                     await response.write(sse_event(self._stream_error(out)))
                     break
+                chunks = []
                 for c in out.outputs:
                     completion_tokens += len(c.delta_token_ids)
-                    chunks = []
                     if c.index not in started:
                         started.add(c.index)
                         chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -238,18 +241,27 @@ class OpenAIRoutes:
                     if c.just_finished:
                         chunks.append({"index": c.index, "delta": {}, "logprobs": None,
                                        "finish_reason": c.finish_reason})
-                    for choice in chunks:
-                        await response.write(sse_event(meta.head(include_usage) | {"choices": [choice]}))
+                if chunks:
+                    await response.write(b"".join(
+                        sse_event(meta.head(include_usage) | {"choices": [choice]}) for choice in chunks
+                    ))
             else:
-                if include_usage:
-                    usage = _usage(prompt_tokens, completion_tokens)
-                    await response.write(sse_event(meta.head() | {"choices": [], "usage": usage}))
+                await response.write(self._stream_end(meta, include_usage, prompt_tokens, completion_tokens))
+                return response
             await response.write(_DONE)
         except ConnectionError:
             pass
         return response
 
     # ---------------------------------------------------------- helpers
+    @staticmethod
+    def _stream_end(meta: _Meta, include_usage: bool, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """The usage chunk (when asked for) and ``[DONE]``."""
+        if not include_usage:
+            return _DONE
+        usage = _usage(prompt_tokens, completion_tokens)
+        return sse_event(meta.head() | {"choices": [], "usage": usage}) + _DONE
+
     def _prompt_text(self, prompt: str | None, prompt_token_ids: list[int]) -> str:
         if prompt is not None:
             return prompt

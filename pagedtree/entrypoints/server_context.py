@@ -12,15 +12,15 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiohttp import web
 
-from pagedtree.engine.async_engine import AsyncEngine
+from pagedtree.engine.async_engine import AsyncEngine, new_request_id
 from pagedtree.engine.async_stream import RequestStream, StreamOutput
 from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError
 from pagedtree.engine.llm_engine import PromptType
@@ -115,7 +115,7 @@ class ServerContext:
         given = request.headers.get(REQUEST_ID_HEADER, "").strip()
         if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
             return given
-        return uuid.uuid4().hex
+        return new_request_id()
 
     def _check_api_key(self, request: web.Request) -> None:
         expected = self.config.api_key
@@ -153,12 +153,18 @@ class ServerContext:
 
     # -------------------------------------------------------- generation
     async def start(
-        self, request: web.Request, prompts: Sequence[PromptType], params: SamplingParams
+        self,
+        request: web.Request,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        names: Mapping[str, str] | None = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt (ids derived from the request id).
 
         If a later prompt is rejected, the ones already queued are aborted, so a
-        request is accepted whole or not at all.
+        request is accepted whole or not at all. ``names`` renames the engine's
+        fields in error messages to the protocol's (``max_tokens`` is TGI's
+        ``parameters.max_new_tokens``).
         """
         base = request_id_of(request)
         streams: list[RequestStream] = []
@@ -166,12 +172,13 @@ class ServerContext:
             for i, prompt in enumerate(prompts):
                 engine_id = base if len(prompts) == 1 else f"{base}-{i}"
                 if self.engine.is_active(engine_id):  # a client reused its X-Request-Id
-                    engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+                    engine_id = f"{engine_id}-{new_request_id()}"
                 try:
                     streams.append(await self.engine.add_request(prompt, params, engine_id, check_context=True))
                 except ValueError as exc:
                     where = f"prompt {i}: " if len(prompts) > 1 else ""
-                    raise BadRequest(f"{where}{exc}", _param_of(str(exc))) from exc
+                    message, param = _rename(str(exc), _param_of(str(exc)), names or {})
+                    raise BadRequest(f"{where}{message}", param) from exc
         except BaseException:
             for stream in streams:
                 await stream.aclose()
@@ -180,7 +187,11 @@ class ServerContext:
 
     @contextlib.asynccontextmanager
     async def generation(
-        self, request: web.Request, prompts: Sequence[PromptType], params: SamplingParams
+        self,
+        request: web.Request,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        names: Mapping[str, str] | None = None,
     ) -> AsyncIterator[list[RequestStream]]:
         """Queue the prompts (see ``start``) and yield their streams; on exit abort what still runs.
 
@@ -193,7 +204,7 @@ class ServerContext:
         handler = asyncio.current_task()
         watcher = asyncio.create_task(self._watch(request, handler))
         try:
-            streams += await self.start(request, prompts, params)
+            streams += await self.start(request, prompts, params, names)
             yield streams
         finally:
             watcher.cancel()
@@ -277,6 +288,13 @@ def sse_event(data: Any, prefix: bytes = b"data: ") -> bytes:
     """One server-sent event carrying JSON (or a literal such as ``[DONE]``)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return prefix + payload.encode() + b"\n\n"
+
+
+def _rename(message: str, param: str | None, names: Mapping[str, str]) -> tuple[str, str | None]:
+    """Speak the protocol's field names in an engine error message."""
+    for engine_name, protocol_name in names.items():
+        message = re.sub(rf"\b{engine_name}\b", protocol_name, message)
+    return message, names.get(param, param) if param else None
 
 
 def _param_of(message: str) -> str | None:

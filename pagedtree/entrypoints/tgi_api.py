@@ -25,6 +25,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_TOP_N_TOKENS = 10
 DEFAULT_MAX_NEW_TOKENS = 100
 _MAX_SEED = 2**63 - 1
+# The engine's field names as TGI clients know them, for error messages.
+_NAMES = {"max_tokens": "parameters.max_new_tokens", "prompt": "inputs"}
 
 
 @dataclass(slots=True)
@@ -111,7 +113,7 @@ class TGIRoutes:
     async def _generate(self, request: web.Request, parsed: _TGIRequest) -> dict[str, Any]:
         records = _Tokens()
         final: StreamOutput | None = None
-        async with self.ctx.generation(request, [parsed.inputs], parsed.params) as streams:
+        async with self.ctx.generation(request, [parsed.inputs], parsed.params, _NAMES) as streams:
             async for out in streams[0]:
                 c = out.outputs[0]
                 if out.finished:
@@ -133,7 +135,7 @@ class TGIRoutes:
         return result
 
     async def _stream(self, request: web.Request, parsed: _TGIRequest) -> web.StreamResponse:
-        async with self.ctx.generation(request, [parsed.inputs], parsed.params) as streams:
+        async with self.ctx.generation(request, [parsed.inputs], parsed.params, _NAMES) as streams:
             response = await self.ctx.open_sse(request)
             records = _Tokens()
             try:
@@ -145,6 +147,7 @@ class TGIRoutes:
                     first_new = len(records.tokens)
                     self._add_tokens(records, c, parsed.top_n_tokens)
                     new = range(first_new, len(records.tokens))
+                    events = []  # one write per engine step: a write is a syscall
                     for position in new:
                         event: dict[str, Any] = {
                             "index": position,
@@ -161,7 +164,9 @@ class TGIRoutes:
                                 "seed": parsed.seed,
                                 "input_length": len(out.prompt_token_ids),
                             }
-                        await response.write(_event(event))
+                        events.append(_event(event))
+                    if events:
+                        await response.write(b"".join(events))
             except ConnectionError:
                 pass  # the client left; generation() aborts the request
         return response

@@ -78,7 +78,9 @@ def start_server(app_factory: Callable[[AsyncEngine], web.Application], engine: 
     async def setup():
         runner = web.AppRunner(app, shutdown_timeout=10)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        # As run_server does: a deep accept queue, so a burst of clients is not
+        # answered with dropped SYNs (a 1 s retransmit).
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=2048)
         await site.start()
         return runner, runner.addresses[0][1]
 

@@ -166,7 +166,7 @@ def test_bad_chat_input(server, body, param):
     ({"inputs": ""}, "inputs must not be empty"),
     ({"inputs": "hi", "parameters": {"max_new_tokens": 0}}, "parameters.max_new_tokens must be >= 1"),
     ({"inputs": "hi", "parameters": {"top_k": -1}}, "parameters.top_k"),
-    ({"inputs": "hi", "parameters": {"max_new_tokens": 400}}, "max_tokens"),
+    ({"inputs": "hi", "parameters": {"max_new_tokens": 400}}, "plus parameters.max_new_tokens (400) exceeds"),
     ({"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}}, "parameters.grammar"),
     ({"inputs": "hi", "parameters": []}, "parameters must be a JSON object"),
 ])
