@@ -26,6 +26,8 @@ from pagedtree.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedtree.async")
 
+STATS_INTERVAL_S = 0.05  # how stale AsyncEngine.stats() may get while the engine is busy
+
 
 class OutputSink(Protocol):
     """Where a request's outputs go (``RequestStream``); its methods run on ``loop``."""
@@ -131,11 +133,17 @@ class EngineThread(threading.Thread):
         self.stats_snapshot = engine.stats()
         self._ready.set_result(engine)
         try:
+            stats_time = 0.0
             while not self._stopping:
                 self._run_commands(block=not engine.has_unfinished_requests())
                 if not self._stopping and engine.has_unfinished_requests():
                     self._step(engine)
-                self.stats_snapshot = engine.stats()
+                now = time.monotonic()
+                # stats() copies lists (speculation histories): refresh it at a bounded
+                # rate while stepping, and always before sleeping on the queue.
+                if not engine.has_unfinished_requests() or now - stats_time >= STATS_INTERVAL_S:
+                    self.stats_snapshot = engine.stats()
+                    stats_time = now
         except BaseException as exc:  # noqa: BLE001 - the engine is unusable; fail everyone
             logger.exception("the engine thread died")
             self.error = exc

@@ -1,0 +1,129 @@
+"""``pagedtree serve`` as a real process (uvloop, signals, graceful exit) and the example app."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pagedtree.entrypoints.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        try:
+            if http(url + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become healthy")
+
+
+def test_pagedtree_serve_runs_and_exits_gracefully(chat_model_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedtree.entrypoints.cli", "serve", "--model", str(chat_model_path),
+         "--device", "cpu", "--port", str(port), "--api-key", "s3", "--max-model-len", "128",
+         "--served-model-name", "tiny-chat"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_healthy(url, process)
+        status, body = http(url + "/v1/chat/completions",
+                            {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+                            {"Authorization": "Bearer s3", "X-Request-Id": "cli-req-1"})
+        assert status == 200 and body["id"] == "chatcmpl-cli-req-1"
+        assert http(url + "/v1/models")[0] == 401
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr[-3000:]
+    assert "cli-req-1" in stderr  # request ids reach the logs
+    assert "shutting down" in stderr
+
+
+def test_serve_refuses_a_draft_model_without_speculative_decoding(monkeypatch, capsys):
+    @dataclasses.dataclass
+    class ConfigWithoutDrafts:
+        model: str | None = None
+
+    monkeypatch.setattr("pagedtree.config.EngineConfig", ConfigWithoutDrafts)
+    assert main(["serve", "--model", "m", "--draft-model", "d"]) == 2
+    assert "--draft-model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["examples/aiohttp_app.py"])
+def test_example_has_help(script):
+    result = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage" in result.stdout.lower()
+
+
+def test_example_app_serves_its_routes_next_to_pagedtree(chat_model_path):
+    import asyncio
+    import importlib.util
+
+    import aiohttp
+
+    from tests.entrypoints.conftest import make_engine, start_server, wait_until_idle
+
+    spec = importlib.util.spec_from_file_location("aiohttp_app_example", ROOT / "examples" / "aiohttp_app.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    live = start_server(lambda engine: example.build(engine, api_key="k"), make_engine(chat_model_path))
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                async with session.get(live.url + "/haiku?topic=trees") as r:
+                    haiku = (r.status, await r.text())
+                async with session.get(live.url + "/stats") as r:
+                    stats = await r.json()
+                async with session.post(live.url + "/llm/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                        headers={"Authorization": "Bearer k"}) as r:
+                    completion = r.status
+                async with session.post(live.url + "/llm/v1/completions", json={"prompt": "Hi"}) as r:
+                    unauthorized = r.status
+                return haiku, stats, completion, unauthorized
+
+        haiku, stats, completion, unauthorized = asyncio.run(main())
+        assert haiku[0] == 200 and haiku[1].endswith("\n")
+        assert stats["num_generated_tokens"] >= 1
+        assert (completion, unauthorized) == (200, 401)
+        wait_until_idle(live)
+    finally:
+        live.stop()
