@@ -1,8 +1,7 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
-Request fields follow OpenAI's API (plus vLLM's extra sampling fields such as
-``top_k``, ``min_tokens``, ``ignore_eos``); fields the engine cannot honour are
-rejected with a 400 naming them rather than silently ignored.
+Bodies are read by ``openai_params``; this module runs the requests and shapes the
+responses: JSON, or SSE chunks ending with ``data: [DONE]``, with usage counts.
 """
 
 from __future__ import annotations
@@ -18,10 +17,14 @@ from pagedtree import __version__
 from pagedtree.engine.async_stream import CompletionDelta, RequestStream, StreamOutput
 from pagedtree.engine.errors import EngineStoppedError
 from pagedtree.entrypoints.fields import BadRequest, Fields, read_json_object
+from pagedtree.entrypoints.openai_params import (
+    parse_messages,
+    parse_prompts,
+    parse_sampling_params,
+    parse_stream_options,
+)
 from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, merge_streams, request_id_of, sse_event
-from pagedtree.sampling_params import SamplingParams
 
-_MAX_SEED = 2**63 - 1
 _DONE = sse_event("[DONE]")
 
 
@@ -70,15 +73,14 @@ class OpenAIRoutes:
         """``POST /v1/completions`` (streaming with ``"stream": true``)."""
         body = Fields(await read_json_object(request))
         model = self._check_model(body)
-        prompts = _prompts(body)
-        for key in ("suffix",):
-            body.unsupported(key)
+        prompts = parse_prompts(body)
+        body.unsupported("suffix")
         echo = body.get_bool("echo", False)
         num_logprobs = body.get_int("logprobs", None, 0, 20)
         if echo and num_logprobs is not None:
             raise BadRequest("echo together with logprobs is not supported", "echo")
-        params = _sampling_params(body, default_max_tokens=16, num_logprobs=num_logprobs)
-        stream, include_usage = _stream_options(body)
+        params = parse_sampling_params(body, default_max_tokens=16, num_logprobs=num_logprobs)
+        stream, include_usage = parse_stream_options(body)
         meta = _Meta(f"cmpl-{request_id_of(request)}", "text_completion", int(time.time()), model)
         async with self.ctx.generation(request, prompts, params) as streams:
             if stream:
@@ -155,7 +157,7 @@ class OpenAIRoutes:
         """``POST /v1/chat/completions``: the tokenizer's chat template, then generation."""
         body = Fields(await read_json_object(request))
         model = self._check_model(body)
-        messages = _messages(body)
+        messages = parse_messages(body)
         for key in ("tools", "functions", "response_format"):
             body.unsupported(key)
         body.unsupported("tool_choice", "none", "auto")
@@ -164,8 +166,8 @@ class OpenAIRoutes:
         if top is not None and not want_logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-        params = _sampling_params(body, None, (top or 0) if want_logprobs else None, max_key)
-        stream, include_usage = _stream_options(body)
+        params = parse_sampling_params(body, None, (top or 0) if want_logprobs else None, max_key)
+        stream, include_usage = parse_stream_options(body)
         add_generation_prompt = body.get_bool("add_generation_prompt", True)
         kwargs = body.raw("chat_template_kwargs", {})
         if not isinstance(kwargs, dict):
@@ -340,91 +342,3 @@ def _raise_if_failed(out: StreamOutput) -> None:
         raise GenerationFailed(f"generation failed: {out.error}")
     if _aborted(out):
         raise EngineStoppedError("the request was aborted (the server is shutting down)")
-
-
-def _prompts(body: Fields) -> list[Any]:
-    """``prompt`` as a list of engine prompts: text, token ids, or a batch of either."""
-    prompt = body.required("prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return [{"prompt_token_ids": prompt}]
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
-            return [{"prompt_token_ids": p} for p in prompt]
-    if prompt == []:
-        raise BadRequest("prompt must not be empty", "prompt")
-    raise body.error("prompt", "must be a string, an array of strings, an array of token ids, or an array of those")
-
-
-def _messages(body: Fields) -> list[dict[str, Any]]:
-    messages = body.required("messages")
-    if not isinstance(messages, list) or not messages:
-        raise body.error("messages", "must be a non-empty array of message objects")
-    result = []
-    for i, message in enumerate(messages):
-        m = Fields(message, f"messages[{i}].")
-        role = m.required("role")
-        if not isinstance(role, str):
-            raise m.error("role", "must be a string")
-        content = m.raw("content", "")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                p = Fields(part, f"messages[{i}].content[{j}].")
-                if p.get_str("type") != "text":
-                    raise BadRequest(f"{p.name('type')} {p.raw('type')!r} is not supported (only 'text')", p.name("type"))
-                parts.append(p.get_str("text", ""))
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise m.error("content", "must be a string or an array of text parts")
-        result.append({"role": role, "content": content})
-    return result
-
-
-def _stream_options(body: Fields) -> tuple[bool, bool]:
-    stream = body.get_bool("stream", False)
-    options = body.get_object("stream_options")
-    if options.data and not stream:
-        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
-    return stream, options.get_bool("include_usage", False)
-
-
-def _sampling_params(body: Fields, default_max_tokens: int | None, num_logprobs: int | None,
-                     max_key: str = "max_tokens") -> SamplingParams:
-    """OpenAI (and vLLM-extra) sampling fields as ``SamplingParams``; errors name the field."""
-    body.unsupported("presence_penalty", 0, 0.0)
-    body.unsupported("frequency_penalty", 0, 0.0)
-    body.unsupported("logit_bias", {})
-    n = body.get_int("n", 1, 1, 64)
-    best_of = body.get_int("best_of", None, 1)
-    if best_of is not None and best_of != n:
-        raise BadRequest("best_of different from n is not supported", "best_of")
-    max_tokens = body.get_int(max_key, default_max_tokens, 1)
-    min_tokens = body.get_int("min_tokens", 0, 0)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise body.error("min_tokens", f"must be <= {max_key} ({max_tokens})")
-    try:
-        return SamplingParams(
-            n=n,
-            temperature=body.get_float("temperature", 1.0, 0.0),
-            top_p=body.get_float("top_p", 1.0, 0.0, 1.0, exclusive_minimum=True),
-            top_k=body.get_int("top_k", -1, -1),
-            min_p=body.get_float("min_p", 0.0, 0.0, 1.0),
-            seed=body.get_int("seed", None, 0, _MAX_SEED),
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            stop=body.str_list("stop"),
-            stop_token_ids=body.int_list("stop_token_ids"),
-            ignore_eos=body.get_bool("ignore_eos", False),
-            logprobs=num_logprobs,
-            repetition_penalty=body.get_float("repetition_penalty", 1.0, 0.0, exclusive_minimum=True),
-            include_stop_str_in_output=body.get_bool("include_stop_str_in_output", False),
-            skip_special_tokens=body.get_bool("skip_special_tokens", True),
-        )
-    except ValueError as exc:  # a combination SamplingParams refuses
-        field_name = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
-        raise BadRequest(str(exc).removeprefix("SamplingParams."), field_name) from exc

@@ -103,7 +103,9 @@ class ServerContext:
                 response = self.error(style, 500, f"internal error: {type(exc).__name__}: {exc}", request_id)
             if not response.prepared:
                 response.headers[REQUEST_ID_HEADER] = request_id
-            logger.info(
+            # Probes and scrapers would drown the log at INFO.
+            logger.log(
+                logging.INFO if auth else logging.DEBUG,
                 "request %s: %s %s -> %d in %.3fs",
                 request_id, request.method, request.path, response.status, time.monotonic() - started,
             )
@@ -257,13 +259,15 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
                 queue.put_nowait((index, output))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
             queue.put_nowait((index, exc))
         else:
             queue.put_nowait((index, None))
@@ -275,7 +279,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
             index, item = await queue.get()
             if item is None:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield index, item

@@ -15,10 +15,10 @@ from typing import Any
 from aiohttp import web
 
 from pagedtree import __version__
-from pagedtree.engine.async_stream import CompletionDelta, RequestStream, StreamOutput
+from pagedtree.engine.async_stream import CompletionDelta, StreamOutput
 from pagedtree.engine.errors import EngineStoppedError
 from pagedtree.entrypoints.fields import BadRequest, Fields, read_json_object
-from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, request_id_of, sse_event
+from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, sse_event
 from pagedtree.sampling_params import SamplingParams
 
 MAX_STOP_SEQUENCES = 16

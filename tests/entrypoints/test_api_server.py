@@ -162,6 +162,9 @@ def test_bad_chat_input(server, body, param):
 
 
 @pytest.mark.parametrize("body, message", [
+    (b"[1, 2", "not valid JSON"),
+    (b'{"inputs": "hi", "parameters": {"temperature": NaN}}', "parameters.temperature must be a finite number"),
+    ({"inputs": 7}, "inputs must be a string"),
     ({"parameters": {}}, "inputs is required"),
     ({"inputs": ""}, "inputs must not be empty"),
     ({"inputs": "hi", "parameters": {"max_new_tokens": 0}}, "parameters.max_new_tokens must be >= 1"),
@@ -171,7 +174,8 @@ def test_bad_chat_input(server, body, param):
     ({"inputs": "hi", "parameters": []}, "parameters must be a JSON object"),
 ])
 def test_bad_tgi_input_gets_tgi_errors(server, body, message):
-    status, _, error = post(server, "/generate", body)
+    raw = body if isinstance(body, bytes) else None
+    status, _, error = post(server, "/generate", None if raw else body, raw=raw)
     assert status == 400 and error["error_type"] == "validation" and message in error["error"], error
 
 
