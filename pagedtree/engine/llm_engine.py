@@ -90,6 +90,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.speculator = self._load_drafts(backend, num_blocks) if config.draft_model else None
+        self.speculation_enabled = self.speculator is not None
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
@@ -317,9 +318,16 @@ class LLMEngine:
             outputs.append(self._output(parent))
         return outputs
 
+    def set_speculation(self, enabled: bool) -> None:
+        """Turn tree speculation on or off for the following steps (benchmarks use it
+        to measure plain decoding with the same engine in the same run)."""
+        if enabled and self.speculator is None:
+            raise ValueError("this engine has no draft model")
+        self.speculation_enabled = enabled
+
     def _tree_budget(self) -> int:
         """This step's per-request tree budget (0 without speculation)."""
-        if self.speculator is None:
+        if self.speculator is None or not self.speculation_enabled:
             return 0
         sched = self.scheduler
         decoding = sum(1 for r in sched.running if r.num_tokens - r.num_computed_tokens == 1 and r.output_token_ids)

@@ -29,10 +29,10 @@ def save_perturbed_copy(target: TinyModel, folder: Path, noise: float, seed: int
 @pytest.fixture(scope="session")
 def tiny_llama_draft(tiny_llama, tmp_path_factory) -> TinyModel:
     """A perturbed copy of ``tiny_llama``."""
-    return save_perturbed_copy(tiny_llama, tmp_path_factory.mktemp("tiny_llama_draft"), noise=0.35, seed=11)
+    return save_perturbed_copy(tiny_llama, tmp_path_factory.mktemp("tiny_llama_draft"), noise=0.1, seed=11)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_draft2(tiny_llama, tmp_path_factory) -> TinyModel:
     """A second, differently perturbed copy of ``tiny_llama`` (multi-draft merge)."""
-    return save_perturbed_copy(tiny_llama, tmp_path_factory.mktemp("tiny_llama_draft2"), noise=0.5, seed=12)
+    return save_perturbed_copy(tiny_llama, tmp_path_factory.mktemp("tiny_llama_draft2"), noise=0.15, seed=12)
