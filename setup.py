@@ -29,6 +29,6 @@ setup(
         "huggingface-hub",
         "accelerate",  # transformers needs it to read GGUF files
     ],
-    extras_require={"test": ["scipy", "pytest", "hypothesis", "openai"]},  # + text-generation --no-deps: scripts/setup.sh
+    extras_require={"bench": ["matplotlib"], "test": ["scipy", "pytest", "hypothesis", "openai"]},  # + text-generation --no-deps: scripts/setup.sh
     entry_points={"console_scripts": ["pagedtree=pagedtree.entrypoints.cli:main"]},
 )

@@ -23,7 +23,7 @@ fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 echo "[setup] installing torch==2.13.0 and pagedtree"
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,bench]"
 # TGI's Python client (used by the server tests) pins huggingface-hub<1.0, which
 # transformers 5 cannot use, so pip cannot resolve it as a dependency. It only needs
 # aiohttp, pydantic 2 and requests at run time, all installed above.

@@ -53,6 +53,7 @@ class Speculator:
         if not drafts:
             raise ValueError("speculation needs at least one draft model")
         self.config = config
+        self._sized_for_nodes = config.max_nodes
         self.drafts = list(drafts)
         self.target_cost = CostModel()
         self.draft_cost = CostModel()
@@ -69,6 +70,16 @@ class Speculator:
         self.tree_sizes_per_step: deque[int] = deque(maxlen=_TREE_SIZE_HISTORY)
         self.num_steps_speculation_off = 0
         self.last_budget = config.max_nodes
+
+    def reconfigure(self, config: SpeculativeConfig) -> None:
+        """Switch tree settings between runs (benchmarks sweep them on one engine).
+
+        ``max_nodes`` may not exceed the one the drafts' caches were sized for.
+        """
+        if config.max_nodes > self._sized_for_nodes:
+            raise ValueError(f"max_nodes {config.max_nodes} > {self._sized_for_nodes} the draft caches were sized for")
+        self.config = config
+        self._shapes.clear()
 
     # --------------------------------------------------------------- budget
     def shape_for(self, budget: int) -> TreeShape:

@@ -84,7 +84,7 @@ class RankAcceptance:
 
     def rates(self) -> tuple[float, ...]:
         """Conditional acceptance rate per rank (see ``pagedtree.spec.sequoia``)."""
-        return tuple(a / t for a, t in zip(self.accepted, self.tried))
+        return tuple(a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried))
 
 
 @dataclass(slots=True)

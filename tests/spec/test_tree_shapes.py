@@ -1,0 +1,159 @@
+"""Tree shapes, Sequoia's optimum, merging, and the adaptive budget rule."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from pagedtree.sampling_params import SamplingParams
+from pagedtree.spec.adaptive import CostModel, RankAcceptance, choose_budget
+from pagedtree.spec.builders import ShapeTreeBuilder
+from pagedtree.spec.merge import merge_trees
+from pagedtree.spec.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
+from pagedtree.spec.tree import ROOT, TokenTree, TreeShape
+from pagedtree.spec.verify import verify_greedy
+
+
+def test_expansion_shape_is_breadth_first_and_capped():
+    shape = TreeShape.from_expansion((2, 2, 1), 100)
+    assert shape.num_nodes == 2 + 4 + 4
+    assert shape.parents[:6] == [ROOT, ROOT, 0, 0, 1, 1]
+    assert shape.ranks[:6] == [0, 1, 0, 1, 0, 1]
+    capped = TreeShape.from_expansion((2, 2, 1), 5)
+    assert capped.parents == [ROOT, ROOT, 0, 0, 1]
+    assert TreeShape.chain(3).parents == [ROOT, 0, 1] and TreeShape.chain(3).depth == 3
+
+
+def _all_shapes(n: int, max_depth: int):
+    """Every shape of exactly n nodes whose siblings take consecutive ranks."""
+
+    def grow(parents, ranks, depth):
+        if len(parents) == n:
+            yield TreeShape(list(parents), list(ranks))
+            return
+        for p in [ROOT] + list(range(len(parents))):
+            d = 1 if p == ROOT else depth[p] + 1
+            if d > max_depth:
+                continue
+            rank = sum(1 for q in parents if q == p)
+            # Canonical order: only add below a node at or after the last parent used.
+            if parents and p < parents[-1]:
+                continue
+            yield from grow(parents + [p], ranks + [rank], depth + [d])
+
+    yield from grow([], [], [])
+
+
+@pytest.mark.parametrize("rates", [(0.7, 0.3, 0.2), (0.4, 0.5, 0.3), (0.9, 0.1, 0.05)])
+@pytest.mark.parametrize("n,max_depth", [(3, 2), (5, 3), (6, 6)])
+def test_sequoia_shape_is_optimal(rates, n, max_depth):
+    best = max(expected_accepted(s, rates) for s in _all_shapes(n, max_depth))
+    shape = optimal_shape(rates, n, max_depth)
+    assert shape.num_nodes <= n and shape.depth <= max_depth
+    assert expected_accepted(shape, rates) == pytest.approx(best, rel=1e-9)
+    # A valid shape: parents precede children and siblings take ranks 0, 1, 2, ...
+    for i, p in enumerate(shape.parents):
+        assert p < i
+        assert shape.ranks[i] == sum(1 for q in shape.parents[:i] if q == p)
+
+
+def test_expected_accepted_matches_a_hand_computation():
+    rates = (0.5, 0.4)
+    assert marginal_rank_rates(rates) == pytest.approx([0.5, 0.2])
+    shape = TreeShape([ROOT, ROOT, 0], [0, 1, 0])
+    assert expected_accepted(shape, rates) == pytest.approx(0.5 + 0.2 + 0.25)
+
+
+def _tree(root, paths):
+    tree = TokenTree(root)
+    for path in paths:
+        node = ROOT
+        for token in path:
+            kids = [c for c in tree.children(node) if tree.tokens[c] == token]
+            node = kids[0] if kids else tree.add(node, token, 0, -0.1 * (tree.num_nodes + 1))
+    return tree
+
+
+def test_merge_deduplicates_equal_paths_and_keeps_the_union():
+    a = _tree(9, [[1, 2, 3], [4]])
+    b = _tree(9, [[1, 2, 5], [6]])
+    merged = merge_trees([a, b], max_nodes=100, dedupe=True)
+    paths = {tuple(merged.tokens[i] for i in merged.path_to(n)) for n in range(merged.num_nodes)}
+    assert paths == {(1,), (1, 2), (1, 2, 3), (4,), (1, 2, 5), (6,)}
+    pruned = merge_trees([a, b], max_nodes=3, dedupe=True)
+    assert pruned.num_nodes == 3
+    for i, p in enumerate(pruned.parents):
+        assert p < i
+    separate = merge_trees([a, b], max_nodes=100, dedupe=False)
+    assert separate.num_nodes == a.num_nodes + b.num_nodes
+    with pytest.raises(ValueError, match="cannot be pruned"):
+        merge_trees([a, b], max_nodes=3, dedupe=False)
+
+
+def test_greedy_verification_walks_the_longest_matching_path():
+    tree = _tree(0, [[1, 2, 3], [1, 4], [5]])
+    # Rows: root, then nodes in order 1, 2, 3, 4, 5.
+    argmax = {0: 1, 1: 4, 2: 3, 3: 7, 4: 8, 5: 9}
+    rows = [argmax[0]] + [argmax[t] for t in tree.tokens]
+    result = verify_greedy(tree, rows)
+    assert [tree.tokens[n] for n in result.accepted_nodes] == [1, 4]
+    assert result.bonus_token == 8
+    # Nothing matches: the target's own token only.
+    result = verify_greedy(tree, [42] + rows[1:])
+    assert result.accepted_nodes == [] and result.bonus_token == 42
+
+
+def test_shape_builder_follows_the_shape_with_top_children():
+    shape = TreeShape.from_expansion((2, 1), 10)
+    builder = ShapeTreeBuilder(shape, 0, SamplingParams(temperature=0), "topk", None)
+    logits = torch.tensor([0.0, 5.0, 4.0, 1.0])
+    fed = builder.expand_level([(ROOT, logits)])
+    assert builder.tree.tokens == [1, 2] and fed == [0, 1]
+    assert builder.expand_level([(n, torch.tensor([0.0, 0.0, 0.0, 3.0])) for n in fed]) == []
+    assert builder.finish().tokens == [1, 2, 3, 3] and builder.finish().parents == [ROOT, ROOT, 0, 1]
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel()
+    assert not cost.has_data and cost.estimate(10) > 0
+    cost.observe(1, 0.1)
+    cost.observe(64, 0.2)
+    assert cost.estimate(1) == pytest.approx(0.1)
+    assert 0.1 < cost.estimate(20) < 0.2
+    assert cost.estimate(128) == pytest.approx(0.4)  # proportional beyond what was seen
+
+
+def test_budget_shrinks_as_the_batch_grows_and_turns_off():
+    rates = RankAcceptance().rates()
+    target, draft = CostModel(), CostModel()
+    # Memory-bound up to 64 tokens, then compute-bound (a CPU-like curve); draft 1/3.
+    for n in (1, 8, 16, 32, 64):
+        target.observe(n, 0.3)
+        draft.observe(n, 0.1)
+    for n in (128, 256, 512, 1024):
+        target.observe(n, 0.3 * n / 64)
+        draft.observe(n, 0.1 * n / 64)
+
+    def shape_for(b):
+        return TreeShape.from_expansion((2, 2, 1, 1, 1, 1), b)
+
+    budgets = [choose_budget(r, 0, [1, 2, 4, 8, 16], shape_for, (0.8, 0.3, 0.2), target, draft).budget for r in (1, 4, 16, 64)]
+    assert budgets[0] >= budgets[1] >= budgets[2] >= budgets[3]
+    assert budgets[0] > 0 and budgets[-1] == 0
+    assert rates  # the prior is usable before any measurement
+
+
+def test_rank_acceptance_counts():
+    acc = RankAcceptance(tried=[0.0, 0.0, 0.0], accepted=[0.0, 0.0, 0.0])
+    acc.observe([(0, False), (1, True)] + [(0, True)] * 3)
+    assert acc.rates() == pytest.approx((3 / 4, 1.0, 0.0))
+    acc.observe([(4, True)])  # an unseen rank gets a weak prior of one miss
+    assert acc.rates()[4] == pytest.approx(0.5)
+
+
+def test_all_shapes_enumeration_is_complete():
+    # 1, 2, 5 trees of 1, 2, 3 nodes (plane trees counted by Catalan numbers).
+    assert [sum(1 for _ in _all_shapes(n, n)) for n in (1, 2, 3)] == [1, 2, 5]
+    assert list(itertools.islice(_all_shapes(2, 1), 5))[0].parents == [ROOT, ROOT]
