@@ -47,6 +47,7 @@ CONFIGS = {
     "dynamic-16": dict(tree="dynamic", top_k=4, depth=6, max_nodes=16, adaptive=False),
     "sequoia-16": dict(tree="sequoia", depth=8, max_nodes=16, adaptive=False),
     "adaptive-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=True),
+    "adaptive-chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=True),
 }
 
 

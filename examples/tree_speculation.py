@@ -28,7 +28,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=TARGET, help="target model (default: %(default)s)")
     parser.add_argument("--draft-model", default=DRAFT, nargs="+", help="draft model(s) (default: %(default)s)")
-    parser.add_argument("--tree", default="static", choices=["static", "chain", "dynamic", "sequoia"])
+    parser.add_argument("--tree", default="chain", choices=["static", "chain", "dynamic", "sequoia"],
+                        help="tree kind (default: %(default)s, the fastest measured on the 2-core CPU)")
     parser.add_argument("--expansion", default=None, help="static expansion, e.g. 2,2,1,1,1,1")
     parser.add_argument("--max-nodes", type=int, default=None, help="node budget per request")
     parser.add_argument("--depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")

@@ -287,6 +287,14 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe_target(plan.num_tokens, time.perf_counter() - started)
         committed = self._verify(plan, trees, result)
+        if self.speculator is not None and committed:
+            self.speculator.observe_step(
+                tree_budget,
+                [len(tokens) for tokens in committed.values()],
+                [trees[rid].num_nodes for rid in committed],
+                self.speculator.last_levels,
+                self.speculator.last_fed,
+            )
         touched: dict[str, ParentRequest] = {}
         for chunk in plan.chunks:
             request = chunk.request

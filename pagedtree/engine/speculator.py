@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedtree.request import Request
-from pagedtree.spec.adaptive import CostModel, RankAcceptance, choose_budget
+from pagedtree.spec.adaptive import BudgetOutcome, CostModel, RankAcceptance, choose_budget
 from pagedtree.spec.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
 from pagedtree.spec.config import SpeculativeConfig
 from pagedtree.spec.merge import merge_trees
@@ -61,6 +61,7 @@ class Speculator:
             draft.on_forward = self.draft_cost.observe
         self.rank_acceptance = RankAcceptance()
         self._shapes: dict[int, TreeShape] = {}
+        self._outcomes: dict[int, BudgetOutcome] = {}
         self._verifications_since_refresh = 0
         # Metrics (vLLM's names where vLLM has them).
         self.num_drafts = 0
@@ -70,6 +71,8 @@ class Speculator:
         self.tree_sizes_per_step: deque[int] = deque(maxlen=_TREE_SIZE_HISTORY)
         self.num_steps_speculation_off = 0
         self.last_budget = config.max_nodes
+        self.last_levels = 0
+        self.last_fed = 0
 
     def reconfigure(self, config: SpeculativeConfig) -> None:
         """Switch tree settings between runs (benchmarks sweep them on one engine).
@@ -80,6 +83,7 @@ class Speculator:
             raise ValueError(f"max_nodes {config.max_nodes} > {self._sized_for_nodes} the draft caches were sized for")
         self.config = config
         self._shapes.clear()
+        self._outcomes.clear()
 
     # --------------------------------------------------------------- budget
     def shape_for(self, budget: int) -> TreeShape:
@@ -99,24 +103,36 @@ class Speculator:
     def _rates(self) -> tuple[float, ...]:
         return self.config.acceptance_rates or self.rank_acceptance.rates()
 
+    def candidate_budgets(self) -> list[int]:
+        """The budgets the adaptive mode chooses among (besides 0): halvings of max_nodes."""
+        top = self.config.max_nodes
+        return sorted({top, max(1, top // 2), max(1, top // 4)})
+
     def choose_budget(self, num_decoding: int, other_tokens: int) -> int:
         """Node budget per request for the next step (0 = decode without speculation)."""
         cfg = self.config
-        if num_decoding == 0:
-            return cfg.max_nodes
-        if not cfg.adaptive:
+        if num_decoding == 0 or not cfg.adaptive:
             budget = cfg.max_nodes
         else:
-            candidates = sorted({max(1, cfg.max_nodes >> i) for i in range(6)})
-            choice = choose_budget(
-                num_decoding, other_tokens, candidates, self.shape_for,
-                self._rates(), self.target_cost, self.draft_cost,
-            )
-            budget = choice.budget
-        if budget == 0:
+            outcomes = {
+                b: self._outcomes.get(b) or BudgetOutcome.prior(self.shape_for(b), self._rates())
+                for b in self.candidate_budgets()
+            }
+            budget = choose_budget(num_decoding, other_tokens, outcomes, self.target_cost, self.draft_cost).budget
+        if budget == 0 and num_decoding:
             self.num_steps_speculation_off += 1
         self.last_budget = budget
         return budget
+
+    def observe_step(self, budget: int, committed: Sequence[int], nodes: Sequence[int], levels: int, fed: int) -> None:
+        """Record what one speculative step delivered for its budget (adaptive mode)."""
+        if budget <= 0 or not committed:
+            return
+        n = len(committed)
+        outcome = self._outcomes.get(budget)
+        if outcome is None:
+            outcome = self._outcomes[budget] = BudgetOutcome(0.0, 0.0, 0.0, 0.0)
+        outcome.observe(sum(committed) / n, sum(nodes) / n, float(levels), fed / n)
 
     # -------------------------------------------------------------- drafting
     def _builder(self, request: Request, budget: int, draft: DraftWorker) -> TreeBuilder:
@@ -157,6 +173,8 @@ class Speculator:
             trees[rid] = tree
         sizes = sum(t.num_nodes for t in trees.values())
         self.tree_sizes_per_step.append(sizes)
+        self.last_levels = sum(d.last_levels for d in self.drafts)
+        self.last_fed = sum(d.last_fed for d in self.drafts)
         return trees
 
     # ---------------------------------------------------------- verification

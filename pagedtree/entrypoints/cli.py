@@ -20,6 +20,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB on CPU (default 2)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
+    spec = parser.add_argument_group("tree speculative decoding (on when --draft-model is given)")
+    spec.add_argument("--draft-model", nargs="+", default=None, help="draft model(s); several drafts' trees are merged")
+    spec.add_argument("--spec-tree", default=None, choices=["static", "chain", "dynamic", "sequoia"], help="tree kind (default: static)")
+    spec.add_argument("--spec-expansion", default=None, help="static expansion k1,...,kd (e.g. 2,2,1,1,1,1)")
+    spec.add_argument("--spec-depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
+    spec.add_argument("--spec-max-nodes", type=int, default=None, help="tree node budget per request")
+    spec.add_argument("--no-spec-adaptive", action="store_true", help="always use the full budget")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,6 +42,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
+    if args.draft_model:
+        kwargs["draft_model"] = args.draft_model
+        spec: dict = {"adaptive": not args.no_spec_adaptive}
+        if args.spec_tree:
+            spec["tree"] = args.spec_tree
+        if args.spec_expansion:
+            spec["expansion"] = tuple(int(k) for k in args.spec_expansion.split(","))
+        if args.spec_depth:
+            spec["depth"] = args.spec_depth
+        if args.spec_max_nodes:
+            spec["max_nodes"] = args.spec_max_nodes
+        kwargs["speculative"] = spec
     return kwargs
 
 
@@ -66,23 +85,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(out.outputs[0].text)
         print(f"--- {len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}")
     print(f"{num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.2f} tokens/s")
+    stats = llm.stats()
+    if "mean_acceptance_length" in stats:
+        print(f"tree speculation: mean acceptance length {stats['mean_acceptance_length']:.2f}, "
+              f"{stats['num_target_forward_passes']} target passes")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import dataclasses
     import logging
 
-    from pagedtree.config import EngineConfig
     from pagedtree.engine.async_engine import AsyncEngine
     from pagedtree.entrypoints.api_server import build_app, run_server
 
     kwargs = engine_kwargs(args)
-    if getattr(args, "draft_model", None):
-        # Speculative decoding adds EngineConfig.draft_model; refuse clearly until it exists.
-        if "draft_model" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError("--draft-model: this pagedtree has no speculative decoding (EngineConfig has no draft_model)")
-        kwargs["draft_model"] = args.draft_model
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(args.model, max_waiting_requests=args.max_waiting_requests, **kwargs)
     app = build_app(
@@ -131,10 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI and TGI HTTP APIs (aiohttp on uvloop)")
     _add_engine_args(serve)
-    try:
-        serve.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
-    except argparse.ArgumentError:
-        pass  # the shared engine options already define it
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     serve.add_argument("--api-key", default=os.environ.get("PAGEDTREE_API_KEY"), help="require 'Authorization: Bearer KEY' (default: $PAGEDTREE_API_KEY)")

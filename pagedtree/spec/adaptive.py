@@ -10,14 +10,18 @@ wider verify pass cost. Both sides are measured while the engine runs:
 - ``RankAcceptance``: how often the rank-``r`` child is accepted when it is tried,
   the per-rank rates of Sequoia (they also size Sequoia shapes).
 
-``choose_budget`` compares the expected committed tokens per second of every
-candidate budget, 0 (plain decoding) included, and takes the best.
+- ``BudgetOutcome``: what speculating with each candidate budget delivered —
+  committed tokens, tree nodes, draft levels and fed tokens per request and step.
+
+``choose_budget`` predicts committed tokens per second of every candidate budget at
+the current batch, 0 (plain decoding) included, and takes the best; a budget never
+tried is tried once if its prediction is not hopeless.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedtree.spec.sequoia import expected_accepted
@@ -88,44 +92,75 @@ class RankAcceptance:
 
 
 @dataclass(slots=True)
+class BudgetOutcome:
+    """What speculating with one budget has delivered, per request and step (EMAs).
+
+    Acceptance does not depend on the batch size, so what a budget delivered at any
+    batch size predicts what it delivers at another; only the costs change.
+    """
+
+    committed: float  # tokens committed per request-step (accepted + the target's own)
+    nodes: float  # tree nodes per request
+    levels: float  # draft forwards per step
+    fed: float  # tokens the draft feeds per request and step, all levels together
+    count: int = 0
+
+    def observe(self, committed: float, nodes: float, levels: float, fed: float) -> None:
+        """Fold in one step's averages."""
+        if self.count == 0:
+            self.committed, self.nodes, self.levels, self.fed = committed, nodes, levels, fed
+        else:
+            self.committed += _EMA * (committed - self.committed)
+            self.nodes += _EMA * (nodes - self.nodes)
+            self.levels += _EMA * (levels - self.levels)
+            self.fed += _EMA * (fed - self.fed)
+        self.count += 1
+
+    @classmethod
+    def prior(cls, shape: TreeShape, rates: Sequence[float]) -> BudgetOutcome:
+        """Before any measurement: Sequoia's estimate for the shape (pessimistic on
+        predictable text, where acceptances along a path are correlated)."""
+        fed = _fed_per_level(shape)
+        return cls(1.0 + expected_accepted(shape, rates), float(shape.num_nodes), float(len(fed)), float(sum(fed)))
+
+
+@dataclass(slots=True)
 class BudgetChoice:
-    """The budget picked for a step and the throughputs that decided it."""
+    """The budget picked for a step and the predicted rates that decided it."""
 
     budget: int
     expected_tokens_per_second: dict[int, float]
 
 
+# A budget never tried is explored when its predicted rate is within this factor of
+# the best prediction: cheap to learn at small batches, skipped where clearly hopeless.
+EXPLORE_WITHIN = 0.6
+
+
 def choose_budget(
     num_decoding: int,
     other_tokens: int,
-    candidates: Sequence[int],
-    shape_for: Callable[[int], TreeShape],
-    rates: Sequence[float],
+    outcomes: dict[int, BudgetOutcome],
     target_cost: CostModel,
     draft_cost: CostModel,
 ) -> BudgetChoice:
-    """The per-request node budget (0 = plain decoding) with the best expected rate.
+    """The per-request node budget (0 = plain decoding) with the best predicted rate.
 
-    ``num_decoding`` requests would speculate; ``other_tokens`` (prefill chunks) ride
-    along in the target pass either way. Costs: one target pass over every verify
-    row, plus one draft forward per tree level over the nodes fed at that level.
+    ``outcomes`` maps every candidate budget to what it delivered (or its prior).
+    ``other_tokens`` (prefill chunks) ride along in the target pass either way.
     """
-    rates_by_budget: dict[int, float] = {}
     r = num_decoding
-    for budget in sorted(set(candidates) | {0}):
-        if budget == 0:
-            seconds = target_cost.estimate(r + other_tokens)
-            tokens = float(r)
-        else:
-            shape = shape_for(budget)
-            fed_per_level = _fed_per_level(shape)
-            seconds = target_cost.estimate(r * (1 + shape.num_nodes) + other_tokens)
-            # The first draft level also catches up the root (usually 1-2 tokens).
-            seconds += sum(draft_cost.estimate(r * max(1, f)) for f in fed_per_level)
-            tokens = r * (1.0 + expected_accepted(shape, rates))
-        rates_by_budget[budget] = tokens / seconds if seconds > 0 else 0.0
-    best = max(rates_by_budget, key=lambda b: (rates_by_budget[b], -b))
-    return BudgetChoice(best, rates_by_budget)
+    rates: dict[int, float] = {0: r / max(target_cost.estimate(r + other_tokens), 1e-9)}
+    for budget, out in outcomes.items():
+        seconds = target_cost.estimate(int(r * (1 + out.nodes)) + other_tokens)
+        if out.levels > 0:
+            seconds += out.levels * draft_cost.estimate(max(1, int(r * out.fed / out.levels)))
+        rates[budget] = r * out.committed / max(seconds, 1e-9)
+    best = max(rates, key=lambda b: (rates[b], -b))
+    untried = [b for b, out in outcomes.items() if out.count == 0 and rates[b] >= EXPLORE_WITHIN * rates[best]]
+    if untried:
+        best = max(untried)
+    return BudgetChoice(best, rates)
 
 
 def _fed_per_level(shape: TreeShape) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import socket
@@ -76,14 +75,17 @@ def test_pagedtree_serve_runs_and_exits_gracefully(chat_model_path):
     assert "shutting down" in stderr
 
 
-def test_serve_refuses_a_draft_model_without_speculative_decoding(monkeypatch, capsys):
-    @dataclasses.dataclass
-    class ConfigWithoutDrafts:
-        model: str | None = None
+def test_speculation_options_reach_the_engine():
+    from pagedtree.entrypoints.cli import build_parser, engine_kwargs
 
-    monkeypatch.setattr("pagedtree.config.EngineConfig", ConfigWithoutDrafts)
-    assert main(["serve", "--model", "m", "--draft-model", "d"]) == 2
-    assert "--draft-model" in capsys.readouterr().err
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--draft-model", "d1", "d2", "--spec-tree", "static",
+        "--spec-expansion", "2,1", "--spec-max-nodes", "6", "--no-spec-adaptive",
+    ])
+    kwargs = engine_kwargs(args)
+    assert kwargs["draft_model"] == ["d1", "d2"]
+    assert kwargs["speculative"] == {"adaptive": False, "tree": "static", "expansion": (2, 1), "max_nodes": 6}
+    assert "draft_model" not in engine_kwargs(build_parser().parse_args(["serve", "--model", "m"]))
 
 
 @pytest.mark.parametrize("script", ["examples/aiohttp_app.py"])

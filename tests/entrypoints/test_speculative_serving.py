@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import json
 
 import aiohttp
@@ -12,15 +11,8 @@ import pytest
 import torch
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.config import EngineConfig
 from pagedtree.entrypoints.api_server import build_app
 from tests.entrypoints.conftest import make_engine, read_sse, start_server, wait_until_idle
-
-pytestmark = pytest.mark.skipif(
-    "draft_model" not in {f.name for f in dataclasses.fields(EngineConfig)},
-    reason="this pagedtree has no speculative decoding",
-)
-
 
 @pytest.fixture(scope="module")
 def draft_path(tiny_text_model, tmp_path_factory):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.spec.adaptive import CostModel, RankAcceptance, choose_budget
+from pagedtree.spec.adaptive import BudgetOutcome, CostModel, RankAcceptance, choose_budget
 from pagedtree.spec.builders import ShapeTreeBuilder
 from pagedtree.spec.merge import merge_trees
 from pagedtree.spec.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
@@ -125,24 +125,37 @@ def test_cost_model_interpolates_and_extrapolates():
     assert cost.estimate(128) == pytest.approx(0.4)  # proportional beyond what was seen
 
 
-def test_budget_shrinks_as_the_batch_grows_and_turns_off():
-    rates = RankAcceptance().rates()
+def _cpu_like_costs():
     target, draft = CostModel(), CostModel()
     # Memory-bound up to 64 tokens, then compute-bound (a CPU-like curve); draft 1/3.
     for n in (1, 8, 16, 32, 64):
         target.observe(n, 0.3)
         draft.observe(n, 0.1)
-    for n in (128, 256, 512, 1024):
+    for n in (128, 256, 512, 1024, 2048):
         target.observe(n, 0.3 * n / 64)
         draft.observe(n, 0.1 * n / 64)
+    return target, draft
 
-    def shape_for(b):
-        return TreeShape.from_expansion((2, 2, 1, 1, 1, 1), b)
 
-    budgets = [choose_budget(r, 0, [1, 2, 4, 8, 16], shape_for, (0.8, 0.3, 0.2), target, draft).budget for r in (1, 4, 16, 64)]
-    assert budgets[0] >= budgets[1] >= budgets[2] >= budgets[3]
+def test_budget_shrinks_as_the_batch_grows_and_turns_off():
+    target, draft = _cpu_like_costs()
+    measured = {
+        16: BudgetOutcome(4.5, 16, 5, 11, count=5),
+        8: BudgetOutcome(4.0, 8, 5, 8, count=5),
+        4: BudgetOutcome(3.2, 4, 4, 4, count=5),
+    }
+    budgets = [choose_budget(r, 0, measured, target, draft).budget for r in (1, 4, 16, 64)]
     assert budgets[0] > 0 and budgets[-1] == 0
-    assert rates  # the prior is usable before any measurement
+    assert budgets == sorted(budgets, reverse=True)
+
+
+def test_untried_budgets_are_explored_only_when_promising():
+    target, draft = _cpu_like_costs()
+    tried = BudgetOutcome(3.0, 4, 4, 4, count=5)
+    untried = BudgetOutcome.prior(TreeShape.chain(8), (0.8,))
+    assert choose_budget(1, 0, {4: tried, 8: untried}, target, draft).budget == 8
+    # At a large batch the untried budget cannot pay: plain decoding, no exploration.
+    assert choose_budget(256, 0, {4: tried, 8: untried}, target, draft).budget == 0
 
 
 def test_rank_acceptance_counts():
