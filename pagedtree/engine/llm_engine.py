@@ -267,6 +267,7 @@ class LLMEngine:
         and verify chunks together, accept a path per tree, compact its KV and free
         the rejected branches, then append the committed tokens one by one.
         """
+        step_started = time.perf_counter()
         tree_budget = self._tree_budget()
         plan = self.scheduler.schedule(tree_budget)
         if self.speculator is not None:
@@ -321,6 +322,13 @@ class LLMEngine:
             for chunk in plan.chunks:
                 if chunk.phase == Phase.VERIFY and chunk.request.status == RequestStatus.RUNNING:
                     self.speculator.cache_blocks(chunk.request)
+        if self.speculator is not None and self.speculation_enabled:
+            decode_only = all(c.phase in (Phase.DECODE, Phase.VERIFY) for c in plan.chunks)
+            if decode_only and not self.scheduler.waiting:
+                appended = sum(len(committed.get(c.request.request_id, [None])) for c in plan.chunks)
+                self.speculator.observe_step_rate(
+                    len(plan.chunks), tree_budget if committed else 0, appended, time.perf_counter() - step_started
+                )
         outputs = []
         for parent in {id(p): p for p in touched.values()}.values():
             outputs.append(self._output(parent))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedtree.request import Request
-from pagedtree.spec.adaptive import BudgetOutcome, CostModel, RankAcceptance, choose_budget
+from pagedtree.spec.adaptive import BudgetOutcome, CostModel, RankAcceptance, RealizedRates, choose_budget
 from pagedtree.spec.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
 from pagedtree.spec.config import SpeculativeConfig
 from pagedtree.spec.merge import merge_trees
@@ -62,6 +62,7 @@ class Speculator:
         self.rank_acceptance = RankAcceptance()
         self._shapes: dict[int, TreeShape] = {}
         self._outcomes: dict[int, BudgetOutcome] = {}
+        self._realized = RealizedRates()
         self._verifications_since_refresh = 0
         # Metrics (vLLM's names where vLLM has them).
         self.num_drafts = 0
@@ -84,6 +85,7 @@ class Speculator:
         self.config = config
         self._shapes.clear()
         self._outcomes.clear()
+        self._realized = RealizedRates()
 
     # --------------------------------------------------------------- budget
     def shape_for(self, budget: int) -> TreeShape:
@@ -118,11 +120,21 @@ class Speculator:
                 b: self._outcomes.get(b) or BudgetOutcome.prior(self.shape_for(b), self._rates())
                 for b in self.candidate_budgets()
             }
-            budget = choose_budget(num_decoding, other_tokens, outcomes, self.target_cost, self.draft_cost).budget
+            choice = choose_budget(num_decoding, other_tokens, outcomes, self.target_cost, self.draft_cost)
+            budget = choice.budget
+            if other_tokens == 0:
+                # Where whole steps were timed at this batch size, believe them over the
+                # model: it misses per-step overheads (verification, tree building).
+                budget = self._realized.best(num_decoding, choice.expected_tokens_per_second, budget)
         if budget == 0 and num_decoding:
             self.num_steps_speculation_off += 1
         self.last_budget = budget
         return budget
+
+    def observe_step_rate(self, num_decoding: int, budget: int, tokens: int, seconds: float) -> None:
+        """Record a whole decode-only step: tokens committed and wall time."""
+        if num_decoding > 0 and seconds > 0:
+            self._realized.observe(num_decoding, budget, tokens / seconds)
 
     def observe_step(self, budget: int, committed: Sequence[int], nodes: Sequence[int], levels: int, fed: int) -> None:
         """Record what one speculative step delivered for its budget (adaptive mode)."""

@@ -178,3 +178,36 @@ def _fed_per_level(shape: TreeShape) -> list[int]:
                 levels.append(0)
             levels[depth[i]] += 1
     return levels
+
+
+@dataclass(slots=True)
+class RealizedRates:
+    """Measured committed tokens per second of whole decode-only steps, per batch-size
+    bucket and budget: the final word on whether speculation pays at a batch size."""
+
+    rates: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        """Exact up to 4 requests, then half-octaves."""
+        return num_decoding if num_decoding <= 4 else 4 + int(math.log2(num_decoding / 4) * 2)
+
+    def observe(self, num_decoding: int, budget: int, tokens_per_second: float) -> None:
+        """Fold in one step."""
+        key = (self.bucket(num_decoding), budget)
+        old = self.rates.get(key)
+        self.rates[key] = tokens_per_second if old is None else old + 0.3 * (tokens_per_second - old)
+
+    def best(self, num_decoding: int, predicted: dict[int, float], fallback: int) -> int:
+        """The budget with the best rate, measured where measured, else predicted.
+
+        Only budgets measured at this bucket, or the model's own pick, compete, so a
+        budget the model rates highly but that measured slow loses to plain decoding.
+        """
+        b = self.bucket(num_decoding)
+        measured = {budget: r for (bk, budget), r in self.rates.items() if bk == b}
+        if not measured or fallback not in measured:
+            return fallback
+        if 0 not in measured:
+            measured[0] = predicted.get(0, 0.0)
+        return max(measured, key=lambda k: (measured[k], -k))

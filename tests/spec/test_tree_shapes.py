@@ -170,3 +170,19 @@ def test_all_shapes_enumeration_is_complete():
     # 1, 2, 5 trees of 1, 2, 3 nodes (plane trees counted by Catalan numbers).
     assert [sum(1 for _ in _all_shapes(n, n)) for n in (1, 2, 3)] == [1, 2, 5]
     assert list(itertools.islice(_all_shapes(2, 1), 5))[0].parents == [ROOT, ROOT]
+
+
+def test_measured_step_rates_overrule_the_model():
+    from pagedtree.spec.adaptive import RealizedRates
+
+    realized = RealizedRates()
+    predicted = {0: 10.0, 5: 14.0}
+    # Nothing measured at this batch size: the model's pick stands.
+    assert realized.best(4, predicted, 5) == 5
+    realized.observe(4, 5, 8.0)  # speculating measured slower than plain is predicted
+    assert realized.best(4, predicted, 5) == 0
+    realized.observe(4, 0, 11.0)
+    assert realized.best(4, predicted, 5) == 0
+    # Another batch size keeps its own measurements.
+    assert realized.best(1, predicted, 5) == 5
+    assert RealizedRates.bucket(3) == 3 and RealizedRates.bucket(32) == RealizedRates.bucket(40)
