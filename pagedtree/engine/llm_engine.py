@@ -13,11 +13,11 @@ import torch
 
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedtree.engine.output_processor import OutputProcessor
+from pagedtree.engine.speculator import Speculator
 from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.engine.speculator import Speculator
 from pagedtree.scheduler.plan import Phase, StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedtree.spec.tree import TokenTree

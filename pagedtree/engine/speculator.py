@@ -10,7 +10,6 @@ the measurements (forward costs, per-rank acceptance) the adaptive budget uses.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -299,9 +298,3 @@ class Speculator:
             "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
         }
 
-
-def timed(fn, *args):
-    """``(fn(*args), seconds)``."""
-    started = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - started
