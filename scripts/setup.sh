@@ -21,8 +21,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
-echo "[setup] installing torch==2.13.0 and pagedtree"
-"${PIP[@]}" "torch==2.13.0"
+echo "[setup] installing torch==2.13.0, triton==3.7.1 and pagedtree"
+# triton is pinned too: 3.7.1 matches torch 2.13 (the kernels' interpreter tests fail on 3.9).
+"${PIP[@]}" "torch==2.13.0" "triton==3.7.1"
 "${PIP[@]}" -e ".[test,bench]"
 # TGI's Python client (used by the server tests) pins huggingface-hub<1.0, which
 # transformers 5 cannot use, so pip cannot resolve it as a dependency. It only needs
