@@ -47,3 +47,29 @@ def test_qwen_coder_0_5b_matches_transformers():
 @pytest.mark.slow
 def test_qwen_coder_1_5b_matches_transformers():
     _check(pm.QWEN_CODER_1_5B, new_tokens=16, prompts=PROMPTS[:2])
+
+
+@pytest.mark.slow
+def test_qwen_pair_tree_speculation_equals_plain_decoding():
+    """The real 1.5B target with the 0.5B draft: every tree kind gives the plain tokens."""
+    from pagedtree.spec import SpeculativeConfig
+
+    llm = LLM(pm.QWEN_CODER_1_5B.name, draft_model=pm.QWEN_CODER_0_5B.name, max_model_len=512,
+              speculative=SpeculativeConfig(tree="static", max_nodes=16, adaptive=False))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.engine.set_speculation(False)
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.engine.set_speculation(True)
+    for spec in (
+        SpeculativeConfig(tree="static", max_nodes=16, adaptive=False),
+        SpeculativeConfig(tree="chain", depth=5, max_nodes=5, adaptive=False),
+        SpeculativeConfig(tree="dynamic", top_k=4, depth=6, max_nodes=16, adaptive=False),
+        SpeculativeConfig(tree="sequoia", depth=6, max_nodes=12, adaptive=False),
+    ):
+        llm.engine.speculator.reconfigure(spec)
+        outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert outs == plain, spec.tree
+    stats = llm.stats()
+    assert stats["mean_acceptance_length"] > 2.0
+    assert stats["draft_num_free_blocks"] == stats["draft_num_total_blocks"]
+    assert_no_leaks(llm)
