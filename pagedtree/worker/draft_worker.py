@@ -14,6 +14,7 @@ path (its KV is already in sequence order) and frees every other branch at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,7 +74,6 @@ class DraftWorker:
     # --------------------------------------------------------------- propose
     def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
         """Grow every job's tree; returns trees by request id (jobs without room get none)."""
-        bm = self.block_manager
         copies: list[BlockCopy] = []
         level: list[tuple[DraftJob, int, ScheduledChunk]] = []
         for job in jobs:
@@ -99,9 +99,6 @@ class DraftWorker:
             rid = job.request.request_id
             if rid in self._branches:
                 trees[rid] = job.builder.finish()
-        bm_free = bm.num_free_blocks
-        if bm_free == 0:
-            logger.debug("%s: draft KV cache full after drafting", self.name)
         return trees
 
     def _catch_up_chunk(self, request: Request, copies: list[BlockCopy]) -> ScheduledChunk | None:
@@ -178,8 +175,6 @@ class DraftWorker:
         return out
 
     def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> torch.Tensor:
-        import time
-
         started = time.perf_counter()
         self.runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
         hidden, starts = self.runner.forward(chunks)
