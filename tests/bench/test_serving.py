@@ -7,6 +7,7 @@ Token counts are checked three ways: the records' sum, what the server reported
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -112,7 +113,7 @@ def test_server_errors_fail_their_requests_and_the_run_completes(server, tmp_pat
     assert (summary["completed"], summary["failed"], summary["total_requests"]) == (2, 1, 3)
     assert not records[1]["success"] and records[1]["error"].startswith("HTTP 400")
     assert summary["total_output_tokens"] == 7
-    wrong_model = asyncio.run(run_benchmark(config.__class__(**{**config.__dict__, "model": "nope"})))
+    wrong_model = asyncio.run(run_benchmark(dataclasses.replace(config, model="nope")))
     assert wrong_model["summary"]["failed"] == 3
     assert all("HTTP 404" in r["error"] for r in wrong_model["requests"])
 
