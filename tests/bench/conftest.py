@@ -4,4 +4,6 @@ pytest loads conftest files only from a test's own folder and its parents, so th
 fixtures are imported here rather than moved.
 """
 
-from tests.entrypoints.conftest import chat_model_path, server  # noqa: F401 - fixtures used by name
+from tests.entrypoints.conftest import chat_model_path, server
+
+__all__ = ["chat_model_path", "server"]
