@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from pagedtree import LLM, SamplingParams
 from pagedtree.spec import SpeculativeConfig
+from pagedtree.spec.presets import TREE_PRESETS
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -40,15 +41,7 @@ PROMPTS = [
     "Write a JavaScript function that debounces another function.",
 ]
 
-CONFIGS = {
-    "chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=False),
-    "static-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=False),
-    "static-8": dict(tree="static", expansion=(2, 1, 1, 1, 1), max_nodes=8, adaptive=False),
-    "dynamic-16": dict(tree="dynamic", top_k=4, depth=6, max_nodes=16, adaptive=False),
-    "sequoia-16": dict(tree="sequoia", depth=8, max_nodes=16, adaptive=False),
-    "adaptive-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=True),
-    "adaptive-chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=True),
-}
+CONFIGS = TREE_PRESETS
 
 
 @dataclass

@@ -1,0 +1,588 @@
+"""Same workload, several engines, one run: a table and plots to choose an engine by.
+
+Offline part: every engine configuration runs in its own fresh process
+(``benchmarks/engine_runner.py``) over the same cells, batch size x temperature, with
+the same token-id prompts and exactly ``--output-len`` new tokens per request (EOS
+ignored). Engines:
+
+- ``pagedtree``               plain decoding
+- ``pagedtree-spec:PRESET``   tree speculation with a preset of
+                              ``pagedtree.spec.presets`` (chain-5, dynamic-16, ...)
+- ``transformers``            Hugging Face ``generate`` (left-padded batches)
+- ``transformers-assisted``   assisted generation with the draft (batch 1 only)
+- ``vllm``                    vLLM's offline ``LLM`` (from ``--vllm-python``'s venv)
+- ``vllm-spec``               vLLM with draft-model speculation (``--vllm-spec-tokens``)
+
+Serving part (``--serve-rates``): ``pagedtree serve`` and vLLM's OpenAI server are
+started one after the other and driven over HTTP by ``benchmarks/serving.py`` at each
+request rate, with the same prompts.
+
+Outputs under ``--out-dir``: ``TAG.md`` (tables), ``TAG.json`` (everything), and
+``TAG_throughput.png``, ``TAG_speedup.png``, ``TAG_acceptance.png``,
+``TAG_serving.png``. All ratios compare engines measured in this same run.
+
+    python benchmarks/compare.py --model qwen2.5-coder-1.5b-instruct \\
+        --draft-model qwen2.5-coder-0.5b-instruct --batch-sizes 1,8 --temperatures 0,0.8
+
+vLLM comes from its own environment: ``bash benchmarks/peers/setup_vllm.sh`` creates
+``.venv-vllm`` (the default ``--vllm-python``); vLLM engines are skipped, with a note
+in the table, when it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+CODING_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a SQL query that returns the ten most recent orders from an orders table.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "Write a Python function that merges two sorted lists.",
+    "Write a bash script that prints the ten largest files in a directory.",
+    "Write a Python function that counts word frequencies in a text.",
+    "Write a JavaScript function that debounces another function.",
+]
+
+
+@dataclass
+class EngineSpec:
+    """One engine configuration: which runner engine, options, and the Python to use."""
+
+    label: str
+    engine: str
+    python: str
+    draft: bool = False
+    spec: dict[str, Any] | None = None
+    baseline: str | None = None  # the plain engine this speculative one is compared with
+
+
+@dataclass
+class EngineRun:
+    """A finished (or failed) engine run."""
+
+    spec: EngineSpec
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    cells: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------
+
+
+def build_prompts(args: argparse.Namespace, folder: Path) -> list[list[int]]:
+    """Token ids of the prompts: chat-templated coding tasks, or random tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if args.dataset == "random":
+        import random
+
+        rng = random.Random(args.seed)
+        hi = min(len(tokenizer), 30000)
+        return [[rng.randrange(100, hi) for _ in range(args.input_len)] for _ in range(max(args.batch_sizes))]
+    prompts = []
+    for text in CODING_PROMPTS:
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer.encode(text)
+        prompts.append([int(t) for t in ids])
+    return prompts
+
+
+def build_workload(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """Cells batch size x temperature; batch 1 runs ``--rounds-batch1`` prompts in turn."""
+    cells = []
+    for temperature in args.temperatures:
+        for batch in args.batch_sizes:
+            rounds = args.rounds_batch1 if batch == 1 else 1
+            cells.append({"batch_size": batch, "temperature": temperature, "rounds": rounds, "prompts": prompts})
+    return {"output_len": args.output_len, "cells": cells}
+
+
+def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]:
+    """The engine configurations to run, and notes on those that cannot run here."""
+    from pagedtree.spec.presets import tree_preset
+
+    own = sys.executable
+    vllm_ok = bool(args.vllm_python) and Path(args.vllm_python).exists()
+    specs, notes = [], []
+    for name in args.engines:
+        if name == "pagedtree":
+            specs.append(EngineSpec("pagedtree", "pagedtree", own))
+        elif name == "pagedtree-spec":
+            for preset in args.spec_presets:
+                specs.append(EngineSpec(f"pagedtree-spec:{preset}", "pagedtree", own, draft=True,
+                                        spec=tree_preset(preset), baseline="pagedtree"))
+        elif name == "transformers":
+            specs.append(EngineSpec("transformers", "transformers", own))
+        elif name == "transformers-assisted":
+            specs.append(EngineSpec("transformers-assisted", "transformers", own, draft=True, baseline="transformers"))
+        elif name in ("vllm", "vllm-spec"):
+            if not vllm_ok:
+                notes.append(f"{name}: skipped, no vLLM environment at {args.vllm_python} "
+                             "(run `bash benchmarks/peers/setup_vllm.sh`)")
+                continue
+            if name == "vllm":
+                specs.append(EngineSpec("vllm", "vllm", args.vllm_python))
+            else:
+                specs.append(EngineSpec(f"vllm-spec:draft-{args.vllm_spec_tokens}", "vllm", args.vllm_python,
+                                        draft=True, spec={"num_speculative_tokens": args.vllm_spec_tokens},
+                                        baseline="vllm"))
+        else:
+            raise SystemExit(f"unknown engine {name!r}")
+        if specs and specs[-1].draft and not args.draft_model:
+            raise SystemExit(f"engine {name} needs --draft-model")
+    return specs, notes
+
+
+def vllm_env(python: str) -> dict[str, str]:
+    """vLLM's recommended CPU set-up: Intel OpenMP and tcmalloc preloaded when present."""
+    env = dict(os.environ)
+    preload = []
+    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    if not iomp.exists():
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        preload.append(str(iomp))
+    for cand in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"):
+        if Path(cand).exists():
+            preload.append(cand)
+            break
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return env
+
+
+# --------------------------------------------------------------------------------------
+# Offline runs
+# --------------------------------------------------------------------------------------
+
+
+def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: Path | None,
+               workload_path: Path, out_dir: Path) -> EngineRun:
+    """Run one engine configuration in a fresh process; its stderr goes to a log file."""
+    safe = spec.label.replace(":", "_")
+    out = out_dir / f"{args.tag}_{safe}.json"
+    log = out_dir / f"{args.tag}_{safe}.log"
+    cmd = [spec.python, str(HERE / "engine_runner.py"), "--engine", spec.engine, "--label", spec.label,
+           "--model", str(model), "--workload", str(workload_path), "--out", str(out), "--dtype", args.dtype,
+           "--seed", str(args.seed)]
+    if spec.draft:
+        cmd += ["--draft-model", str(draft)]
+    if spec.spec is not None:
+        cmd += ["--spec", json.dumps(spec.spec)]
+    env = vllm_env(spec.python) if spec.engine == "vllm" else dict(os.environ)
+    started = time.perf_counter()
+    run = EngineRun(spec)
+    out.unlink(missing_ok=True)
+    with open(log, "w") as logf:
+        try:
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=args.engine_timeout,
+                                  cwd=str(out_dir))
+            if proc.returncode != 0:
+                run.error = f"exit {proc.returncode}: {_tail(log)}"
+        except subprocess.TimeoutExpired:
+            run.error = f"timed out after {args.engine_timeout} s"
+    run.seconds = time.perf_counter() - started
+    if run.error is None:
+        run.result = json.loads(out.read_text())
+        run.cells = {(c["batch_size"], c["temperature"]): c for c in run.result["cells"]}
+    return run
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    text = path.read_text(errors="replace").strip().splitlines()
+    return " | ".join(text[-lines:])
+
+
+# --------------------------------------------------------------------------------------
+# Serving runs
+# --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s")
+
+
+def serve_command(engine: str, args: argparse.Namespace, model: Path, port: int, max_len: int) -> tuple[list[str], dict]:
+    """The command line that starts ``engine``'s OpenAI-compatible server."""
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    if engine == "pagedtree":
+        cli = Path(sys.executable).parent / "pagedtree"
+        cmd = [str(cli), "serve", "--model", str(model), "--port", str(port), "--dtype", dtype,
+               "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes))]
+        return cmd, dict(os.environ)
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes)),
+           "--seed", str(args.seed)]
+    return cmd, vllm_env(args.vllm_python)
+
+
+def run_serving(args: argparse.Namespace, engine: str, model: Path, out_dir: Path) -> dict[str, Any]:
+    """Start ``engine``'s server, run the serving benchmark at every rate, stop it."""
+    port = _free_port()
+    max_len = args.input_len + args.output_len + 64
+    cmd, env = serve_command(engine, args, model, port, max_len)
+    log = out_dir / f"{args.tag}_serve_{engine}.log"
+    results: dict[str, Any] = {"engine": engine, "rates": {}}
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(out_dir),
+                                start_new_session=True)
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}", proc, args.server_timeout)
+            for rate in args.serve_rates:
+                path = out_dir / f"{args.tag}_serve_{engine}_{rate}.json"
+                bench = [sys.executable, str(HERE / "serving.py"), "--backend", "openai",
+                         "--base-url", f"http://127.0.0.1:{port}", "--model", str(model),
+                         "--dataset", "random", "--input-len", str(args.input_len),
+                         "--output-len", str(args.output_len), "--num-prompts", str(args.serve_num_prompts),
+                         "--request-rate", str(rate), "--ignore-eos", "--seed", str(args.seed),
+                         "--temperature", "0", "--save-result", str(path), "--disable-tqdm"]
+                proc_b = subprocess.run(bench, capture_output=True, text=True, timeout=args.engine_timeout)
+                if proc_b.returncode != 0:
+                    results["rates"][str(rate)] = {"error": proc_b.stderr.strip().splitlines()[-1:]}
+                else:
+                    results["rates"][str(rate)] = json.loads(path.read_text())
+        except Exception as exc:  # a server that does not start is a result to report, not a crash
+            results["error"] = f"{type(exc).__name__}: {exc} (log: {log.name})"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return results
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+def acceptance_length(cell: dict[str, Any]) -> float | None:
+    """Mean tokens per target pass on speculative steps: 1 + accepted / drafts."""
+    drafts = cell.get("num_drafts")
+    if not drafts:
+        return None
+    return 1.0 + cell["num_accepted_tokens"] / drafts
+
+
+def markdown_tables(args: argparse.Namespace, runs: list[EngineRun], notes: list[str],
+                    serving: list[dict[str, Any]], header: str) -> str:
+    """The offline table (with same-run ratios) and the serving table."""
+    by_label = {r.spec.label: r for r in runs if r.result}
+    lines = [header, "", "| engine | batch | temperature | tokens/s | vs pagedtree | vs transformers | "
+             "vs own plain | mean acceptance length |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for temperature in args.temperatures:
+        for batch in args.batch_sizes:
+            key = (batch, temperature)
+            for run in runs:
+                if run.error:
+                    continue
+                cell = run.cells.get(key)
+                if cell is None:
+                    continue
+                if cell.get("skipped"):
+                    lines.append(f"| {run.spec.label} | {batch} | {temperature:g} | — | | | | ({cell['skipped']}) |")
+                    continue
+                tps = cell["tokens_per_s"]
+                ratios = []
+                for base in ("pagedtree", "transformers", run.spec.baseline):
+                    other = by_label.get(base).cells.get(key) if base and base in by_label else None
+                    ok = other and not other.get("skipped") and other["tokens_per_s"] > 0
+                    ratios.append(f"{tps / other['tokens_per_s']:.2f}x" if ok else "")
+                length = acceptance_length(cell)
+                lines.append(f"| {run.spec.label} | {batch} | {temperature:g} | {tps:.2f} | {ratios[0]} | "
+                             f"{ratios[1]} | {ratios[2]} | {f'{length:.2f}' if length else ''} |")
+    for run in runs:
+        if run.error:
+            notes.append(f"{run.spec.label}: failed ({run.error})")
+    if serving:
+        lines += ["", "Serving (OpenAI completions over HTTP, streamed):", "",
+                  "| engine | request rate | completed/sent | output tokens/s | median TTFT ms | median TPOT ms | "
+                  "p99 ITL ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for srv in serving:
+            if srv.get("error"):
+                notes.append(f"serve {srv['engine']}: {srv['error']}")
+            for rate, res in srv["rates"].items():
+                if "error" in res:
+                    notes.append(f"serve {srv['engine']} at rate {rate}: {res['error']}")
+                    continue
+                s = _summary(res)
+                lines.append(f"| {srv['engine']} | {rate} | {s['completed']}/{s['sent']} | "
+                             f"{s['output_throughput']:.2f} | {_fmt(s['ttft_median'])} | {_fmt(s['tpot_median'])} | "
+                             f"{_fmt(s['itl_p99'])} |")
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def _summary(res: dict[str, Any]) -> dict[str, Any]:
+    """The few serving figures the table and plot use, from serving.py's JSON (vLLM's key names)."""
+    summary = res["summary"]
+    return {
+        "completed": summary["completed"],
+        "sent": summary["total_requests"],
+        "output_throughput": summary["output_throughput"] or 0.0,
+        "ttft_median": summary["median_ttft_ms"],
+        "tpot_median": summary["median_tpot_ms"],
+        "itl_p99": summary["p99_itl_ms"],
+    }
+
+
+def plot(args: argparse.Namespace, runs: list[EngineRun], serving: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Throughput, speculation speed-up, acceptance per position and serving plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if r.result]
+    by_label = {r.spec.label: r for r in done}
+    files = []
+    temps = args.temperatures
+
+    def cell_tps(run: EngineRun, key: tuple[int, float]) -> float | None:
+        c = run.cells.get(key)
+        return c["tokens_per_s"] if c and not c.get("skipped") and c["tokens_per_s"] > 0 else None
+
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for run in done:
+            pts = [(b, cell_tps(run, (b, t))) for b in args.batch_sizes]
+            pts = [(b, v) for b, v in pts if v]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=run.spec.label)
+        ax.set(xscale="log", xlabel="batch size", ylabel="output tokens/s", title=f"throughput, temperature {t:g}")
+        ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out_dir / f"{args.tag}_throughput.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    spec_runs = [r for r in done if r.spec.baseline and r.spec.baseline in by_label]
+    if spec_runs:
+        fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+        for ax, t in zip(axes[0], temps):
+            for run in spec_runs:
+                base = by_label[run.spec.baseline]
+                pts = []
+                for b in args.batch_sizes:
+                    v, w = cell_tps(run, (b, t)), cell_tps(base, (b, t))
+                    if v and w:
+                        pts.append((b, v / w))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{run.spec.label} / {run.spec.baseline}")
+            ax.axhline(1.0, color="grey", lw=1)
+            ax.set(xscale="log", xlabel="batch size", ylabel="speed-up over own plain decoding",
+                   title=f"speculation speed-up, temperature {t:g}")
+            ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        files.append(out_dir / f"{args.tag}_speedup.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for run in spec_runs:
+            drafts, per_pos = 0, []
+            for c in run.cells.values():
+                if c.get("num_drafts") and c.get("accepted_per_position") and c["temperature"] == temps[0]:
+                    drafts += c["num_drafts"]
+                    vals = c["accepted_per_position"]
+                    per_pos += [0] * (len(vals) - len(per_pos))
+                    per_pos = [a + b for a, b in zip(per_pos, vals + [0] * (len(per_pos) - len(vals)))]
+            if drafts:
+                ax.plot(range(1, len(per_pos) + 1), [v / drafts for v in per_pos], marker="o", label=run.spec.label)
+        ax.set(xlabel="draft position (depth)", ylabel="accepted at this position / drafts", ylim=(0, 1.05),
+               title=f"acceptance per position, temperature {temps[0]:g}, all batch sizes")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(out_dir / f"{args.tag}_acceptance.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+
+    served = [s for s in serving if s["rates"]]
+    if served:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for srv in served:
+            pts = []
+            for i, (rate, res) in enumerate(srv["rates"].items()):
+                if "error" in res:
+                    continue
+                s = _summary(res)
+                pts.append((rate, s["output_throughput"], s["tpot_median"]))
+            if pts:
+                xs = list(range(len(pts)))
+                ax1.plot(xs, [p[1] for p in pts], marker="o", label=srv["engine"])
+                ax2.plot(xs, [p[2] or 0 for p in pts], marker="o", label=srv["engine"])
+                for ax in (ax1, ax2):
+                    ax.set_xticks(xs, [p[0] for p in pts])
+        ax1.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="serving throughput")
+        ax2.set(xlabel="request rate (req/s)", ylabel="median TPOT (ms)", title="time per output token")
+        for ax in (ax1, ax2):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(out_dir / f"{args.tag}_serving.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    return files
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    default_vllm = ROOT / ".venv-vllm" / "bin" / "python"
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="packaged name or HF folder")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct",
+                        help="draft for the speculative engines ('' for none)")
+    parser.add_argument("--engines", type=_csv(str),
+                        default="pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm,vllm-spec",
+                        help="comma-separated, from pagedtree, pagedtree-spec, transformers, "
+                             "transformers-assisted, vllm, vllm-spec")
+    parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",
+                        help="pagedtree tree presets for pagedtree-spec (see pagedtree.spec.presets)")
+    parser.add_argument("--vllm-spec-tokens", type=int, default=4, help="vLLM draft tokens per step")
+    parser.add_argument("--batch-sizes", type=_csv(int), default="1,8")
+    parser.add_argument("--temperatures", type=_csv(float), default="0")
+    parser.add_argument("--dataset", choices=["coding", "random"], default="coding",
+                        help="coding: eight chat-templated coding tasks; random: --input-len random tokens")
+    parser.add_argument("--input-len", type=int, default=32, help="random prompts' length (and serving prompts')")
+    parser.add_argument("--output-len", type=int, default=32, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--rounds-batch1", type=int, default=2, help="prompts timed one after another at batch 1")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto = float32 (pagedtree's CPU default) for every engine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=str(default_vllm), help="Python of the vLLM environment")
+    parser.add_argument("--serve-rates", type=_csv(str), default=[],
+                        help="request rates for the serving part, e.g. 0.5,1,inf (empty: skip)")
+    parser.add_argument("--serve-engines", type=_csv(str), default="pagedtree,vllm")
+    parser.add_argument("--serve-num-prompts", type=int, default=16)
+    parser.add_argument("--engine-timeout", type=int, default=3600, help="seconds per engine run")
+    parser.add_argument("--server-timeout", type=int, default=600, help="seconds for a server to start")
+    parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out"))
+    parser.add_argument("--tag", default="compare", help="file name stem of the outputs")
+    args = parser.parse_args(argv)
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error("--batch-sizes must be positive")
+    if any(t < 0 for t in args.temperatures):
+        parser.error("--temperatures must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pagedtree.worker.loader import resolve_model_path
+
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model_path(args.model)
+    draft = resolve_model_path(args.draft_model) if args.draft_model else None
+    specs, notes = engine_specs(args)
+    prompts = build_prompts(args, model)
+    workload = build_workload(args, prompts)
+    workload_path = out_dir / f"{args.tag}_workload.json"
+    workload_path.write_text(json.dumps(workload))
+
+    runs = []
+    for spec in tqdm(specs, desc="engines", unit="engine"):
+        tqdm.write(f"[compare] {spec.label} ...")
+        run = run_engine(args, spec, model, draft, workload_path, out_dir)
+        tqdm.write(f"[compare] {spec.label}: {'failed: ' + run.error if run.error else 'done'} in {run.seconds:.0f} s")
+        runs.append(run)
+
+    serving = []
+    for engine in args.serve_engines if args.serve_rates else []:
+        if engine == "vllm" and not Path(args.vllm_python).exists():
+            notes.append("serve vllm: skipped, no vLLM environment")
+            continue
+        tqdm.write(f"[compare] serving {engine} at rates {args.serve_rates} ...")
+        serving.append(run_serving(args, engine, model, out_dir))
+
+    import torch
+
+    versions = {"torch": torch.__version__}
+    for run in runs:
+        if run.result:
+            versions.update(run.result["info"]["versions"])
+    header = (f"Model {args.model}" + (f", draft {args.draft_model}" if args.draft_model else "") +
+              f"; {len(prompts)} {args.dataset} prompts, {args.output_len} new tokens each (EOS ignored); "
+              f"dtype {'float32' if args.dtype == 'auto' else args.dtype}; {platform.machine()}, "
+              f"{os.cpu_count()} CPUs; " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) +
+              f".\nCommand: `python benchmarks/compare.py {' '.join(sys.argv[1:] if argv is None else argv)}`")
+    table = markdown_tables(args, runs, notes, serving, header)
+    (out_dir / f"{args.tag}.md").write_text(table)
+    plots = plot(args, runs, serving, out_dir)
+    (out_dir / f"{args.tag}.json").write_text(json.dumps({
+        "args": vars(args), "notes": notes,
+        "runs": [{"label": r.spec.label, "error": r.error, "seconds": r.seconds, "result": r.result} for r in runs],
+        "serving": serving}, indent=2, default=str))
+    print(table)
+    print("wrote", ", ".join(str(p) for p in [out_dir / f"{args.tag}.md", *plots]))
+    return 0 if all(r.error is None for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

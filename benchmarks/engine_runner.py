@@ -1,0 +1,285 @@
+"""Run one engine over a workload of cells and write the timings as JSON.
+
+``benchmarks/compare.py`` starts this script once per engine configuration, in a
+fresh process (so engines never share memory or threads), with the Python of the
+environment that has the engine: the project's ``.venv`` for pagedtree and
+transformers, ``.venv-vllm`` for vLLM (which must not import pagedtree). It only
+needs the standard library, torch, transformers and the engine itself.
+
+A workload file is JSON: ``{"output_len": N, "cells": [{"batch_size": B,
+"temperature": T, "rounds": R, "prompts": [[ids...], ...]}, ...]}``. A cell is timed
+as R ``generate`` calls one after another, each with B prompts submitted together, so
+"batch B" means the same thing for every engine: B sequences decode side by side.
+Every request produces exactly ``output_len`` tokens (EOS ignored).
+
+    python benchmarks/engine_runner.py --engine pagedtree --model DIR \\
+        --workload w.json --out r.json [--draft-model DIR --spec '{"tree": "chain"}']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class CellResult:
+    """Timing of one cell (batch size x temperature) for one engine."""
+
+    batch_size: int
+    temperature: float
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    # Speculation counters over this cell (absent when the engine does not speculate).
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    accepted_per_position: list[int] | None = None
+    num_target_forward_passes: int | None = None
+    skipped: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class RunInfo:
+    """What ran: the engine, its versions and the load time."""
+
+    engine: str
+    label: str
+    versions: dict[str, str] = field(default_factory=dict)
+    load_seconds: float = 0.0
+    threads: int = 0
+
+
+# --------------------------------------------------------------------------------------
+# Engines. Each returns (info, run_cell) where run_cell(prompts, temperature, output_len)
+# -> (output_tokens, speculation counters or None).
+# --------------------------------------------------------------------------------------
+
+Counters = dict[str, Any]
+RunBatch = Callable[[list[list[int]], float, int], tuple[int, Counters | None]]
+
+
+def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
+    """pagedtree's offline ``LLM``, plain or with tree speculation."""
+    import pagedtree
+    from pagedtree import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed)
+    if args.draft_model:
+        kwargs["draft_model"] = args.draft_model
+        kwargs["speculative"] = json.loads(args.spec or "{}")
+    started = time.perf_counter()
+    llm = LLM(args.model, **kwargs)
+    load_seconds = time.perf_counter() - started
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_forward_passes")
+
+    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
+        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=args.seed)
+        before = llm.stats()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        after = llm.stats()
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        if not args.draft_model:
+            return tokens, None
+        counters: Counters = {k: int(after[k] - before[k]) for k in keys}
+        per_pos_after = list(after["accepted_tokens_per_position"])
+        per_pos_before = list(before["accepted_tokens_per_position"])
+        per_pos_before += [0] * (len(per_pos_after) - len(per_pos_before))
+        counters["accepted_per_position"] = [int(a - b) for a, b in zip(per_pos_after, per_pos_before)]
+        return tokens, counters
+
+    info = RunInfo("pagedtree", args.label, {"pagedtree": pagedtree.__version__}, load_seconds)
+    return info, run
+
+
+def load_transformers(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
+    """transformers ``generate`` (left-padded batches), or assisted generation with a draft."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    assistant = None
+    if args.draft_model:
+        assistant = AutoModelForCausalLM.from_pretrained(args.draft_model[0], dtype=dtype).eval()
+    load_seconds = time.perf_counter() - started
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = 0
+    if isinstance(pad, list):
+        pad = pad[0]
+
+    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
+        if assistant is not None and len(prompts) > 1:
+            raise NotImplementedError("transformers' assisted generation runs at batch 1 only")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        sampling: dict[str, Any] = {"do_sample": False}
+        if temperature > 0:
+            # top_k=0 and top_p=1 switch off the generation config's defaults so the
+            # distribution is the plain temperature one, as in the other engines.
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        extra = {"assistant_model": assistant} if assistant is not None else {}
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, pad_token_id=pad, **sampling, **extra)
+        return (out.shape[1] - width) * len(prompts), None
+
+    info = RunInfo("transformers", args.label, {"transformers": transformers.__version__}, load_seconds)
+    return info, run
+
+
+def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
+    """vLLM's offline ``LLM`` in this process, plain or with draft-model speculation."""
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    kwargs: dict[str, Any] = dict(model=args.model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len,
+                                  seed=args.seed, disable_log_stats=False)
+    if args.draft_model:
+        spec = json.loads(args.spec or "{}")
+        kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft_model[0],
+                                        "num_speculative_tokens": int(spec.get("num_speculative_tokens", 4))}
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_seconds = time.perf_counter() - started
+
+    def counters() -> Counters:
+        found: Counters = {}
+        for metric in llm.get_metrics():
+            name = metric.name.removeprefix("vllm:")
+            if name == "spec_decode_num_accepted_tokens_per_pos":
+                found["accepted_per_position"] = [int(v) for v in metric.values]
+            elif name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+                found[name.removeprefix("spec_decode_")] = int(metric.value)
+        return found
+
+    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
+        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=args.seed)
+        before = counters() if args.draft_model else {}
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        if not args.draft_model:
+            return tokens, None
+        after = counters()
+        delta: Counters = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        pos_after = after.get("accepted_per_position", [])
+        pos_before = before.get("accepted_per_position", []) + [0] * len(pos_after)
+        delta["accepted_per_position"] = [a - b for a, b in zip(pos_after, pos_before)]
+        # vLLM scores the draft and the bonus token in one target pass per step.
+        delta["num_target_forward_passes"] = None
+        return tokens, delta
+
+    info = RunInfo("vllm", args.label, {"vllm": vllm.__version__}, load_seconds)
+    return info, run
+
+
+LOADERS = {"pagedtree": load_pagedtree, "transformers": load_transformers, "vllm": load_vllm}
+
+
+def run_workload(args: argparse.Namespace, workload: dict) -> dict:
+    """Load the engine, warm it up, time every cell; returns the JSON-ready result."""
+    import torch
+
+    cells = workload["cells"]
+    output_len = int(workload["output_len"])
+    max_batch = max(int(c["batch_size"]) for c in cells)
+    max_prompt = max(len(p) for c in cells for p in c["prompts"])
+    info, run = LOADERS[args.engine](args, max_batch, max_prompt + output_len + 16)
+    info.versions["torch"] = torch.__version__
+    info.threads = torch.get_num_threads()
+    # Warm-up: one short request (first-call allocations, vLLM's compiled graphs).
+    first = cells[0]["prompts"][0]
+    run([first], 0.0, min(4, output_len))
+    results: list[CellResult] = []
+    for cell in cells:
+        batch, temperature, rounds = int(cell["batch_size"]), float(cell["temperature"]), int(cell.get("rounds", 1))
+        prompts = cell["prompts"]
+        try:
+            tokens, seconds, totals = 0, 0.0, None
+            for r in range(rounds):
+                group = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
+                started = time.perf_counter()
+                n, counters = run(group, temperature, output_len)
+                seconds += time.perf_counter() - started
+                tokens += n
+                totals = _add_counters(totals, counters)
+            result = CellResult(batch, temperature, batch * rounds, tokens, seconds)
+            if totals:
+                for key, value in totals.items():
+                    setattr(result, key, value)
+        except NotImplementedError as exc:
+            result = CellResult(batch, temperature, 0, 0, 0.0, skipped=str(exc))
+        results.append(result)
+        status = result.skipped or f"{result.tokens_per_s:.2f} tokens/s"
+        print(f"[{info.label}] batch {batch} temperature {temperature}: {status}", file=sys.stderr, flush=True)
+    return {"info": asdict(info), "cells": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]}
+
+
+def _add_counters(total: Counters | None, new: Counters | None) -> Counters | None:
+    """Sum speculation counters over a cell's rounds (lists element-wise)."""
+    if new is None:
+        return total
+    if total is None:
+        return dict(new)
+    out = dict(total)
+    for key, value in new.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            old = list(out.get(key) or [])
+            old += [0] * (len(value) - len(old))
+            out[key] = [a + b for a, b in zip(old, value + [0] * (len(old) - len(value)))]
+        else:
+            out[key] = (out.get(key) or 0) + value
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", required=True, choices=sorted(LOADERS))
+    parser.add_argument("--label", default=None, help="name of this configuration in the tables")
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--draft-model", nargs="+", default=None, help="draft folder(s): speculation on")
+    parser.add_argument("--spec", default=None, help="speculation options as JSON (pagedtree SpeculativeConfig "
+                        "fields; vLLM: num_speculative_tokens)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", required=True, help="workload JSON (see above)")
+    parser.add_argument("--out", required=True, help="result JSON")
+    args = parser.parse_args(argv)
+    args.label = args.label or args.engine
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with open(args.workload) as f:
+        workload = json.load(f)
+    result = run_workload(args, workload)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":  # the guard vLLM needs: it spawns worker processes
+    sys.exit(main())

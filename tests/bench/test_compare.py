@@ -1,0 +1,92 @@
+"""benchmarks/compare.py end to end on the tiny model: every engine kind, tables, plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compare_run(tiny_text_model, tmp_path_factory):
+    compare = _load("compare")
+    out = tmp_path_factory.mktemp("compare")
+    folder = str(tiny_text_model.path)
+    argv = ["--model", folder, "--draft-model", folder,
+            "--engines", "pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm",
+            "--spec-presets", "chain-3", "--batch-sizes", "1,2", "--temperatures", "0,0.8",
+            "--output-len", "5", "--rounds-batch1", "1", "--vllm-python", str(out / "no-vllm" / "python"),
+            "--serve-rates", "4,inf", "--serve-engines", "pagedtree", "--serve-num-prompts", "4",
+            "--input-len", "8", "--out-dir", str(out), "--tag", "t"]
+    rc = compare.main(argv)
+    return rc, out, compare
+
+
+def test_compare_writes_tables_json_and_plots(compare_run):
+    rc, out, _ = compare_run
+    assert rc == 0
+    table = (out / "t.md").read_text()
+    data = json.loads((out / "t.json").read_text())
+    labels = [r["label"] for r in data["runs"]]
+    assert labels == ["pagedtree", "pagedtree-spec:chain-3", "transformers", "transformers-assisted"]
+    assert all(r["error"] is None for r in data["runs"])
+    for run in data["runs"]:
+        cells = run["result"]["cells"]
+        assert {(c["batch_size"], c["temperature"]) for c in cells} == {(1, 0.0), (2, 0.0), (1, 0.8), (2, 0.8)}
+        for c in cells:
+            if c["skipped"]:
+                # transformers' assisted generation runs at batch 1 only: reported, not dropped.
+                assert run["label"] == "transformers-assisted" and c["batch_size"] == 2
+                assert "batch 1 only" in table
+            else:
+                assert c["output_tokens"] == 5 * c["batch_size"] and c["tokens_per_s"] > 0
+    spec_cells = data["runs"][1]["result"]["cells"]
+    greedy = [c for c in spec_cells if c["temperature"] == 0]
+    # The draft is the target itself: every drafted token is accepted under greedy decoding.
+    assert all(c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] for c in greedy)
+    assert sum(greedy[0]["accepted_per_position"]) == greedy[0]["num_accepted_tokens"]
+    assert "vllm: skipped, no vLLM environment" in table
+    assert "| pagedtree-spec:chain-3 | 1 | 0 |" in table
+    for name in ("throughput", "speedup", "acceptance", "serving"):
+        assert (out / f"t_{name}.png").stat().st_size > 1000
+
+
+def test_compare_serving_part_counts_every_request(compare_run):
+    _, out, _ = compare_run
+    data = json.loads((out / "t.json").read_text())
+    (serving,) = data["serving"]
+    assert serving["engine"] == "pagedtree" and "error" not in serving
+    assert set(serving["rates"]) == {"4", "inf"}
+    for result in serving["rates"].values():
+        summary = result["summary"]
+        assert summary["completed"] == 4 and summary["failed"] == 0 and summary["total_requests"] == 4
+        assert summary["total_output_tokens"] == 4 * 5
+
+
+def test_acceptance_length_and_missing_draft_error(compare_run):
+    _, _, compare = compare_run
+    assert compare.acceptance_length({"num_drafts": 4, "num_accepted_tokens": 6}) == 2.5
+    assert compare.acceptance_length({"num_drafts": 0}) is None
+    with pytest.raises(SystemExit, match="needs --draft-model"):
+        compare.engine_specs(compare.parse_args(["--engines", "pagedtree-spec", "--draft-model", ""]))
+
+
+@pytest.mark.parametrize("script", ["compare.py", "engine_runner.py"])
+def test_help(script):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout
