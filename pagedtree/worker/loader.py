@@ -128,9 +128,14 @@ def build_empty(
 
 
 def load_safetensors_weights(net: DecoderForCausalLM, files: list[Path]) -> None:
-    """Copy every tensor of ``files`` into ``net``; fail on missing or unknown names."""
+    """Copy every tensor of ``files`` into ``net``; fail on missing or unknown names.
+
+    Tensors of projections the model stores fused fill their row block of the fused
+    parameter (``net.checkpoint_target``); a parameter counts as loaded once all of
+    its rows are.
+    """
     params = dict(net.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    rows_loaded: dict[str, int] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -138,15 +143,22 @@ def load_safetensors_weights(net: DecoderForCausalLM, files: list[Path]) -> None
                     continue
                 if name == "lm_head.weight" and net.tie_word_embeddings:
                     continue
-                if name not in params:
+                try:
+                    target_name, rows = net.checkpoint_target(name)
+                except AttributeError:  # a module path this model does not have
+                    target_name, rows = name, None
+                if target_name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(net).__name__}")
-                target = params[name]
+                target = params[target_name]
+                if rows is not None:
+                    target = target[rows]
                 tensor = f.get_tensor(name)
                 if tensor.shape != target.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
                 with torch.no_grad():
                     target.copy_(tensor.to(target.dtype))
-                loaded.add(name)
+                rows_loaded[target_name] = rows_loaded.get(target_name, 0) + target.shape[0]
+    loaded = {n for n, count in rows_loaded.items() if count == params[n].shape[0]}
     if net.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)

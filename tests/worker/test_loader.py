@@ -16,7 +16,16 @@ def test_tied_and_untied_heads_load(tiny_llama, tiny_qwen2):
     qwen = load_model(tiny_qwen2.path).model
     assert llama.lm_head.weight.data_ptr() != llama.model.embed_tokens.weight.data_ptr()
     assert qwen.lm_head.weight.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
-    torch.testing.assert_close(qwen.model.layers[0].self_attn.q_proj.bias, tiny_qwen2.hf_model.model.layers[0].self_attn.q_proj.bias)
+    hf_attn = tiny_qwen2.hf_model.model.layers[0].self_attn
+    q_size, kv_size, _ = qwen.model.layers[0].self_attn.qkv_sizes
+    # q/k/v load into the row blocks of the fused projection, biases included.
+    torch.testing.assert_close(qwen.model.layers[0].self_attn.qkv_proj.bias,
+                               torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
+    torch.testing.assert_close(qwen.model.layers[0].self_attn.qkv_proj.weight[q_size:q_size + kv_size],
+                               hf_attn.k_proj.weight)
+    hf_mlp = tiny_qwen2.hf_model.model.layers[1].mlp
+    torch.testing.assert_close(qwen.model.layers[1].mlp.gate_up_proj.weight,
+                               torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
 
 
 def test_unknown_architecture_is_named():
