@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedtree.spec.tree import ROOT, TokenTree
+from pagedtree.worker.sampler import draw_token
 
 _EPS = 1e-12
 
@@ -123,7 +124,7 @@ def verify_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: to
             if total > _EPS:
                 p = residual / total
         if nxt is None:
-            result.bonus_token = int(torch.multinomial(p.float(), 1, generator=generator).item())
+            result.bonus_token = draw_token(p, generator)
             return result
         result.accepted_nodes.append(nxt)
         node = nxt

