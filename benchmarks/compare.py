@@ -147,12 +147,15 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
                 notes.append(f"{name}: skipped, no vLLM environment at {args.vllm_python} "
                              "(run `bash benchmarks/peers/setup_vllm.sh`)")
                 continue
+            # vLLM keeps cores for its scheduler process by default (on 2 cores: 1 of 2);
+            # --vllm-reserved-cpus overrides that, and the label says so.
+            tag = "" if args.vllm_reserved_cpus is None else f"@reserved{args.vllm_reserved_cpus}"
             if name == "vllm":
-                specs.append(EngineSpec("vllm", "vllm", args.vllm_python))
+                specs.append(EngineSpec(f"vllm{tag}", "vllm", args.vllm_python))
             else:
-                specs.append(EngineSpec(f"vllm-spec:draft-{args.vllm_spec_tokens}", "vllm", args.vllm_python,
+                specs.append(EngineSpec(f"vllm-spec:draft-{args.vllm_spec_tokens}{tag}", "vllm", args.vllm_python,
                                         draft=True, spec={"num_speculative_tokens": args.vllm_spec_tokens},
-                                        baseline="vllm"))
+                                        baseline=f"vllm{tag}"))
         else:
             raise SystemExit(f"unknown engine {name!r}")
         if specs and specs[-1].draft and not args.draft_model:
@@ -160,9 +163,15 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
     return specs, notes
 
 
-def vllm_env(python: str) -> dict[str, str]:
-    """vLLM's recommended CPU set-up: Intel OpenMP and tcmalloc preloaded when present."""
+def vllm_env(python: str, reserved_cpus: int | None = None) -> dict[str, str]:
+    """vLLM's recommended CPU set-up: Intel OpenMP and tcmalloc preloaded when present.
+
+    ``reserved_cpus`` sets ``VLLM_CPU_NUM_OF_RESERVED_CPU``: by default vLLM keeps one
+    core per worker for its scheduler process and binds compute threads to the rest.
+    """
     env = dict(os.environ)
+    if reserved_cpus is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
     preload = []
     iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
     if not iomp.exists():
@@ -197,23 +206,39 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--draft-model", str(draft)]
     if spec.spec is not None:
         cmd += ["--spec", json.dumps(spec.spec)]
-    env = vllm_env(spec.python) if spec.engine == "vllm" else dict(os.environ)
+    env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
     started = time.perf_counter()
     run = EngineRun(spec)
     out.unlink(missing_ok=True)
     with open(log, "w") as logf:
+        # A session of its own, so that a time limit also stops vLLM's engine and
+        # worker processes, not only the runner.
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(out_dir),
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=args.engine_timeout,
-                                  cwd=str(out_dir))
-            if proc.returncode != 0:
+            if proc.wait(args.engine_timeout) != 0:
                 run.error = f"exit {proc.returncode}: {_tail(log)}"
         except subprocess.TimeoutExpired:
             run.error = f"timed out after {args.engine_timeout} s"
+            _stop_group(proc)
     run.seconds = time.perf_counter() - started
-    if run.error is None:
+    # The runner saves after every cell: a run cut short still reports what it finished.
+    if out.exists():
         run.result = json.loads(out.read_text())
         run.cells = {(c["batch_size"], c["temperature"]): c for c in run.result["cells"]}
     return run
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it if it is still there after a minute."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def _tail(path: Path, lines: int = 5) -> str:
@@ -258,7 +283,7 @@ def serve_command(engine: str, args: argparse.Namespace, model: Path, port: int,
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes)),
            "--seed", str(args.seed)]
-    return cmd, vllm_env(args.vllm_python)
+    return cmd, vllm_env(args.vllm_python, args.vllm_reserved_cpus)
 
 
 def run_serving(args: argparse.Namespace, engine: str, model: Path, out_dir: Path) -> dict[str, Any]:
@@ -289,11 +314,7 @@ def run_serving(args: argparse.Namespace, engine: str, model: Path, out_dir: Pat
         except Exception as exc:  # a server that does not start is a result to report, not a crash
             results["error"] = f"{type(exc).__name__}: {exc} (log: {log.name})"
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, signal.SIGKILL)
+            _stop_group(proc)
     return results
 
 
@@ -320,8 +341,6 @@ def markdown_tables(args: argparse.Namespace, runs: list[EngineRun], notes: list
         for batch in args.batch_sizes:
             key = (batch, temperature)
             for run in runs:
-                if run.error:
-                    continue
                 cell = run.cells.get(key)
                 if cell is None:
                     continue
@@ -339,7 +358,8 @@ def markdown_tables(args: argparse.Namespace, runs: list[EngineRun], notes: list
                              f"{ratios[1]} | {ratios[2]} | {f'{length:.2f}' if length else ''} |")
     for run in runs:
         if run.error:
-            notes.append(f"{run.spec.label}: failed ({run.error})")
+            done = f"; the {len(run.cells)} cells it finished are shown" if run.cells else ""
+            notes.append(f"{run.spec.label}: failed ({run.error}){done}")
     if serving:
         lines += ["", "Serving (OpenAI completions over HTTP, streamed):", "",
                   "| engine | request rate | completed/sent | output tokens/s | median TTFT ms | median TPOT ms | "
@@ -516,6 +536,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="auto = float32 (pagedtree's CPU default) for every engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-python", default=str(default_vllm), help="Python of the vLLM environment")
+    parser.add_argument("--vllm-reserved-cpus", type=int, default=None,
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM (default: vLLM's own, which keeps 1 "
+                             "core for its scheduler; 0 gives every core to the model)")
     parser.add_argument("--serve-rates", type=_csv(str), default=[],
                         help="request rates for the serving part, e.g. 0.5,1,inf (empty: skip)")
     parser.add_argument("--serve-engines", type=_csv(str), default="pagedtree,vllm")

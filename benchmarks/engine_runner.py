@@ -194,8 +194,12 @@ def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[R
 LOADERS = {"pagedtree": load_pagedtree, "transformers": load_transformers, "vllm": load_vllm}
 
 
-def run_workload(args: argparse.Namespace, workload: dict) -> dict:
-    """Load the engine, warm it up, time every cell; returns the JSON-ready result."""
+def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[dict], None] | None = None) -> dict:
+    """Load the engine, warm it up, time every cell; returns the JSON-ready result.
+
+    ``on_cell`` gets the result so far after every cell (the caller saves it, so a run
+    stopped by a time limit still reports the cells it finished).
+    """
     import torch
 
     cells = workload["cells"]
@@ -230,7 +234,21 @@ def run_workload(args: argparse.Namespace, workload: dict) -> dict:
         results.append(result)
         status = result.skipped or f"{result.tokens_per_s:.2f} tokens/s"
         print(f"[{info.label}] batch {batch} temperature {temperature}: {status}", file=sys.stderr, flush=True)
+        if on_cell is not None:
+            on_cell(_result_json(info, results))
+    return _result_json(info, results)
+
+
+def _result_json(info: RunInfo, results: list[CellResult]) -> dict:
     return {"info": asdict(info), "cells": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]}
+
+
+def _save(path: str, result: dict) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, path)
 
 
 def _add_counters(total: Counters | None, new: Counters | None) -> Counters | None:
@@ -273,11 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with open(args.workload) as f:
         workload = json.load(f)
-    result = run_workload(args, workload)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.out)
+    _save(args.out, run_workload(args, workload, on_cell=lambda partial: _save(args.out, partial)))
     return 0
 
 

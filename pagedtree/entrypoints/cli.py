@@ -22,7 +22,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     spec = parser.add_argument_group("tree speculative decoding (on when --draft-model is given)")
     spec.add_argument("--draft-model", nargs="+", default=None, help="draft model(s); several drafts' trees are merged")
-    spec.add_argument("--spec-tree", default=None, choices=["static", "chain", "dynamic", "sequoia"], help="tree kind (default: static)")
+    spec.add_argument("--spec-tree", default=None, choices=["static", "chain", "dynamic", "sequoia"], help="tree kind (default: chain)")
     spec.add_argument("--spec-expansion", default=None, help="static expansion k1,...,kd (e.g. 2,2,1,1,1,1)")
     spec.add_argument("--spec-depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
     spec.add_argument("--spec-max-nodes", type=int, default=None, help="tree node budget per request")
