@@ -7,8 +7,15 @@ machines are noisy, so only same-run ratios mean anything).
 
     python benchmarks/throughput.py --model qwen2.5-coder-0.5b-instruct --batch-sizes 1,16
 
-``--backend vllm`` runs vLLM's offline ``LLM`` in-process instead of pagedtree (vLLM
-must be installed in the running environment; see benchmarks/peers/).
+``--backend vllm`` runs vLLM's offline ``LLM`` in-process instead of pagedtree, with the
+same transformers baseline. Run it with the vLLM environment's Python (pagedtree is
+imported from this source tree, never installed there):
+
+    bash benchmarks/peers/setup_vllm.sh
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 LD_PRELOAD=.venv-vllm/lib/libiomp5.so \\
+        .venv-vllm/bin/python benchmarks/throughput.py --backend vllm --batch-sizes 1,16
+
+(vLLM keeps one core for its scheduler unless ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``.)
 """
 
 from __future__ import annotations
@@ -17,12 +24,16 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+# The vLLM environment runs this script without pagedtree installed: use the source tree.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 @dataclass
@@ -104,7 +115,9 @@ def run_vllm(args, prompts: list[list[int]], batch_size: int, folder: str) -> Re
         from vllm import SamplingParams as VParams
     except ImportError as exc:
         raise SystemExit(f"--backend vllm needs vllm in this environment ({exc}); see benchmarks/peers/") from exc
-    llm = VLLM(model=folder, dtype=args.dtype if args.dtype != "auto" else "bfloat16", max_num_seqs=batch_size, seed=args.seed)
+    # "auto" means fp32 here, as for pagedtree on CPU: the same dtype on both sides.
+    llm = VLLM(model=folder, dtype="float32" if args.dtype == "auto" else args.dtype, max_num_seqs=batch_size,
+               max_model_len=args.input_len + args.output_len + 16, seed=args.seed)
     params = VParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     started = time.perf_counter()
@@ -133,7 +146,6 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from pagedtree import LLM
     from pagedtree.worker.loader import load_tokenizer, resolve_model_path
 
     folder = resolve_model_path(args.model)
@@ -147,6 +159,8 @@ def main() -> None:
 
     llm = None
     if args.backend == "pagedtree":
+        from pagedtree import LLM
+
         llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(batch_sizes),
                   max_model_len=args.input_len + args.output_len + 16)
     hf = None
