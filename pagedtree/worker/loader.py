@@ -95,15 +95,24 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_model(
-    model: str | Path | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model: str | Path | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    pack_weights: bool = True,
 ) -> LoadedModel:
-    """Build our implementation of ``model`` and load its weights onto ``device``."""
+    """Build our implementation of ``model`` and load its weights onto ``device``.
+
+    ``pack_weights`` prepacks fp32 CPU linear weights for oneDNN (and drops their dense
+    copies), the fast layout for inference; ``False`` keeps plain ``nn.Linear`` weights.
+    """
     folder = resolve_model_path(model)
     config = AutoConfig.from_pretrained(str(folder))
     cls = model_class_for(config)
     net = build_empty(cls, config, dtype, device)
     load_safetensors_weights(net, _safetensors_files(folder))
     net.eval()
+    if pack_weights:
+        net.pack_weights_for_cpu()
     return LoadedModel(model=net, config=config, tokenizer=load_tokenizer(folder), path=folder)
 
 

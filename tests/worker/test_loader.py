@@ -9,11 +9,12 @@ from pagedtree import LLM, SamplingParams
 from pagedtree.worker import packaged_models as pm
 from pagedtree.worker.loader import load_model, resolve_model_path
 from pagedtree.worker.models import model_class_for
+from pagedtree.worker.models.decoder import Linear
 
 
 def test_tied_and_untied_heads_load(tiny_llama, tiny_qwen2):
-    llama = load_model(tiny_llama.path).model
-    qwen = load_model(tiny_qwen2.path).model
+    llama = load_model(tiny_llama.path, pack_weights=False).model
+    qwen = load_model(tiny_qwen2.path, pack_weights=False).model
     assert llama.lm_head.weight.data_ptr() != llama.model.embed_tokens.weight.data_ptr()
     assert qwen.lm_head.weight.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()
     hf_attn = tiny_qwen2.hf_model.model.layers[0].self_attn
@@ -26,6 +27,28 @@ def test_tied_and_untied_heads_load(tiny_llama, tiny_qwen2):
     hf_mlp = tiny_qwen2.hf_model.model.layers[1].mlp
     torch.testing.assert_close(qwen.model.layers[1].mlp.gate_up_proj.weight,
                                torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]))
+
+
+def test_packed_weights_give_the_same_logits(tiny_qwen2):
+    """Prepacked oneDNN weights replace the dense ones and compute the same products."""
+    plain = load_model(tiny_qwen2.path, pack_weights=False).model
+    packed_model = load_model(tiny_qwen2.path).model
+    linears = [m for m in packed_model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is None and m.packed_weight is not None for m in linears)
+    # The tied head holds a packed copy; the embedding keeps its dense weight.
+    torch.testing.assert_close(packed_model.model.embed_tokens.weight, tiny_qwen2.hf_model.model.embed_tokens.weight)
+    torch.manual_seed(0)
+    for rows in (1, 3, 16, 40):  # decode, a small tree, a batch, a prefill chunk
+        hidden = torch.randn(rows, plain.config.hidden_size)
+        layer_p, layer_q = plain.model.layers[0], packed_model.model.layers[0]
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            torch.testing.assert_close(layer_q.get_submodule(name)(hidden), layer_p.get_submodule(name)(hidden),
+                                       rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_model.compute_logits(hidden), plain.compute_logits(hidden),
+                                   rtol=1e-5, atol=1e-5)
+    # A leading batch dimension is flattened and restored.
+    x = torch.randn(2, 5, plain.config.hidden_size)
+    torch.testing.assert_close(packed_model.lm_head(x), plain.lm_head(x), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_architecture_is_named():

@@ -118,40 +118,55 @@ class DecoderAttention(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with faster CPU paths for the row counts decoding produces.
+    """``nn.Linear`` that runs on CPU from a weight prepacked for oneDNN.
 
-    Measured with torch 2.13 (MKL, oneDNN 3.12) on the 2-core AMD EPYC machine, over
-    the linear layers of a whole Qwen2.5-0.5B-shaped stack (weights cycling through
-    memory, as in a real forward):
+    ``pack_for_cpu`` (called by the loader) reorders an fp32 CPU weight once into
+    oneDNN's blocked layout and drops the dense copy; every product then goes through
+    oneDNN's inner product, whatever the number of rows. Measured with torch 2.13
+    (oneDNN 3.12) on the 2-core AMD EPYC machine over the linear layers of a whole
+    Qwen2.5-0.5B-shaped stack (weights cycling through memory, as in a real forward;
+    median of 7):
 
-    - one row (plain decoding, drafting a chain): MKL's fp32 GEMV runs at about
-      17 GB/s; oneDNN's inner product on the same dense weight, no repacking, is
-      1.2-2x faster (72 ms against 107 ms for the stack), except on small weights
-      (576x576: 148 us against 121 us), where its per-call cost shows;
-    - 2-32 rows (verifying a token tree): ``F.linear`` runs a GEMM that is about 2x
-      slower than the same product computed as ``W @ x.T`` (95 ms against 222 ms at
-      two rows);
-    - more rows (prefill, large batches): ``F.linear`` is the fastest.
+    | rows | ``F.linear`` / ``W @ x.T`` | oneDNN, dense weight | oneDNN, packed |
+    |---:|---:|---:|---:|
+    | 1 (plain decoding at batch 1, a draft chain) | 96 ms (either) | 58 ms | 60 ms |
+    | 4 (a small tree, batch 4) | 68 ms (``W @ x.T``) | 74 ms | 51 ms |
+    | 16 (batch 16, a 16-node tree) | 161 ms (``W @ x.T``) | 112 ms | 74 ms |
 
-    The results differ from ``F.linear``'s only in fp32 rounding order.
+    and the SmolLM2-135M shapes, where oneDNN's per-call cost once made small weights
+    slower, gave 19 ms packed against 34 ms for ``F.linear`` at one row. Packing for 16
+    rows is as fast at one row as packing for one row and 1.5x faster at 16. Prefill
+    (hundreds of rows) is also a little faster than ``F.linear``. Results differ from
+    ``F.linear``'s only in fp32 rounding order. Other dtypes and devices, and a layer
+    that was never packed, use ``F.linear``.
     """
 
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder an fp32 CPU weight into oneDNN's layout and drop the dense one.
+
+        Returns whether it packed. A weight tied to the embedding keeps living there;
+        this layer then holds a packed copy of it.
+        """
+        weight = self.weight
+        if weight is None or not _ONEDNN_PACKING or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
+        self.weight = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.device.type == "cpu":
-            rows = x.shape[0]
-            if rows == 1 and _ONEDNN_FP32 and x.dtype == torch.float32 and self.weight.numel() >= _ONEDNN_MIN_WEIGHT:
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-            if 2 <= rows <= _SMALL_GEMM_ROWS:
-                out = torch.mm(self.weight, x.t()).t().contiguous()
-                return out + self.bias if self.bias is not None else out
-        return super().forward(x)
+        if self.packed_weight is None:
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
 
 
-_SMALL_GEMM_ROWS = 32
-# Below about half a million weights oneDNN's per-call overhead outweighs its faster GEMV.
-_ONEDNN_MIN_WEIGHT = 512 * 1024
-# oneDNN's inner product only takes fp32 on CPUs without AVX512-BF16/FP16.
-_ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN picks its blocked layout for an expected row count: 16 serves 1-32 rows well.
+_PACK_ROWS_HINT = 16
+_ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class DecoderMLP(nn.Module):
@@ -264,6 +279,13 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, attention)
         return self.model.norm(hidden)
+
+    def pack_weights_for_cpu(self) -> int:
+        """Prepack every linear layer's fp32 CPU weight for oneDNN (``Linear.pack_for_cpu``).
+
+        Returns how many layers were packed (0 on other devices and dtypes).
+        """
+        return sum(module.pack_for_cpu() for module in self.modules() if isinstance(module, Linear))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for hidden states ``[N, hidden]``."""
