@@ -202,6 +202,8 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
     cmd = [spec.python, str(HERE / "engine_runner.py"), "--engine", spec.engine, "--label", spec.label,
            "--model", str(model), "--workload", str(workload_path), "--out", str(out), "--dtype", args.dtype,
            "--seed", str(args.seed)]
+    if args.prefix_caching:
+        cmd.append("--prefix-caching")
     if spec.draft:
         cmd += ["--draft-model", str(draft)]
     if spec.spec is not None:
@@ -535,6 +537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto = float32 (pagedtree's CPU default) for every engine")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="keep pagedtree's and vLLM's prefix caches on in the offline part (off by default: "
+                             "the cells repeat the same prompts, and transformers has no such cache)")
     parser.add_argument("--vllm-python", default=str(default_vllm), help="Python of the vLLM environment")
     parser.add_argument("--vllm-reserved-cpus", type=int, default=None,
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM (default: vLLM's own, which keeps 1 "
@@ -592,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             versions.update(run.result["info"]["versions"])
     header = (f"Model {args.model}" + (f", draft {args.draft_model}" if args.draft_model else "") +
               f"; {len(prompts)} {args.dataset} prompts, {args.output_len} new tokens each (EOS ignored); "
-              f"dtype {'float32' if args.dtype == 'auto' else args.dtype}; {platform.machine()}, "
+              f"prefix caching {'on' if args.prefix_caching else 'off'}; dtype {'float32' if args.dtype == 'auto' else args.dtype}; {platform.machine()}, "
               f"{os.cpu_count()} CPUs; " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) +
               f".\nCommand: `python benchmarks/compare.py {' '.join(sys.argv[1:] if argv is None else argv)}`")
     table = markdown_tables(args, runs, notes, serving, header)

@@ -74,7 +74,8 @@ def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tu
     import pagedtree
     from pagedtree import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed)
+    kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed,
+                                  enable_prefix_caching=args.prefix_caching)
     if args.draft_model:
         kwargs["draft_model"] = args.draft_model
         kwargs["speculative"] = json.loads(args.spec or "{}")
@@ -152,7 +153,7 @@ def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[R
 
     dtype = "float32" if args.dtype == "auto" else args.dtype
     kwargs: dict[str, Any] = dict(model=args.model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len,
-                                  seed=args.seed, disable_log_stats=False)
+                                  seed=args.seed, disable_log_stats=False, enable_prefix_caching=args.prefix_caching)
     if args.draft_model:
         spec = json.loads(args.spec or "{}")
         kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft_model[0],
@@ -280,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fields; vLLM: num_speculative_tokens)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="keep pagedtree's and vLLM's prefix cache on (off: every cell prefills its prompts, "
+                             "as transformers does, although the cells repeat the same prompts)")
     parser.add_argument("--workload", required=True, help="workload JSON (see above)")
     parser.add_argument("--out", required=True, help="result JSON")
     args = parser.parse_args(argv)
