@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -115,12 +116,16 @@ def build_prompts(args: argparse.Namespace, folder: Path) -> list[list[int]]:
 
 
 def build_workload(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    """Cells batch size x temperature; batch 1 runs ``--rounds-batch1`` prompts in turn."""
+    """Cells batch size x temperature; batch 1 runs ``--rounds-batch1`` prompts in turn.
+
+    Each cell is timed ``--repeats`` times by the runner, which reports the median.
+    """
     cells = []
     for temperature in args.temperatures:
         for batch in args.batch_sizes:
             rounds = args.rounds_batch1 if batch == 1 else 1
-            cells.append({"batch_size": batch, "temperature": temperature, "rounds": rounds, "prompts": prompts})
+            cells.append({"batch_size": batch, "temperature": temperature, "rounds": rounds, "repeats": args.repeats,
+                          "prompts": prompts})
     return {"output_len": args.output_len, "cells": cells}
 
 
@@ -534,6 +539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=32, help="random prompts' length (and serving prompts')")
     parser.add_argument("--output-len", type=int, default=32, help="new tokens per request (EOS ignored)")
     parser.add_argument("--rounds-batch1", type=int, default=2, help="prompts timed one after another at batch 1")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time every cell this many times in the same process and report the median")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto = float32 (pagedtree's CPU default) for every engine")
     parser.add_argument("--seed", type=int, default=0)
@@ -597,9 +604,10 @@ def main(argv: list[str] | None = None) -> int:
             versions.update(run.result["info"]["versions"])
     header = (f"Model {args.model}" + (f", draft {args.draft_model}" if args.draft_model else "") +
               f"; {len(prompts)} {args.dataset} prompts, {args.output_len} new tokens each (EOS ignored); "
+              + (f"every cell timed {args.repeats} times, median shown; " if args.repeats > 1 else "") +
               f"prefix caching {'on' if args.prefix_caching else 'off'}; dtype {'float32' if args.dtype == 'auto' else args.dtype}; {platform.machine()}, "
               f"{os.cpu_count()} CPUs; " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) +
-              f".\nCommand: `python benchmarks/compare.py {' '.join(sys.argv[1:] if argv is None else argv)}`")
+              f".\nCommand: `python benchmarks/compare.py {shlex.join(sys.argv[1:] if argv is None else argv)}`")
     table = markdown_tables(args, runs, notes, serving, header)
     (out_dir / f"{args.tag}.md").write_text(table)
     plots = plot(args, runs, serving, out_dir)

@@ -7,10 +7,12 @@ transformers, ``.venv-vllm`` for vLLM (which must not import pagedtree). It only
 needs the standard library, torch, transformers and the engine itself.
 
 A workload file is JSON: ``{"output_len": N, "cells": [{"batch_size": B,
-"temperature": T, "rounds": R, "prompts": [[ids...], ...]}, ...]}``. A cell is timed
-as R ``generate`` calls one after another, each with B prompts submitted together, so
-"batch B" means the same thing for every engine: B sequences decode side by side.
-Every request produces exactly ``output_len`` tokens (EOS ignored).
+"temperature": T, "rounds": R, "repeats": K, "prompts": [[ids...], ...]}, ...]}``. A
+cell is timed as R ``generate`` calls one after another, each with B prompts submitted
+together, so "batch B" means the same thing for every engine: B sequences decode side
+by side. Every request produces exactly ``output_len`` tokens (EOS ignored). With
+K > 1 (default 1) the cell is timed K times and the median timing is reported, the
+others kept in ``repeat_tokens_per_s``: these machines are noisy.
 
     python benchmarks/engine_runner.py --engine pagedtree --model DIR \\
         --workload w.json --out r.json [--draft-model DIR --spec '{"tree": "chain"}']
@@ -43,6 +45,8 @@ class CellResult:
     accepted_per_position: list[int] | None = None
     num_target_forward_passes: int | None = None
     skipped: str | None = None
+    # tokens/s of every timing of the cell when it was repeated (the median is reported).
+    repeat_tokens_per_s: list[float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -216,17 +220,26 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
     results: list[CellResult] = []
     for cell in cells:
         batch, temperature, rounds = int(cell["batch_size"]), float(cell["temperature"]), int(cell.get("rounds", 1))
+        repeats = max(1, int(cell.get("repeats", 1)))
         prompts = cell["prompts"]
         try:
-            tokens, seconds, totals = 0, 0.0, None
-            for r in range(rounds):
-                group = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-                started = time.perf_counter()
-                n, counters = run(group, temperature, output_len)
-                seconds += time.perf_counter() - started
-                tokens += n
-                totals = _add_counters(totals, counters)
+            timings: list[tuple[int, float]] = []
+            totals = None
+            for _ in range(repeats):
+                tokens, seconds = 0, 0.0
+                for r in range(rounds):
+                    group = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
+                    started = time.perf_counter()
+                    n, counters = run(group, temperature, output_len)
+                    seconds += time.perf_counter() - started
+                    tokens += n
+                    totals = _add_counters(totals, counters)
+                timings.append((tokens, seconds))
+            # The median timing (tokens are the same in every repeat).
+            tokens, seconds = sorted(timings, key=lambda t: t[1])[len(timings) // 2]
             result = CellResult(batch, temperature, batch * rounds, tokens, seconds)
+            if repeats > 1:
+                result.repeat_tokens_per_s = [round(n / s, 3) if s > 0 else 0.0 for n, s in timings]
             if totals:
                 for key, value in totals.items():
                     setattr(result, key, value)
@@ -234,6 +247,8 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
             result = CellResult(batch, temperature, 0, 0, 0.0, skipped=str(exc))
         results.append(result)
         status = result.skipped or f"{result.tokens_per_s:.2f} tokens/s"
+        if result.repeat_tokens_per_s:
+            status += f" (median of {result.repeat_tokens_per_s})"
         print(f"[{info.label}] batch {batch} temperature {temperature}: {status}", file=sys.stderr, flush=True)
         if on_cell is not None:
             on_cell(_result_json(info, results))

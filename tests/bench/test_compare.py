@@ -29,7 +29,7 @@ def compare_run(tiny_text_model, tmp_path_factory):
     argv = ["--model", folder, "--draft-model", folder,
             "--engines", "pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm",
             "--spec-presets", "chain-3", "--batch-sizes", "1,2", "--temperatures", "0,0.8",
-            "--output-len", "5", "--rounds-batch1", "1", "--vllm-python", str(out / "no-vllm" / "python"),
+            "--output-len", "5", "--rounds-batch1", "1", "--repeats", "3", "--vllm-python", str(out / "no-vllm" / "python"),
             "--serve-rates", "4,inf", "--serve-engines", "pagedtree", "--serve-num-prompts", "4",
             "--input-len", "8", "--out-dir", str(out), "--tag", "t"]
     rc = compare.main(argv)
@@ -54,12 +54,16 @@ def test_compare_writes_tables_json_and_plots(compare_run):
                 assert "batch 1 only" in table
             else:
                 assert c["output_tokens"] == 5 * c["batch_size"] and c["tokens_per_s"] > 0
+                # Timed three times; the reported figure is the median of the three.
+                samples = c["repeat_tokens_per_s"]
+                assert len(samples) == 3 and abs(c["tokens_per_s"] - sorted(samples)[1]) < 1e-2 * c["tokens_per_s"]
     spec_cells = data["runs"][1]["result"]["cells"]
     greedy = [c for c in spec_cells if c["temperature"] == 0]
     # The draft is the target itself: every drafted token is accepted under greedy decoding.
     assert all(c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] for c in greedy)
     assert sum(greedy[0]["accepted_per_position"]) == greedy[0]["num_accepted_tokens"]
     assert "vllm: skipped, no vLLM environment" in table
+    assert "every cell timed 3 times, median shown" in table
     assert "| pagedtree-spec:chain-3 | 1 | 0 |" in table
     for name in ("throughput", "speedup", "acceptance", "serving"):
         assert (out / f"t_{name}.png").stat().st_size > 1000
