@@ -176,18 +176,24 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[-2]
-    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    # One row per cache slot. ``index_select`` on a 2-D view copies whole rows and is
+    # 3-4x faster on CPU than advanced indexing (``aten::index``) with the same result.
+    slot_rows_k = key_cache.view(-1, num_kv_heads * head_dim)
+    slot_rows_v = value_cache.view(-1, num_kv_heads * head_dim)
     out = torch.empty_like(query)
     for group in plan.groups:
         b, q_len = group.query_index.shape
+        k_len = group.kv_slots.shape[1]
         first = group.contiguous_from
         if first is not None:
             q = query[first : first + b * q_len].view(b, q_len, num_heads, head_dim)
         else:
-            q = query[group.query_index]
-        k = flat_k[group.kv_slots].transpose(1, 2).to(query.dtype)  # [B, H_kv, K, D]
-        v = flat_v[group.kv_slots].transpose(1, 2).to(query.dtype)
+            q = query.index_select(0, group.query_index.flatten()).view(b, q_len, num_heads, head_dim)
+        slots = group.kv_slots.flatten()
+        k = slot_rows_k.index_select(0, slots).view(b, k_len, num_kv_heads, head_dim)
+        v = slot_rows_v.index_select(0, slots).view(b, k_len, num_kv_heads, head_dim)
+        k = k.transpose(1, 2).to(query.dtype)  # [B, H_kv, K, D]
+        v = v.transpose(1, 2).to(query.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
