@@ -564,6 +564,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch-sizes must be positive")
     if any(t < 0 for t in args.temperatures):
         parser.error("--temperatures must be >= 0")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     return args
 
 

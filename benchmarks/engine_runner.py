@@ -12,7 +12,8 @@ cell is timed as R ``generate`` calls one after another, each with B prompts sub
 together, so "batch B" means the same thing for every engine: B sequences decode side
 by side. Every request produces exactly ``output_len`` tokens (EOS ignored). With
 K > 1 (default 1) the cell is timed K times and the median timing is reported, the
-others kept in ``repeat_tokens_per_s``: these machines are noisy.
+others kept in ``repeat_tokens_per_s`` (these machines are noisy); speculation
+counters are those of the median timing.
 
     python benchmarks/engine_runner.py --engine pagedtree --model DIR \\
         --workload w.json --out r.json [--draft-model DIR --spec '{"tree": "chain"}']
@@ -220,13 +221,14 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
     results: list[CellResult] = []
     for cell in cells:
         batch, temperature, rounds = int(cell["batch_size"]), float(cell["temperature"]), int(cell.get("rounds", 1))
-        repeats = max(1, int(cell.get("repeats", 1)))
+        repeats = int(cell.get("repeats", 1))
+        if repeats < 1:
+            raise ValueError(f"workload cell repeats must be >= 1, got {repeats}")
         prompts = cell["prompts"]
         try:
-            timings: list[tuple[int, float]] = []
-            totals = None
+            timings: list[tuple[int, float, Counters | None]] = []
             for _ in range(repeats):
-                tokens, seconds = 0, 0.0
+                tokens, seconds, totals = 0, 0.0, None
                 for r in range(rounds):
                     group = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
                     started = time.perf_counter()
@@ -234,12 +236,13 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
                     seconds += time.perf_counter() - started
                     tokens += n
                     totals = _add_counters(totals, counters)
-                timings.append((tokens, seconds))
-            # The median timing (tokens are the same in every repeat).
-            tokens, seconds = sorted(timings, key=lambda t: t[1])[len(timings) // 2]
+                timings.append((tokens, seconds, totals))
+            # The median timing, with its own counters, so every field of the cell
+            # describes the same run of it.
+            tokens, seconds, totals = sorted(timings, key=lambda t: t[1])[len(timings) // 2]
             result = CellResult(batch, temperature, batch * rounds, tokens, seconds)
             if repeats > 1:
-                result.repeat_tokens_per_s = [round(n / s, 3) if s > 0 else 0.0 for n, s in timings]
+                result.repeat_tokens_per_s = [round(n / s, 3) if s > 0 else 0.0 for n, s, _ in timings]
             if totals:
                 for key, value in totals.items():
                     setattr(result, key, value)

@@ -62,6 +62,9 @@ def test_compare_writes_tables_json_and_plots(compare_run):
     # The draft is the target itself: every drafted token is accepted under greedy decoding.
     assert all(c["num_drafts"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"] for c in greedy)
     assert sum(greedy[0]["accepted_per_position"]) == greedy[0]["num_accepted_tokens"]
+    # Counters belong to the one timing reported, not to all three repeats together:
+    # accepted draft tokens are a subset of that timing's output tokens.
+    assert all(c["num_accepted_tokens"] < c["output_tokens"] for c in greedy)
     assert "vllm: skipped, no vLLM environment" in table
     assert "every cell timed 3 times, median shown" in table
     assert "| pagedtree-spec:chain-3 | 1 | 0 |" in table
@@ -87,6 +90,8 @@ def test_acceptance_length_and_missing_draft_error(compare_run):
     assert compare.acceptance_length({"num_drafts": 0}) is None
     with pytest.raises(SystemExit, match="needs --draft-model"):
         compare.engine_specs(compare.parse_args(["--engines", "pagedtree-spec", "--draft-model", ""]))
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--repeats", "0"])
 
 
 @pytest.mark.parametrize("script", ["compare.py", "engine_runner.py"])
