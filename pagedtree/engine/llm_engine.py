@@ -152,9 +152,9 @@ class LLMEngine:
             blocks = cfg.num_draft_kv_blocks or target_blocks + cfg.max_num_seqs * (spec.max_nodes + 2)
             runner = ModelRunner(loaded.model, blocks, cfg.block_size, self.device, self.dtype, backend)
             bm = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-            drafts.append(DraftWorker(runner, bm, name=f"draft{index}"))
+            drafts.append(DraftWorker(runner, bm, name=f"draft{index}", index=index))
             logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
-        return Speculator(spec, drafts)
+        return Speculator(spec, drafts, self.vocab_size, self.device)
 
     # ------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -359,9 +359,11 @@ class LLMEngine:
             return {}
         assert self.speculator is not None
         try:
+            # Failures of single requests are handled inside (they decode plainly this step).
             trees = self.speculator.propose([(c.request, c.tree_budget) for c in drafting])
-        except Exception as exc:  # noqa: BLE001 - a draft failure must not lose the step
-            logger.warning("drafting failed (%s: %s); decoding this step without speculation", type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug in the speculator must not lose the step
+            logger.exception("drafting failed (%s: %s); decoding this step without speculation",
+                             type(exc).__name__, exc)
             for chunk in drafting:
                 self.speculator.release(chunk.request.request_id)
             trees = {}
@@ -394,7 +396,9 @@ class LLMEngine:
                     self.speculator.release(rid)
                 continue
             assert self.speculator is not None
-            generator = None if request.params.greedy else self.runner.generator_for(rid, request.sampling_seed)
+            # Seeded requests are verified with their noise, the others with their own stream.
+            uses_stream = not request.params.greedy and request.params.seed is None
+            generator = self.runner.generator_for(rid, request.sampling_seed) if uses_stream else None
             try:
                 verified = self.speculator.verify(request, trees[rid], logits, generator)
             except Exception as exc:  # noqa: BLE001 - fail this request, not the batch

@@ -22,10 +22,10 @@ from pagedtree.spec.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBu
 from pagedtree.spec.config import SpeculativeConfig
 from pagedtree.spec.merge import merge_trees
 from pagedtree.spec.sequoia import optimal_shape
-from pagedtree.spec.tree import TokenTree, TreeShape
+from pagedtree.spec.tree import DETERMINISTIC_RULES, RANDOM_RULES, TokenTree, TreeShape
 from pagedtree.spec.verify import VerifyResult, verify_greedy, verify_stochastic
 from pagedtree.worker.draft_worker import DraftJob, DraftWorker
-from pagedtree.worker.sampler import SamplingRow, apply_penalties, target_probs
+from pagedtree.worker.sampler import SamplingRow, apply_penalties, coupled_tokens, gumbel_noise, target_probs
 
 logger = logging.getLogger("pagedtree")
 
@@ -33,6 +33,40 @@ logger = logging.getLogger("pagedtree")
 _SEQUOIA_REFRESH = 64
 # Per-step tree sizes kept for stats (bounded so long runs do not grow without end).
 _TREE_SIZE_HISTORY = 10_000
+
+
+class NoiseCache:
+    """Seeded requests' Gumbel noise for one step, by (seed, output position).
+
+    The draft proposes and the target verifies a position with the same noise;
+    generating it (one uniform number per vocabulary entry) once per step serves both.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._by_seed: dict[int, dict[int, torch.Tensor]] = {}
+
+    def get(self, seed: int, position: int) -> torch.Tensor:
+        """The noise of ``seed`` at output ``position`` (made on first use)."""
+        per_position = self._by_seed.setdefault(seed, {})
+        noise = per_position.get(position)
+        if noise is None:
+            noise = per_position[position] = gumbel_noise(seed, position, self.vocab_size, self.device)
+        return noise
+
+    def drop(self, seed: int) -> None:
+        """Forget a seed's noise (its request has been verified)."""
+        self._by_seed.pop(seed, None)
+
+    def clear(self) -> None:
+        """Forget everything (a new step)."""
+        self._by_seed.clear()
+
+
+def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:
+    logger.warning("%s failed for request %s (%s: %s); it decodes without speculation this step",
+                   draft.name, request.request_id, type(exc).__name__, exc)
 
 
 @dataclass(slots=True)
@@ -48,10 +82,17 @@ class VerifiedTokens:
 class Speculator:
     """Drives the draft workers and verifies their trees (see module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, drafts: Sequence[DraftWorker]):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        drafts: Sequence[DraftWorker],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ):
         if not drafts:
             raise ValueError("speculation needs at least one draft model")
         self.config = config
+        self._noise = NoiseCache(vocab_size, device)
         self._sized_for_nodes = config.max_nodes
         self.drafts = list(drafts)
         self.target_cost = CostModel()
@@ -146,46 +187,111 @@ class Speculator:
         outcome.observe(sum(committed) / n, sum(nodes) / n, float(levels), fed / n)
 
     # -------------------------------------------------------------- drafting
+    def rule_for(self, request: Request) -> str:
+        """How this request's children are proposed, which fixes how they are verified.
+
+        Greedy requests take the draft's top tokens; seeded sampling requests the
+        coupled ones (top tokens under the seed's Gumbel noise, verified by the same
+        noise, so their output depends on the seed alone); other sampling requests
+        ``draft_sampling`` (dynamic trees: always top-k).
+        """
+        params = request.params
+        if params.greedy:
+            return "topk"
+        if params.seed is not None:
+            return "coupled"
+        if self.config.tree == "dynamic":
+            return "topk"
+        return self.config.draft_sampling
+
+    def _noise_for(self, request: Request):
+        """Depth of the children to propose -> the request's noise at that position."""
+        seed = request.sampling_seed
+        root_position = len(request.output_token_ids) - 1  # the root is the newest output token
+        return lambda depth: self._noise.get(seed, root_position + depth)
+
     def _builder(self, request: Request, budget: int, draft: DraftWorker) -> TreeBuilder:
         cfg = self.config
         params = request.params
-        generator = None if params.greedy else draft.generator_for(request)
+        rule = self.rule_for(request)
+        generator = draft.generator_for(request) if rule in RANDOM_RULES else None
+        noise = self._noise_for(request) if rule == "coupled" else None
+        root = request.output_token_ids[-1]
         if cfg.tree == "dynamic":
-            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, request.output_token_ids[-1], params, generator)
-        return ShapeTreeBuilder(self.shape_for(budget), request.output_token_ids[-1], params, cfg.draft_sampling, generator)
+            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, root, params, rule, noise)
+        return ShapeTreeBuilder(self.shape_for(budget), root, params, rule, generator, noise)
 
-    def _deduplicates(self, request: Request) -> bool:
-        # Deterministic children can be merged by token; random draws must stay as drawn.
-        return request.params.greedy or self.config.tree == "dynamic" or self.config.draft_sampling == "topk"
+    def shares(self, request: Request, budget: int) -> list[int]:
+        """Each draft model's node budget for one request.
+
+        Deterministic proposals can be pruned after merging, so every draft builds a
+        full tree and the merge keeps the best nodes. Random draws cannot be pruned
+        (that would bias them), so the budget is split and the merged tree fits by
+        construction; a draft with a share of 0 sits this step out for the request.
+        """
+        n = len(self.drafts)
+        if n == 1 or self.rule_for(request) in DETERMINISTIC_RULES:
+            return [budget] * n
+        base, extra = divmod(budget, n)
+        return [base + (1 if i < extra else 0) for i in range(n)]
 
     def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
-        """Trees for the requests in the DRAFT phase, each within its node budget."""
+        """Trees for the requests in the DRAFT phase, each within its node budget.
+
+        A request whose drafting fails gets no tree (it decodes without speculation
+        this step); the others are unaffected.
+        """
+        self._noise.clear()
+        shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
         per_draft: list[dict[str, TokenTree]] = []
-        for draft in self.drafts:
-            jobs = []
-            for request, budget in requests_and_budgets:
-                share = budget
-                if len(self.drafts) > 1 and not self._deduplicates(request):
-                    share = max(1, budget // len(self.drafts))
-                jobs.append(DraftJob(request, self._builder(request, share, draft)))
-            per_draft.append(draft.propose(jobs))
+        for index, draft in enumerate(self.drafts):
+            wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
+            per_draft.append(self._propose_isolated(draft, [(r, s) for r, s in wanted if s > 0]))
         trees: dict[str, TokenTree] = {}
         for request, budget in requests_and_budgets:
             rid = request.request_id
             found = [d[rid] for d in per_draft if rid in d]
             if not found:
                 continue
-            if len(found) == 1:
-                tree = found[0]
-                if tree.num_nodes > budget:
-                    tree = merge_trees([tree], budget, dedupe=True)
-            else:
-                tree = merge_trees(found, budget, dedupe=self._deduplicates(request))
+            try:
+                tree = found[0] if len(found) == 1 and found[0].num_nodes <= budget else merge_trees(found, budget)
+            except Exception as exc:  # noqa: BLE001 - this request decodes plainly, the others go on
+                logger.warning("merging the drafts' trees of request %s failed (%s: %s); it decodes "
+                               "without speculation this step", rid, type(exc).__name__, exc)
+                for draft in self.drafts:
+                    draft.commit(rid, [])
+                continue
             trees[rid] = tree
         sizes = sum(t.num_nodes for t in trees.values())
         self.tree_sizes_per_step.append(sizes)
         self.last_levels = sum(d.last_levels for d in self.drafts)
         self.last_fed = sum(d.last_fed for d in self.drafts)
+        return trees
+
+    def _propose_isolated(self, draft: DraftWorker, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """``draft.propose`` for all of ``wanted`` at once; if that fails, for each
+        request alone, so that a failure costs only the requests that fail."""
+        if not wanted:
+            return {}
+        try:
+            return draft.propose([DraftJob(r, self._builder(r, share, draft)) for r, share in wanted])
+        except Exception as exc:  # noqa: BLE001
+            if len(wanted) > 1:
+                logger.warning("%s failed on a batch of %d requests (%s: %s); drafting them one by one",
+                               draft.name, len(wanted), type(exc).__name__, exc)
+            else:
+                _log_draft_failure(draft, wanted[0][0], exc)
+            for request, _ in wanted:
+                draft.release(request.request_id)
+            if len(wanted) == 1:
+                return {}
+        trees: dict[str, TokenTree] = {}
+        for request, share in wanted:
+            try:
+                trees.update(draft.propose([DraftJob(request, self._builder(request, share, draft))]))
+            except Exception as exc:  # noqa: BLE001
+                _log_draft_failure(draft, request, exc)
+                draft.release(request.request_id)
         return trees
 
     # ---------------------------------------------------------- verification
@@ -202,8 +308,16 @@ class Speculator:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         rows = self._sampling_rows(request, tree, generator)
         processed = apply_penalties(logits.clone(), rows)
+        rule = self.rule_for(request)
         if params.greedy:
             result = verify_greedy(tree, processed.argmax(dim=-1).tolist())
+        elif rule == "coupled":
+            # Row r's token is drawn at output position root + depth(r) + 1, with the
+            # same noise plain decoding uses there.
+            first = len(request.output_token_ids)
+            noise = torch.stack([self._noise.get(request.sampling_seed, first + d) for d in [0] + tree.depths])
+            result = verify_greedy(tree, coupled_tokens(target_probs(processed, params), noise).tolist())
+            self._noise.drop(request.sampling_seed)
         else:
             result = verify_stochastic(tree, target_probs(processed, params), generator)
         tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
@@ -296,5 +410,6 @@ class Speculator:
             "rank_acceptance_rates": list(self.rank_acceptance.rates()),
             "draft_num_total_blocks": sum(bm.num_blocks for bm in bms),
             "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
+            "draft_num_cached_blocks": sum(bm.num_cached_blocks for bm in bms),
         }
 

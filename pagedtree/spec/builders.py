@@ -8,13 +8,17 @@ KV blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree, TreeShape
 from pagedtree.worker.sampler import target_probs
+
+# depth of the children to propose (1 = the root's) -> the request's Gumbel noise
+# for that output position (coupled proposals of seeded requests).
+NoiseForDepth = Callable[[int], torch.Tensor]
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -32,12 +36,22 @@ def pick_children(
     k: int,
     rule: str,
     generator: torch.Generator | None,
-) -> tuple[list[int], ChildDraw]:
-    """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``."""
-    if rule == "topk":
-        k = min(k, int(torch.isfinite(logprobs).sum()))
-        tokens = torch.topk(logprobs, k).indices.tolist() if k > 0 else []
-        return tokens, ChildDraw("topk")
+    noise: torch.Tensor | None = None,
+) -> tuple[list[int], ChildDraw, list[float]]:
+    """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``.
+
+    Returns the tokens in drawing order, the draw (its ``parent`` still to be set),
+    and each token's score increment: its draft log-probability, or for coupled
+    proposals its log-probability of being the noisy argmax.
+    """
+    if rule in ("topk", "coupled"):
+        scores = logprobs if rule == "topk" else logprobs + noise
+        k = min(k, int(torch.isfinite(scores).sum()))
+        if k <= 0:
+            return [], ChildDraw(rule, ROOT), []
+        tokens = torch.topk(scores, k).indices.tolist()
+        ranked = logprobs if rule == "topk" else torch.log_softmax(scores, dim=-1)
+        return tokens, ChildDraw(rule, ROOT), ranked[torch.as_tensor(tokens)].tolist()
     probs = logprobs.exp()
     if rule == "iid":
         tokens = torch.multinomial(probs, k, replacement=True, generator=generator).tolist()
@@ -46,28 +60,54 @@ def pick_children(
         tokens = torch.multinomial(probs, k, replacement=False, generator=generator).tolist()
     else:
         raise ValueError(f"unknown draft sampling rule {rule!r}")
-    return tokens, ChildDraw(rule, probs)
+    return tokens, ChildDraw(rule, ROOT, probs=probs), logprobs[torch.as_tensor(tokens)].tolist()
 
 
 class TreeBuilder:
-    """Base: one request's tree in the making."""
+    """Base: one request's tree in the making.
 
-    def __init__(self, root_token: int, params: SamplingParams, rule: str, generator: torch.Generator | None):
+    ``rule`` is how children are proposed: ``"topk"``, ``"iid"``,
+    ``"without_replacement"``, or ``"coupled"`` (the top tokens of the draft's
+    log-probabilities plus ``noise(depth)``, the request's seeded Gumbel noise).
+    """
+
+    def __init__(
+        self,
+        root_token: int,
+        params: SamplingParams,
+        rule: str,
+        generator: torch.Generator | None,
+        noise: NoiseForDepth | None = None,
+    ):
+        # Greedy requests verify by argmax: their children are always the draft's top tokens.
+        rule = "topk" if params.greedy else rule
+        if rule == "coupled" and noise is None:
+            raise ValueError("coupled proposals need the request's noise")
         self.tree = TokenTree(root_token)
         self.params = params
-        self.rule = "topk" if params.greedy else rule
+        self.rule = rule
         self.generator = generator
+        self.noise = noise
 
-    def _add_children(self, node: int, logits: torch.Tensor, k: int) -> list[int]:
+    def _add_children(self, node: int, logits: torch.Tensor, k: int) -> list[int | None]:
+        """Propose up to ``k`` children below ``node``; returns, per proposal, its new
+        node, or None where the token was already a child (a repeated i.i.d. draw)."""
         logprobs = draft_distribution(logits, self.params)
-        tokens, draw = pick_children(logprobs, k, self.rule, self.generator)
+        depth = 1 if node == ROOT else self.tree.depths[node] + 1
+        noise = self.noise(depth) if self.rule == "coupled" else None
+        tokens, draw, increments = pick_children(logprobs, k, self.rule, self.generator, noise)
         if not tokens:
             return []
+        draw.parent = node
+        draw.tokens = tokens
         self.tree.draws.append(draw)
-        draw_index = len(self.tree.draws) - 1
         base = 0.0 if node == ROOT else self.tree.scores[node]
-        token_logprobs = logprobs[torch.as_tensor(tokens)].tolist()
-        return [self.tree.add(node, t, draw_index, base + lp) for t, lp in zip(tokens, token_logprobs)]
+        added: list[int | None] = []
+        for token, inc in zip(tokens, increments):
+            new = self.tree.child(node, token) is None
+            child = self.tree.add(node, token, base + inc)
+            added.append(child if new else None)
+        return added
 
     def expand_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
         """Add children below the nodes just fed; return the nodes to feed next."""
@@ -79,10 +119,14 @@ class TreeBuilder:
 
 
 class ShapeTreeBuilder(TreeBuilder):
-    """Static shapes (SpecInfer expansion, chain, Sequoia): children by rank."""
+    """Static shapes (SpecInfer expansion, chain, Sequoia): children by rank.
 
-    def __init__(self, shape: TreeShape, root_token: int, params: SamplingParams, rule: str, generator):
-        super().__init__(root_token, params, rule, generator)
+    A repeated i.i.d. draw adds no node, and the shape's subtree below it is not grown.
+    """
+
+    def __init__(self, shape: TreeShape, root_token: int, params: SamplingParams, rule: str, generator,
+                 noise: NoiseForDepth | None = None):
+        super().__init__(root_token, params, rule, generator, noise)
         self.shape = shape
         self._children = {ROOT: []}
         for i, p in enumerate(shape.parents):
@@ -99,6 +143,8 @@ class ShapeTreeBuilder(TreeBuilder):
             if not shape_kids:
                 continue
             for tree_node, shape_node in zip(self._add_children(node, logits, len(shape_kids)), shape_kids):
+                if tree_node is None:
+                    continue
                 self._shape_node[tree_node] = shape_node
                 if self._children[shape_node]:
                     to_feed.append(tree_node)
@@ -109,12 +155,15 @@ class DynamicTreeBuilder(TreeBuilder):
     """EAGLE-2 style: expand the ``top_k`` most probable frontier nodes per level,
     then keep the ``max_nodes`` nodes with the highest cumulative draft probability.
 
-    Children are always the draft's top tokens (deterministic), so verification of
-    sampling requests uses the top-k rule.
+    Children are always deterministic (the draft's top tokens, or for seeded
+    requests the coupled ones), so sampling requests never need a random-draw rule.
     """
 
-    def __init__(self, top_k: int, depth: int, max_nodes: int, root_token: int, params: SamplingParams, generator):
-        super().__init__(root_token, params, "topk", generator)
+    def __init__(self, top_k: int, depth: int, max_nodes: int, root_token: int, params: SamplingParams,
+                 rule: str = "topk", noise: NoiseForDepth | None = None):
+        if rule not in ("topk", "coupled"):
+            raise ValueError(f"dynamic trees propose deterministic children, not {rule!r}")
+        super().__init__(root_token, params, rule, None, noise)
         self.top_k = top_k
         self.depth = depth
         self.max_nodes = max_nodes
@@ -122,7 +171,7 @@ class DynamicTreeBuilder(TreeBuilder):
     def expand_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
         frontier = []
         for node, logits in fed:
-            frontier.extend(self._add_children(node, logits, self.top_k))
+            frontier.extend(n for n in self._add_children(node, logits, self.top_k) if n is not None)
         if not frontier or self.tree.depths[frontier[0]] >= self.depth:
             return []
         scores = self.tree.scores

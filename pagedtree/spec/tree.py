@@ -3,7 +3,15 @@
 A ``TokenTree`` hangs off the request's newest committed token (its root, which the
 target has not yet computed). Nodes are draft tokens; ``parents[i]`` is the index of
 node ``i``'s parent among the nodes, or -1 for a child of the root; parents precede
-children. The verify pass feeds ``[root] + tokens`` with the ancestors-only mask.
+children. A node has at most one child per token: equal proposals (two draft models
+proposing the same token, or repeated i.i.d. samples) share one node. The verify
+pass feeds ``[root] + tokens`` with the ancestors-only mask.
+
+How the children were proposed is kept separately, in ``draws``: one ``ChildDraw``
+per (parent, draft model, expansion) with the proposed tokens in the order they
+were drawn, repeats included. Stochastic verification replays exactly those
+proposals, draw after draw, so a merged node is tested once per draw that proposed
+it, against that draw's own distribution.
 """
 
 from __future__ import annotations
@@ -15,19 +23,35 @@ import torch
 
 ROOT = -1
 
+# Children chosen without randomness: the draft's top tokens ("topk"), or the top
+# tokens of draft log-probabilities plus the request's seeded Gumbel noise
+# ("coupled"). Any subset of such proposals may be verified, so trees made of them
+# may be pruned; random draws ("iid", "without_replacement") may not.
+DETERMINISTIC_RULES = ("topk", "coupled")
+RANDOM_RULES = ("iid", "without_replacement")
+
 
 @dataclass(slots=True)
 class ChildDraw:
-    """One joint draw of sibling tokens from a draft distribution.
+    """One draw of sibling tokens below ``parent`` from a draft distribution.
 
     ``rule`` says how the siblings were drawn, which decides how they are verified:
-    ``"topk"`` (deterministic: the draft's top tokens), ``"iid"`` (independent samples
-    of ``probs``) or ``"without_replacement"`` (successive samples of ``probs`` with
-    the earlier siblings removed). ``probs`` is kept for the two random rules.
+    ``"topk"`` (deterministic: the draft's top tokens), ``"coupled"`` (deterministic
+    given the request's seeded noise), ``"iid"`` (independent samples of ``probs``)
+    or ``"without_replacement"`` (successive samples of ``probs`` with the earlier
+    siblings removed). ``tokens`` are the proposals in drawing order (an i.i.d. draw
+    may repeat a token); ``probs`` is kept for the two random rules.
     """
 
     rule: str
+    parent: int
+    tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the proposals were chosen without random draws."""
+        return self.rule in DETERMINISTIC_RULES
 
 
 @dataclass(slots=True)
@@ -38,9 +62,9 @@ class TokenTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)  # 1 for children of the root
-    draw_of: list[int] = field(default_factory=list)  # index into ``draws`` per node
-    draws: list[ChildDraw] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)  # cumulative draft log-probability
+    draws: list[ChildDraw] = field(default_factory=list)
+    _child: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     @property
     def num_nodes(self) -> int:
@@ -52,20 +76,41 @@ class TokenTree:
         """Length of the longest branch."""
         return max(self.depths, default=0)
 
-    def add(self, parent: int, token: int, draw: int, score: float = 0.0) -> int:
-        """Append a node below ``parent`` (ROOT or a node index); return its index."""
+    @property
+    def deterministic(self) -> bool:
+        """Whether every proposal in the tree was chosen without random draws."""
+        return all(d.deterministic for d in self.draws)
+
+    def child(self, parent: int, token: int) -> int | None:
+        """The node holding ``token`` below ``parent``, if any."""
+        return self._child.get((parent, token))
+
+    def add(self, parent: int, token: int, score: float = 0.0) -> int:
+        """The node for ``token`` below ``parent`` (ROOT or a node index), created if new.
+
+        An existing node keeps the higher of the two scores.
+        """
         if parent != ROOT and not 0 <= parent < len(self.tokens):
             raise ValueError(f"parent {parent} is not a node of the tree")
+        existing = self._child.get((parent, token))
+        if existing is not None:
+            self.scores[existing] = max(self.scores[existing], score)
+            return existing
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
-        self.draw_of.append(draw)
         self.scores.append(score)
-        return len(self.tokens) - 1
+        node = len(self.tokens) - 1
+        self._child[(parent, token)] = node
+        return node
 
     def children(self, node: int) -> list[int]:
-        """Indices of ``node``'s children (ROOT for the root's), in drawing order."""
+        """Indices of ``node``'s children (ROOT for the root's), in order of creation."""
         return [i for i, p in enumerate(self.parents) if p == node]
+
+    def draws_at(self, node: int) -> list[ChildDraw]:
+        """The draws that proposed ``node``'s children, in drawing order."""
+        return [d for d in self.draws if d.parent == node]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""
@@ -75,20 +120,32 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
-    def verify_parents(self) -> list[int]:
-        """Parents of ``[root] + nodes`` as the verify chunk sees them (root = -1)."""
-        return [-1] + [p + 1 for p in self.parents]
-
     def subtree(self, keep: Sequence[int]) -> TokenTree:
-        """The tree restricted to the nodes ``keep`` (closed under parents), reindexed."""
+        """The tree restricted to the nodes ``keep`` (closed under parents), reindexed.
+
+        Proposals of dropped nodes leave their draws. Only deterministic proposals may
+        be dropped: skipping a randomly drawn sibling would change the distribution
+        its later siblings were drawn from.
+        """
         keep_sorted = sorted(set(keep))
         new_index = {old: new for new, old in enumerate(keep_sorted)}
-        out = TokenTree(self.root_token, draws=self.draws)
+        out = TokenTree(self.root_token)
         for old in keep_sorted:
             parent = self.parents[old]
             if parent != ROOT and parent not in new_index:
                 raise ValueError(f"node {old} kept without its parent {parent}")
-            out.add(ROOT if parent == ROOT else new_index[parent], self.tokens[old], self.draw_of[old], self.scores[old])
+            out.add(ROOT if parent == ROOT else new_index[parent], self.tokens[old], self.scores[old])
+        for draw in self.draws:
+            if draw.parent != ROOT and draw.parent not in new_index:
+                if not draw.deterministic:
+                    raise ValueError("randomly drawn proposals cannot be pruned from a tree")
+                continue
+            parent = ROOT if draw.parent == ROOT else new_index[draw.parent]
+            tokens = [t for t in draw.tokens if out.child(parent, t) is not None]
+            if len(tokens) != len(draw.tokens) and not draw.deterministic:
+                raise ValueError("randomly drawn proposals cannot be pruned from a tree")
+            if tokens:
+                out.draws.append(ChildDraw(draw.rule, parent, tokens, draw.probs))
         return out
 
 
@@ -114,10 +171,6 @@ class TreeShape:
         for i, p in enumerate(self.parents):
             depth[i] = 1 if p == ROOT else depth[p] + 1
         return max(depth, default=0)
-
-    def num_children(self, node: int) -> int:
-        """How many children ``node`` (ROOT for the root) has."""
-        return sum(1 for p in self.parents if p == node)
 
     @classmethod
     def from_expansion(cls, expansion: Sequence[int], max_nodes: int) -> TreeShape:

@@ -1,19 +1,32 @@
 """Verifying a token tree against the target model's outputs at every node.
 
 Rows of the verify pass: row 0 is the root (the request's newest token), row
-``1 + i`` is tree node ``i``. Greedy verification follows the target's argmax down
-the tree. Stochastic verification preserves the target distribution exactly with
-the rule that matches how each node's children were drawn (SpecInfer's multi-step
-speculative sampling / recursive rejection sampling):
+``1 + i`` is tree node ``i``. Three ways to verify, one per kind of request:
 
-- ``iid`` children (independent samples of q): test child ``x`` with probability
-  ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(p - q, 0))``;
-- ``without_replacement`` children: the same test with ``q`` renormalised over the
-  tokens not yet drawn in that draw (the distribution the sibling was drawn from);
-- ``topk`` children (deterministic): accept with probability ``p(x)``; on rejection
-  ``p <- norm(p with x removed)``.
+- **greedy**: follow the target's argmax down the tree;
+- **coupled** (seeded sampling requests): the target's token at every row is the
+  Gumbel-max draw with the request's noise for that output position, exactly the
+  token plain decoding draws there, and the tree is walked as in greedy. The
+  output is then a function of the seed alone, whatever the tree;
+- **stochastic** (other sampling requests): SpecInfer's multi-step speculative
+  sampling (recursive rejection sampling), which preserves the target distribution
+  with the rule that matches how each proposal was drawn. The proposals below a
+  node are replayed draw by draw, in drawing order:
 
-If every child is rejected (or the node is a leaf) the bonus token is drawn from the
+  - ``iid`` (independent samples of q): accept ``x`` with probability
+    ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(p - q, 0))``;
+  - ``without_replacement``: the same test with ``q`` renormalised over the tokens
+    this draw had not yet drawn (the distribution the sibling was drawn from);
+  - ``topk`` (deterministic): accept with probability ``p(x)``; on rejection
+    ``p <- norm(p with x removed)``.
+
+  Each step is a valid rejection-sampling step for the current residual whatever
+  came before, so proposals of several independent draws (several draft models,
+  merged into one tree) chain correctly, each with its own ``q``. A token rejected
+  once has no mass left in the residual, so a second proposal of it is rejected
+  at once (only the residual update remains).
+
+If no child is accepted (or the node is a leaf) the bonus token is drawn from the
 final residual ``p``.
 """
 
@@ -24,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.spec.tree import ROOT, TokenTree
+from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree
 from pagedtree.worker.sampler import draw_token
 
 _EPS = 1e-12
@@ -34,8 +47,8 @@ _EPS = 1e-12
 class VerifyResult:
     """The accepted path (node indices, root's child first) and the target's next token.
 
-    ``rank_trials`` records, for every child tested, its rank among its siblings and
-    whether it was accepted (the measurements behind Sequoia shapes).
+    ``rank_trials`` records, for every proposal tested, its rank among the proposals
+    below its node and whether it was accepted (the measurements behind Sequoia shapes).
     """
 
     accepted_nodes: list[int]
@@ -56,15 +69,15 @@ def _children_by_parent(tree: TokenTree) -> dict[int, list[int]]:
 
 
 def verify_greedy(tree: TokenTree, target_tokens: Sequence[int]) -> VerifyResult:
-    """Longest path whose tokens equal the target's argmax; ``target_tokens[r]`` is the
-    argmax at verify row ``r``."""
+    """Longest path whose tokens equal the target's; ``target_tokens[r]`` is the
+    target's token at verify row ``r`` (its argmax, or its coupled draw)."""
     if len(target_tokens) != tree.num_nodes + 1:
         raise ValueError(f"{len(target_tokens)} target tokens for a tree of {tree.num_nodes} nodes")
     kids = _children_by_parent(tree)
     result = VerifyResult([], -1)
     node = ROOT
     while True:
-        want = target_tokens[node + 1]
+        want = int(target_tokens[node + 1])
         nxt = None
         for rank, child in enumerate(kids.get(node, [])):
             hit = tree.tokens[child] == want
@@ -73,10 +86,19 @@ def verify_greedy(tree: TokenTree, target_tokens: Sequence[int]) -> VerifyResult
                 nxt = child
                 break
         if nxt is None:
-            result.bonus_token = int(want)
+            result.bonus_token = want
             return result
         result.accepted_nodes.append(nxt)
         node = nxt
+
+
+def _draws_by_parent(tree: TokenTree) -> dict[int, list[ChildDraw]]:
+    out: dict[int, list[ChildDraw]] = {}
+    for draw in tree.draws:
+        if draw.rule not in ("topk", "iid", "without_replacement"):
+            raise ValueError(f"proposals drawn by {draw.rule!r} are not verified by rejection sampling")
+        out.setdefault(draw.parent, []).append(draw)
+    return out
 
 
 def verify_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
@@ -84,45 +106,48 @@ def verify_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: to
     target's (processed) next-token distributions at every verify row."""
     if target_probs.shape[0] != tree.num_nodes + 1:
         raise ValueError(f"{target_probs.shape[0]} rows of target probabilities for {tree.num_nodes} nodes")
-    kids = _children_by_parent(tree)
+    draws = _draws_by_parent(tree)
     result = VerifyResult([], -1)
     node = ROOT
     while True:
         p = target_probs[node + 1].double()
-        drawn: dict[int, list[int]] = {}  # draw index -> tokens already tested from it
         nxt = None
-        for rank, child in enumerate(kids.get(node, [])):
-            x = tree.tokens[child]
-            draw = tree.draws[tree.draw_of[child]]
-            before = drawn.setdefault(tree.draw_of[child], [])
-            if draw.rule == "topk":
-                q = None
-                accept_prob = float(p[x])
-            else:
-                q = draw.probs.double()
-                if draw.rule == "without_replacement" and before:
-                    q = q.clone()
-                    q[before] = 0.0
-                    q = q / q.sum()
-                qx = float(q[x])
-                accept_prob = 1.0 if qx <= 0.0 else min(1.0, float(p[x]) / qx)
-            before.append(x)
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u < accept_prob:
-                result.rank_trials.append((rank, True))
-                nxt = child
+        rank = 0
+        for draw in draws.get(node, []):
+            q_draw = draw.probs.double() if draw.probs is not None else None
+            tried: list[int] = []
+            for x in draw.tokens:
+                if draw.rule == "topk":
+                    q = None
+                    accept_prob = float(p[x])
+                else:
+                    q = q_draw
+                    if draw.rule == "without_replacement" and tried:
+                        q = q_draw.clone()
+                        q[tried] = 0.0
+                        q = q / q.sum()
+                    qx = float(q[x])
+                    accept_prob = 1.0 if qx <= 0.0 else min(1.0, float(p[x]) / qx)
+                tried.append(x)
+                # A token with no mass left (rejected before) needs no coin.
+                if accept_prob > 0.0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < accept_prob:
+                    result.rank_trials.append((rank, True))
+                    nxt = tree.child(node, x)
+                    break
+                result.rank_trials.append((rank, False))
+                rank += 1
+                if q is None:
+                    residual = p.clone()
+                    residual[x] = 0.0
+                else:
+                    residual = torch.clamp(p - q, min=0.0)
+                total = float(residual.sum())
+                # A vanishing residual means p == q up to rounding: rejection had
+                # probability ~0, and p itself is the right distribution to continue with.
+                if total > _EPS:
+                    p = residual / total
+            if nxt is not None:
                 break
-            result.rank_trials.append((rank, False))
-            if q is None:
-                residual = p.clone()
-                residual[x] = 0.0
-            else:
-                residual = torch.clamp(p - q, min=0.0)
-            total = float(residual.sum())
-            # A vanishing residual means p == q up to rounding: rejection had probability
-            # ~0, and p itself is the right distribution to continue with.
-            if total > _EPS:
-                p = residual / total
         if nxt is None:
             result.bonus_token = draw_token(p, generator)
             return result

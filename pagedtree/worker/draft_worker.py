@@ -26,11 +26,9 @@ from pagedtree.scheduler.plan import Phase, ScheduledChunk
 from pagedtree.spec.builders import TreeBuilder
 from pagedtree.spec.tree import ROOT, TokenTree
 from pagedtree.worker.model_runner import ModelRunner
+from pagedtree.worker.sampler import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")
-
-# Draft draws use their own random stream, apart from the target's sampling stream.
-_DRAFT_SEED_SALT = 0x5EED_D4AF
 
 
 @dataclass(slots=True)
@@ -54,10 +52,11 @@ class _Branches:
 class DraftWorker:
     """Owns one draft model, its KV cache and block manager (see module docstring)."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, name: str = "draft"):
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, name: str = "draft", index: int = 0):
         self.runner = runner
         self.block_manager = block_manager
         self.name = name
+        self.index = index  # among the engine's draft models: keys this draft's random stream
         self._computed: dict[str, int] = {}
         self._branches: dict[str, _Branches] = {}
         self.num_forward_passes = 0
@@ -68,8 +67,13 @@ class DraftWorker:
         self.on_forward: Callable[[int, float], None] | None = None  # (tokens, seconds) hook
 
     def generator_for(self, request: Request) -> torch.Generator:
-        """The request's random stream for drawing draft children."""
-        return self.runner.generator_for(request.request_id, request.sampling_seed ^ _DRAFT_SEED_SALT)
+        """The request's random stream for drawing this draft's children.
+
+        Apart from the target's stream and from every other draft model's: the
+        verifier treats the children of different drafts as independent draws.
+        """
+        seed = stream_seed(request.sampling_seed, DRAFT_STREAM, self.index)
+        return self.runner.generator_for(request.request_id, seed)
 
     # --------------------------------------------------------------- propose
     def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:

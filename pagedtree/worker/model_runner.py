@@ -160,11 +160,13 @@ class ModelRunner:
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         request = chunk.request
         params = request.params
-        generator = None if params.greedy else self.generator_for(request.request_id, request.sampling_seed)
+        seeded = params.seed is not None
+        generator = None if params.greedy or seeded else self.generator_for(request.request_id, request.sampling_seed)
         history = request.all_token_ids if params.repetition_penalty != 1.0 else ()
         return SamplingRow(
             params=params,
             history=history,
             num_output_tokens=len(request.output_token_ids),
             generator=generator,
+            coupling_seed=request.sampling_seed if seeded and not params.greedy else None,
         )

@@ -1,18 +1,61 @@
 """Turning logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-The processing is split from the draw so that tree verification (the speculation
-issue) can compute the exact target distribution the plain sampler would draw from
-and run its acceptance tests against it.
+The processing is split from the draw so that tree verification can compute the
+exact target distribution the plain sampler would draw from and run its acceptance
+tests against it.
+
+Two ways to draw a token of a sampling request:
+
+- **Seeded requests** (``SamplingParams.seed`` set) draw by the Gumbel-max trick,
+  ``argmax(log p + g)``, with noise ``g`` keyed by (seed, output position) alone.
+  The token at a position is then a function of the seed and the distribution
+  there, nothing else: not the batch, not preemptions, and not speculation, whose
+  verifier computes the same draw at every tree node (``coupled`` verification).
+- **Other requests** draw by inverse transform from the request's own random
+  stream, one uniform number per token (cheaper: no noise over the vocabulary).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedtree.sampling_params import SamplingParams
+
+# Keys that separate the random streams derived from one request seed.
+NOISE_STREAM = 1  # Gumbel noise of seeded draws, per output position
+DRAFT_STREAM = 2  # a draft model's random children, per draft model
+
+
+def stream_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed for the random stream named by ``keys`` under ``seed``.
+
+    A cryptographic hash, so streams of nearby seeds and keys are unrelated (seeding
+    generators with ``seed + i`` or ``seed ^ salt`` gives correlated or, across
+    draft models, identical streams).
+    """
+    digest = hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard Gumbel noise ``[vocab_size]`` of a seeded request at output ``position``."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(stream_seed(seed, NOISE_STREAM, position))
+    u = torch.rand(vocab_size, generator=generator, device=device)
+    return -torch.log(-torch.log(u))
+
+
+def coupled_tokens(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max draws ``argmax(log probs + noise)`` along the last dimension.
+
+    With standard Gumbel noise each draw follows ``probs`` exactly; tokens of
+    probability zero (log = -inf) are never drawn.
+    """
+    return torch.argmax(torch.log(probs) + noise, dim=-1)
 
 
 @dataclass(slots=True)
@@ -21,8 +64,9 @@ class SamplingRow:
 
     params: SamplingParams
     history: Sequence[int]  # prompt + output tokens, for the repetition penalty
-    num_output_tokens: int  # generated so far, for min_tokens
-    generator: torch.Generator | None  # None only for greedy rows
+    num_output_tokens: int  # generated so far, for min_tokens (and the noise position)
+    generator: torch.Generator | None  # inverse-transform stream; None for greedy and seeded rows
+    coupling_seed: int | None = None  # seeded rows: Gumbel-max with this seed's noise
 
 
 @dataclass(slots=True)
@@ -106,7 +150,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
             tokens.append(greedy_of[i])
             continue
         probs = target_probs(processed[i], row.params)
-        tokens.append(draw_token(probs, row.generator))
+        if row.coupling_seed is not None:
+            noise = gumbel_noise(row.coupling_seed, row.num_output_tokens, probs.shape[-1], probs.device)
+            tokens.append(int(coupled_tokens(probs, noise)))
+        else:
+            tokens.append(draw_token(probs, row.generator))
     results: list[SampleResult] = []
     chosen = raw_logprobs[torch.arange(len(rows)), torch.as_tensor(tokens, dtype=torch.long)].tolist()
     for i, row in enumerate(rows):

@@ -17,8 +17,9 @@ from scipy.stats import chisquare
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.spec import builders
 from pagedtree.spec.builders import DynamicTreeBuilder, ShapeTreeBuilder
+from pagedtree.spec.merge import merge_trees
 from pagedtree.spec.sequoia import optimal_shape
-from pagedtree.spec.tree import ChildDraw, TreeShape
+from pagedtree.spec.tree import ROOT, ChildDraw, TreeShape
 from pagedtree.spec.verify import verify_stochastic
 
 V = 5
@@ -44,7 +45,7 @@ def _builder(kind: str, rule: str, generator):
         return ShapeTreeBuilder(TreeShape.chain(2), 0, params, rule, generator)
     if kind == "sequoia":
         return ShapeTreeBuilder(optimal_shape((0.5, 0.3, 0.2), 6, 2), 0, params, rule, generator)
-    return DynamicTreeBuilder(3, 2, 5, 0, params, generator)
+    return DynamicTreeBuilder(3, 2, 5, 0, params)
 
 
 def _first_two_tokens(kind: str, rule: str, seed: int) -> np.ndarray:
@@ -101,9 +102,9 @@ def test_a_wrong_rule_fails_the_same_test(monkeypatch):
     """
     real = builders.pick_children
 
-    def mislabelled(logprobs, k, rule, generator):
-        tokens, _ = real(logprobs, k, "topk", generator)
-        return tokens, ChildDraw("without_replacement", logprobs.exp())
+    def mislabelled(logprobs, k, rule, generator, noise=None):
+        tokens, _, increments = real(logprobs, k, "topk", generator)
+        return tokens, ChildDraw("without_replacement", ROOT, probs=logprobs.exp()), increments
 
     monkeypatch.setattr(builders, "pick_children", mislabelled)
     counts = _first_two_tokens("static", "without_replacement", seed=3)
@@ -114,7 +115,8 @@ def test_draws_without_replacement_verified_as_iid_fail():
     p_root, q_root, *_ = _tables(4)
     gen = torch.Generator().manual_seed(0)
     counts = np.zeros(V)
-    for _ in range(DRAWS):
+    draws = 2 * DRAWS  # the bias is small: twice the draws to see it clearly
+    for _ in range(draws):
         b = ShapeTreeBuilder(TreeShape.from_expansion((4,), 8), 0, SamplingParams(temperature=1.0), "without_replacement", gen)
         b.expand_level([(-1, q_root.log())])
         tree = b.finish()
@@ -122,4 +124,55 @@ def test_draws_without_replacement_verified_as_iid_fail():
         result = verify_stochastic(tree, torch.stack([p_root] + [p_root] * tree.num_nodes), gen)
         first = tree.tokens[result.accepted_nodes[0]] if result.accepted_nodes else result.bonus_token
         counts[first] += 1
-    assert chisquare(counts, p_root.double().numpy() * DRAWS).pvalue < 1e-6
+    assert chisquare(counts, p_root.double().numpy() * draws).pvalue < 1e-6
+
+
+def _merged_two_draft_tokens(rule: str, seed: int, coupled_streams: bool = False, same_draft: bool = False) -> np.ndarray:
+    """Counts of (t1, t2) when two drafts (q and a perturbed q, or q twice) each grow
+    a tree of ``rule`` draws and the merged tree is verified."""
+    p_root, q_root, p_next, q_next = _tables(seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    q2_root = torch.softmax(q_root.log() + 0.3 * torch.randn(V, generator=g), -1)
+    q2_next = torch.softmax(q_next.log() + 0.3 * torch.randn(V, V, generator=g), -1)
+    shapes = [TreeShape.from_expansion((2, 1), 3), TreeShape.chain(2)]
+    if same_draft:
+        q2_root, q2_next, shapes = q_root, q_next, [shapes[0], shapes[0]]
+    counts = np.zeros((V, V))
+    verify_gen = torch.Generator().manual_seed(seed + 1)
+    streams = [torch.Generator().manual_seed(seed + 2), torch.Generator().manual_seed(seed + 3)]
+    params = SamplingParams(temperature=1.0)
+    for i in range(DRAWS):
+        if coupled_streams:  # the bug: both drafts on one seed
+            streams = [torch.Generator().manual_seed(i), torch.Generator().manual_seed(i)]
+        trees = []
+        for (qr, qn), gen, shape in zip(
+            [(q_root, q_next), (q2_root, q2_next)], streams, shapes
+        ):
+            b = ShapeTreeBuilder(shape, 0, params, rule, gen)
+            feed = b.expand_level([(-1, qr.log())])
+            b.expand_level([(n, qn[b.tree.tokens[n]].log()) for n in feed])
+            trees.append(b.finish())
+        tree = merge_trees(trees, max_nodes=6)
+        rows = torch.stack([p_root] + [p_next[t] if d == 1 else p_next[0] for t, d in zip(tree.tokens, tree.depths)])
+        result = verify_stochastic(tree, rows, verify_gen)
+        tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
+        if len(tokens) == 1:
+            tokens.append(int(torch.multinomial(p_next[tokens[0]], 1, generator=verify_gen)))
+        counts[tokens[0], tokens[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("same_draft", [False, True], ids=["two-drafts", "same-draft-twice"])
+@pytest.mark.parametrize("rule", ["iid", "without_replacement", "topk"])
+def test_merged_trees_of_two_drafts_keep_the_distribution(rule, same_draft):
+    """Merged nodes proposed by both drafts are tested once per proposal, each draft
+    against its own q, in drawing order: the target's distribution is kept."""
+    counts = _merged_two_draft_tokens(rule, seed=4, same_draft=same_draft)
+    assert _pvalue(counts, _expected(4)) > P_MIN
+
+
+def test_two_drafts_on_one_random_stream_fail_the_same_test():
+    """The verifier assumes the drafts' draws are independent; the same draft twice
+    on one random stream proposes the same tokens twice, which is not."""
+    counts = _merged_two_draft_tokens("without_replacement", seed=4, coupled_streams=True, same_draft=True)
+    assert _pvalue(counts, _expected(4)) < 1e-6

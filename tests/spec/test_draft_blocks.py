@@ -92,7 +92,7 @@ def test_tree_branches_never_leak_and_rejected_blocks_free_at_once(scenario):
             if kind == "static":
                 builder = ShapeTreeBuilder(TreeShape.from_expansion(expansion, budget), root, r.params, "topk", None)
             else:
-                builder = DynamicTreeBuilder(2, 4, budget, root, r.params, None)
+                builder = DynamicTreeBuilder(2, 4, budget, root, r.params)
             jobs.append((r, rounds[round_index], DraftJob(r, builder)))
         trees = worker.propose([job for _, _, job in jobs])
         bm.check_invariants()

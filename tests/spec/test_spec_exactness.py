@@ -148,3 +148,29 @@ def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
     other = save_tiny_model(tmp_path / "other", "llama", seed=3, with_tokenizer=False, vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_llama.path), device="cpu", draft_model=str(other.path))
+
+
+def test_a_draft_failure_costs_only_the_failing_request(tiny_llama, tiny_llama_draft, prompts, reference, caplog, monkeypatch):
+    """Drafting that raises for one request: it decodes without speculation (same
+    tokens), every other request of the same steps still speculates."""
+    from pagedtree.worker.draft_worker import DraftWorker
+
+    bad = prompts[2]
+    real = DraftWorker.propose
+
+    def flaky(self, jobs):
+        if any(job.request.prompt_token_ids == bad for job in jobs):
+            raise RuntimeError("injected draft failure")
+        return real(self, jobs)
+
+    monkeypatch.setattr(DraftWorker, "propose", flaky)
+    llm = LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["static"])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="pagedtree"):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    drafts = [o.metrics["spec_num_drafts"] for o in outs]
+    assert drafts[2] == 0 and all(d > 0 for i, d in enumerate(drafts) if i != 2)
+    failures = [r.getMessage() for r in caplog.records if "failed for request" in r.getMessage()]
+    assert failures and all(f"request {outs[2].request_id} " in f for f in failures)
+    _assert_all_free(llm)

@@ -12,7 +12,7 @@ from pagedtree.spec.adaptive import BudgetOutcome, CostModel, RankAcceptance, ch
 from pagedtree.spec.builders import ShapeTreeBuilder
 from pagedtree.spec.merge import merge_trees
 from pagedtree.spec.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
-from pagedtree.spec.tree import ROOT, TokenTree, TreeShape
+from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree, TreeShape
 from pagedtree.spec.verify import verify_greedy
 
 
@@ -66,30 +66,68 @@ def test_expected_accepted_matches_a_hand_computation():
     assert expected_accepted(shape, rates) == pytest.approx(0.5 + 0.2 + 0.25)
 
 
-def _tree(root, paths):
+def _tree(root, paths, rule="topk"):
+    """A tree holding ``paths``; each new node proposed by a draw of its own."""
     tree = TokenTree(root)
+    probs = torch.full((16,), 1 / 16) if rule != "topk" else None
     for path in paths:
         node = ROOT
         for token in path:
-            kids = [c for c in tree.children(node) if tree.tokens[c] == token]
-            node = kids[0] if kids else tree.add(node, token, 0, -0.1 * (tree.num_nodes + 1))
+            child = tree.child(node, token)
+            if child is None:
+                child = tree.add(node, token, -0.1 * (tree.num_nodes + 1))
+                tree.draws.append(ChildDraw(rule, node, [token], probs))
+            node = child
     return tree
+
+
+def _paths(tree):
+    return {tuple(tree.tokens[i] for i in tree.path_to(n)) for n in range(tree.num_nodes)}
+
+
+def _draws_point_at_children(tree):
+    for draw in tree.draws:
+        for token in draw.tokens:
+            child = tree.child(draw.parent, token)
+            assert child is not None and tree.parents[child] == draw.parent
 
 
 def test_merge_deduplicates_equal_paths_and_keeps_the_union():
     a = _tree(9, [[1, 2, 3], [4]])
     b = _tree(9, [[1, 2, 5], [6]])
-    merged = merge_trees([a, b], max_nodes=100, dedupe=True)
-    paths = {tuple(merged.tokens[i] for i in merged.path_to(n)) for n in range(merged.num_nodes)}
-    assert paths == {(1,), (1, 2), (1, 2, 3), (4,), (1, 2, 5), (6,)}
-    pruned = merge_trees([a, b], max_nodes=3, dedupe=True)
+    merged = merge_trees([a, b], max_nodes=100)
+    assert _paths(merged) == {(1,), (1, 2), (1, 2, 3), (4,), (1, 2, 5), (6,)}
+    # Every proposal survives, after the proposals of the trees before it.
+    assert len(merged.draws) == len(a.draws) + len(b.draws)
+    assert [d.tokens for d in merged.draws_at(ROOT)] == [[1], [4], [1], [6]]
+    _draws_point_at_children(merged)
+    pruned = merge_trees([a, b], max_nodes=3)
     assert pruned.num_nodes == 3
     for i, p in enumerate(pruned.parents):
         assert p < i
-    separate = merge_trees([a, b], max_nodes=100, dedupe=False)
-    assert separate.num_nodes == a.num_nodes + b.num_nodes
+    _draws_point_at_children(pruned)
+    assert all(tok for d in pruned.draws for tok in d.tokens)
+
+
+def test_random_draws_merge_within_the_budget_and_are_never_pruned():
+    a = _tree(9, [[1, 2], [4]], rule="iid")
+    b = _tree(9, [[1, 5]], rule="without_replacement")
+    merged = merge_trees([a, b], max_nodes=4)
+    assert _paths(merged) == {(1,), (1, 2), (4,), (1, 5)}
+    # Token 1 was proposed twice below the root: once per draw, each with its own rule.
+    assert [(d.rule, d.tokens) for d in merged.draws_at(ROOT)] == [("iid", [1]), ("iid", [4]), ("without_replacement", [1])]
     with pytest.raises(ValueError, match="cannot be pruned"):
-        merge_trees([a, b], max_nodes=3, dedupe=False)
+        merge_trees([a, b], max_nodes=3)
+
+
+def test_repeated_iid_draws_share_a_node_and_keep_every_proposal():
+    shape = TreeShape.from_expansion((3, 1), 10)
+    gen = torch.Generator().manual_seed(0)
+    builder = ShapeTreeBuilder(shape, 0, SamplingParams(temperature=1.0), "iid", gen)
+    fed = builder.expand_level([(ROOT, torch.tensor([0.0, 30.0, -30.0, -30.0]))])  # token 1 almost surely
+    tree = builder.tree
+    assert tree.tokens == [1] and tree.draws[0].tokens == [1, 1, 1]
+    assert fed == [0]  # the repeats grow no subtree of their own
 
 
 def test_greedy_verification_walks_the_longest_matching_path():
