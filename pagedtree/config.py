@@ -37,6 +37,8 @@ class EngineConfig:
     of its fields) shapes the trees. Each draft keeps its own KV cache with as many
     blocks as the target's plus room for every request's tree branches
     (``num_draft_kv_blocks`` overrides it).
+
+    ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
     """
 
     model: str | None = None
@@ -54,6 +56,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    max_logprobs: int = 20
     draft_model: str | list[str] | None = None
     speculative: SpeculativeConfig | None = None
     num_draft_kv_blocks: int | None = None
@@ -65,6 +68,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

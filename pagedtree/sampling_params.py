@@ -6,12 +6,25 @@ import math
 from dataclasses import dataclass, field
 
 
+# Seeds are 63-bit so that every engine (and torch's generators) takes them.
+MAX_SEED = 2**63 - 1
+# One request may fan out into at most this many sequences.
+MAX_N = 1024
+# Temperatures below this are greedy (as vLLM, which also guards against the
+# overflow a division by ~1e-45 causes): the distribution is a point mass anyway.
+MIN_TEMPERATURE = 1e-5
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's continuation.
 
     Field names and meanings follow vLLM's ``SamplingParams`` so a vLLM user can switch
-    engines by changing one import. ``temperature == 0`` means greedy decoding.
+    engines by changing one import. ``temperature == 0`` means greedy decoding
+    (temperatures below ``MIN_TEMPERATURE`` = 1e-5 are taken as 0). ``seed`` (0 to
+    2**63 - 1) makes the request's tokens a function of the seed: the same whatever
+    the batch, preemptions or speculation.
     Every field is checked in ``__post_init__``: an invalid value raises a
     ``ValueError`` naming the field before any work is done.
     """
@@ -36,6 +49,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -48,8 +63,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if not _is_real(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 means greedy)")
         if math.isinf(self.temperature):
@@ -60,8 +75,8 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_real(self.min_p) or math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise bad("seed", "must be None or an integer in [0, 2**63 - 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -89,6 +104,9 @@ class SamplingParams:
             or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "must be a finite number > 0")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
 
     @property
     def greedy(self) -> bool:

@@ -15,13 +15,21 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pagedtree.config import EngineConfig
 from pagedtree.engine.async_stream import RequestMetrics, RequestStream, StreamOutput
-from pagedtree.engine.engine_thread import AbortCommand, AddCommand, CallCommand, EngineThread, StopCommand
-from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError
+from pagedtree.engine.engine_thread import (
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    EngineThread,
+    NewRequest,
+    StopCommand,
+)
+from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import LLMEngine, PromptType
 from pagedtree.sampling_params import SamplingParams
 
@@ -34,6 +42,22 @@ MetricsListener = Callable[[RequestMetrics], None]
 # request (uuid4 reads the OS entropy pool, which costs ~1 ms on some VMs).
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """Characters beyond which a text prompt cannot fit in ``max_model_len`` tokens.
+
+    No token covers more characters than its vocabulary entry has (byte-level
+    entries count bytes, and a character is at least one byte); the factor 4 leaves
+    room for normalizers that merge characters (NFC) before tokenizing.
+    """
+    longest = 1
+    if tokenizer is not None:
+        try:
+            longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: a generous bound
+            longest = 64
+    return 4 * max_model_len * max(longest, 1)
 
 
 def new_request_id() -> str:
@@ -89,6 +113,7 @@ class AsyncEngine:
         self._waiting: set[str] = set()  # accepted, no generated token yet
         self._listeners: list[MetricsListener] = []
         self._stopping = False
+        self._shutdown_deadline = float("inf")
         self._thread = EngineThread(config)
         engine = self._thread.start_and_wait()
         # Read-only facts about the model, safe to read from any thread.
@@ -98,6 +123,11 @@ class AsyncEngine:
         self.model_path = engine.model_path
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = engine.eos_token_ids
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        # Text prompts are tokenized here, never on the engine thread.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(2, os.cpu_count() or 1), thread_name_prefix="pagedtree-tokenize"
+        )
         if freeze_gc:
             gc.collect()
             gc.freeze()
@@ -119,42 +149,119 @@ class AsyncEngine:
         ``max_tokens`` that does not fit in the context after the prompt is an error
         instead of being cut at the context limit (what HTTP APIs expect).
         """
+        ids = None if request_id is None else [request_id]
+        streams = await self.add_requests([prompt], sampling_params, ids, check_context=check_context)
+        return streams[0]
+
+    async def add_requests(
+        self,
+        prompts: Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        request_ids: Sequence[str] | None = None,
+        *,
+        check_context: bool = False,
+        label: str | None = None,
+    ) -> list[RequestStream]:
+        """Validate and queue several requests at once, all or none (see ``add_request``).
+
+        They reach the engine in one command, so they join the running batch in the
+        same step. Text prompts are tokenized here, in a worker pool, before anything
+        is queued: the engine thread never spends a step on a long prompt, and a
+        prompt too long for the context is refused from its length in characters
+        alone. An invalid request raises ``InvalidRequestError`` (a ``ValueError``)
+        whose ``index`` says which one. ``label`` names the requests in their
+        ``RequestMetrics`` (the HTTP server passes the client's ``X-Request-Id``).
+        """
         if self._stopping or self._thread.closed:
             raise EngineStoppedError("the engine is shutting down" if self._stopping else "the engine is shut down")
-        if request_id is None:
-            request_id = new_request_id()
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params_list):
+                raise ValueError("sampling_params must be a SamplingParams or one per prompt")
+        if request_ids is None:
+            ids = [new_request_id() for _ in prompts]
+        else:
+            ids = list(request_ids)
+            if len(ids) != len(prompts):
+                raise ValueError(f"got {len(ids)} request ids for {len(prompts)} prompts")
+            for rid in ids:
+                if not isinstance(rid, str) or not rid:
+                    raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
+            if len(set(ids)) != len(ids):
+                raise ValueError("request ids must be distinct")
         loop = asyncio.get_running_loop()
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        stream = RequestStream(
-            request_id,
-            params,
-            loop,
-            time.monotonic(),
-            on_first_token=self._on_first_token,
-            on_finished=self._on_finished,
-            abort=self.abort_nowait,
-        )
+        now = time.monotonic()
+        streams = [
+            RequestStream(rid, params, loop, now, on_first_token=self._on_first_token,
+                          on_finished=self._on_finished, abort=self.abort_nowait, label=label)
+            for rid, params in zip(ids, params_list)
+        ]
         with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            if self.max_waiting_requests is not None and len(self._waiting) >= self.max_waiting_requests:
+            for rid in ids:
+                if rid in self._streams:
+                    raise ValueError(f"request_id {rid!r} is already in use")
+            if self.max_waiting_requests is not None and len(self._waiting) + len(ids) > self.max_waiting_requests:
                 raise EngineOverloadedError(len(self._waiting), self.max_waiting_requests)
-            # Counted before the engine thread sees the request, so a burst of
+            # Counted before the engine thread sees the requests, so a burst of
             # concurrent callers cannot all slip under the bound.
-            self._waiting.add(request_id)
-            self._streams[request_id] = stream
-        command = AddCommand(request_id, prompt, sampling_params, stream, check_context)
+            for rid, stream in zip(ids, streams):
+                self._waiting.add(rid)
+                self._streams[rid] = stream
+        command: AddCommand | None = None
         try:
-            num_prompt_tokens = await asyncio.wrap_future(self._thread.submit(command))
+            ready = await loop.run_in_executor(self._tokenize_pool, self._prepare_prompts, prompts)
+            command = AddCommand(
+                [NewRequest(rid, prompt, params, stream) for rid, prompt, params, stream
+                 in zip(ids, ready, params_list, streams)],
+                check_context,
+            )
+            lengths = await asyncio.wrap_future(self._thread.submit(command))
         except BaseException:
-            self._forget(request_id)
-            if not command.future.done() or command.future.cancelled():
-                self.abort_nowait(request_id)  # it may have been queued all the same
+            for rid in ids:
+                self._forget(rid)
+            if command is not None and (not command.future.done() or command.future.cancelled()):
+                for rid in ids:
+                    self.abort_nowait(rid)  # they may have been queued all the same
             raise
-        stream.metrics.num_prompt_tokens = num_prompt_tokens
-        return stream
+        for stream, num_prompt_tokens in zip(streams, lengths):
+            stream.metrics.num_prompt_tokens = num_prompt_tokens
+        return streams
+
+    def _prepare_prompts(self, prompts: list[PromptType]) -> list[PromptType]:
+        """Runs in the tokenizer pool: text prompts as token ids, length checks first."""
+        out = []
+        for index, prompt in enumerate(prompts):
+            try:
+                out.append(self._prepare_prompt(prompt))
+            except ValueError as exc:
+                raise InvalidRequestError(index, str(exc)) from exc
+        return out
+
+    def _prepare_prompt(self, prompt: PromptType) -> PromptType:
+        text = prompt
+        if isinstance(prompt, Mapping):
+            ids = prompt.get("prompt_token_ids")
+            if isinstance(ids, (list, tuple)) and len(ids) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt is {len(ids)} tokens, but the context (max_model_len) is {self.max_model_len}: "
+                    "it must leave room for at least one generated token"
+                )
+            if ids is not None:
+                return prompt
+            text = prompt.get("prompt")
+        if not isinstance(text, str) or not text or self.tokenizer is None:
+            return prompt  # the engine's validation says what is wrong
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt is {len(text)} characters, more than the context of {self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_chars} characters)"
+            )
+        return {"prompt": text, "prompt_token_ids": list(self.tokenizer.encode(text))}
 
     async def generate(
         self,
@@ -195,6 +302,10 @@ class AsyncEngine:
             pass  # nothing runs any more
 
     # ------------------------------------------------------------- helpers
+    async def run_in_tokenizer_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in the tokenizer pool (bounded CPU, off the loop and the engine thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(llm_engine)`` on the engine thread, between steps, and return its result."""
         return await asyncio.wrap_future(self._thread.submit(CallCommand(fn)))
@@ -239,10 +350,11 @@ class AsyncEngine:
     async def shutdown(self, grace_period: float = 0.0) -> None:
         """Stop accepting requests, let running ones finish for up to ``grace_period``
         seconds, abort the rest (their streams end with ``finish_reason="abort"``),
-        and stop the engine thread. Idempotent."""
+        and stop the engine thread. Idempotent; ``hurry_shutdown`` ends the grace
+        period early."""
         self._stopping = True
-        deadline = time.monotonic() + grace_period
-        while self._streams and time.monotonic() < deadline and not self._thread.closed:
+        self._shutdown_deadline = min(self._shutdown_deadline, time.monotonic() + grace_period)
+        while self._streams and time.monotonic() < self._shutdown_deadline and not self._thread.closed:
             await asyncio.sleep(0.01)
         if not self._thread.closed:
             try:
@@ -250,6 +362,13 @@ class AsyncEngine:
             except EngineStoppedError:
                 pass
         await asyncio.to_thread(self._thread.join, 30.0)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def hurry_shutdown(self) -> None:
+        """End a running shutdown's grace period now: what still runs is aborted at
+        once (e.g. on a second SIGINT/SIGTERM). Safe to call from a signal handler."""
+        self._stopping = True
+        self._shutdown_deadline = 0.0
 
     async def __aenter__(self) -> AsyncEngine:
         return self

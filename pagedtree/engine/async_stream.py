@@ -30,6 +30,7 @@ class RequestMetrics:
 
     request_id: str
     arrival_time: float
+    label: str | None = None  # the caller's name for the request (the HTTP server: the client's X-Request-Id)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     first_token_time: float | None = None
@@ -90,13 +91,22 @@ class StreamOutput:
 
 
 def held_back_length(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
+    """Length of the longest tail of ``text`` that is a proper prefix of some stop string.
+
+    Only the last ``len(stop) - 1`` characters matter, and only where ``stop[0]``
+    occurs in them: each stop costs a few ``find`` calls over its own length, not a
+    slice per character of the text (this runs on the event loop for every output).
+    """
     best = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
+        tail = text[len(text) - min(len(stop) - 1, len(text)):]
+        start = tail.find(stop[0])
+        # Earlier starts are longer candidates; none can beat ``best`` past this point.
+        while start != -1 and len(tail) - start > best:
+            if stop.startswith(tail[start:]):
+                best = len(tail) - start
                 break
+            start = tail.find(stop[0], start + 1)
     return best
 
 
@@ -129,11 +139,12 @@ class RequestStream:
         on_first_token: Callable[[RequestStream], None],
         on_finished: Callable[[RequestStream], None],
         abort: Callable[[str], None],
+        label: str | None = None,
     ):
         self.request_id = request_id
         self.params = params
         self.loop = loop
-        self.metrics = RequestMetrics(request_id, arrival_time)
+        self.metrics = RequestMetrics(request_id, arrival_time, label)
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._on_first_token = on_first_token
         self._on_finished = on_finished

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedtree.config import EngineConfig
-from pagedtree.engine.errors import EngineStoppedError
+from pagedtree.engine.errors import EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import LLMEngine, PromptType
 from pagedtree.outputs import RequestOutput
 from pagedtree.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from pagedtree.sampling_params import SamplingParams
 logger = logging.getLogger("pagedtree.async")
 
 STATS_INTERVAL_S = 0.05  # how stale AsyncEngine.stats() may get while the engine is busy
+STEP_FAILED_MESSAGE = "internal engine error (details are in the server log)"
 
 
 class OutputSink(Protocol):
@@ -41,13 +42,24 @@ class OutputSink(Protocol):
 
 
 @dataclass(slots=True)
-class AddCommand:
-    """Validate and queue a request; the answer is its number of prompt tokens."""
+class NewRequest:
+    """One request of an ``AddCommand``."""
 
     request_id: str
-    prompt: PromptType
+    prompt: PromptType  # token ids already (AsyncEngine tokenizes text before queueing)
     params: SamplingParams | None
     sink: OutputSink
+
+
+@dataclass(slots=True)
+class AddCommand:
+    """Validate and queue requests, all or none; the answer is each one's prompt length.
+
+    A batch is one command so that a client's prompt list joins the running batch in
+    one engine step, like as many concurrent clients.
+    """
+
+    requests: list[NewRequest]
     check_context: bool
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -117,7 +129,7 @@ class EngineThread(threading.Thread):
 
     def _stopped_message(self) -> str:
         if self.error is not None:
-            return f"the engine thread died: {type(self.error).__name__}: {self.error}"
+            return "the engine thread died (details are in the server log)"
         return "the engine is shut down"
 
     # --------------------------------------------------------- the thread
@@ -147,8 +159,7 @@ class EngineThread(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - the engine is unusable; fail everyone
             logger.exception("the engine thread died")
             self.error = exc
-            message = f"engine failure: {type(exc).__name__}: {exc}"
-            self._post([(sink, None) for sink in self._sinks.values()], fail_message=message)
+            self._post([(sink, None) for sink in self._sinks.values()], fail_message=STEP_FAILED_MESSAGE)
             self._sinks.clear()
         finally:
             self._close()
@@ -204,19 +215,28 @@ class EngineThread(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - the caller gets it (ValueError for bad input)
             command.future.set_exception(exc)
 
-    def _add(self, engine: LLMEngine, command: AddCommand) -> int:
-        parent = engine.make_requests(command.request_id, command.prompt, command.params)
-        params = parent.children[0].params
-        num_prompt = len(parent.prompt_token_ids)
-        if command.check_context and params.max_tokens is not None:
-            if num_prompt + params.max_tokens > engine.max_model_len:
-                raise ValueError(
-                    f"max_tokens: the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) "
-                    f"exceeds the model's context of {engine.max_model_len} tokens"
-                )
-        engine.add_parent(parent)
-        self._sinks[command.request_id] = command.sink
-        return num_prompt
+    def _add(self, engine: LLMEngine, command: AddCommand) -> list[int]:
+        parents = []
+        for index, new in enumerate(command.requests):
+            try:
+                if new.request_id in self._sinks or any(p.request_id == new.request_id for p in parents):
+                    raise ValueError(f"request_id {new.request_id!r} is already in use")
+                parent = engine.make_requests(new.request_id, new.prompt, new.params)
+                params = parent.children[0].params
+                num_prompt = len(parent.prompt_token_ids)
+                if command.check_context and params.max_tokens is not None:
+                    if num_prompt + params.max_tokens > engine.max_model_len:
+                        raise ValueError(
+                            f"max_tokens: the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) "
+                            f"exceeds the model's context of {engine.max_model_len} tokens"
+                        )
+            except ValueError as exc:
+                raise InvalidRequestError(index, str(exc)) from exc
+            parents.append(parent)
+        for parent, new in zip(parents, command.requests):
+            engine.add_parent(parent)
+            self._sinks[new.request_id] = new.sink
+        return [len(p.prompt_token_ids) for p in parents]
 
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
         output = engine.abort_request(request_id)
@@ -228,14 +248,22 @@ class EngineThread(threading.Thread):
     def _step(self, engine: LLMEngine) -> None:
         try:
             outputs = engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+        except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
+            # Which request broke the step is unknown, so all in flight end; the
+            # details (which may quote any request) go to the log, not to clients.
             logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
             outputs = []
-            message = f"engine step failed: {type(exc).__name__}: {exc}"
             for request_id in list(self._sinks):
-                output = engine.abort_request(request_id)
+                try:
+                    output = engine.abort_request(request_id)
+                except Exception:  # noqa: BLE001 - recovery must not kill the thread
+                    logger.exception("aborting request %s after a failed step failed too", request_id)
+                    output = None
                 if output is not None:
-                    outputs.append(_as_error(output, message))
+                    outputs.append(_as_error(output, STEP_FAILED_MESSAGE))
+                else:
+                    sink = self._sinks.pop(request_id)
+                    self._post([(sink, None)], fail_message=STEP_FAILED_MESSAGE)
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -21,3 +21,14 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down or its thread has died; no new work is accepted (HTTP 503)."""
+
+
+class InvalidRequestError(ValueError):
+    """One request of a batch added together is invalid; ``index`` says which.
+
+    Nothing of the batch was queued.
+    """
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index

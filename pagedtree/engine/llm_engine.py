@@ -209,14 +209,24 @@ class LLMEngine:
         bad_stop_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop_ids:
             raise ValueError(f"stop_token_ids has ids outside the vocabulary: {bad_stop_ids}")
-        if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs must be <= {self.config.max_logprobs} (max_logprobs), got {params.logprobs}"
+            )
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        # Every sequence id this request creates (its children's with n > 1) must be
+        # free: a clash would hand one request's KV blocks to another.
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for rid in {request_id, *child_ids}:
+            if rid in self._parents or rid in self._child_to_parent:
+                raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         params = replace(params, eos_token_ids=self.eos_token_ids)
         parent = ParentRequest(request_id, text, ids)
-        for i in range(params.n):
+        for i, child_id in enumerate(child_ids):
+            # Seeds are hashed into streams, so seed + i needs no wrap-around.
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             parent.children.append(
                 Request(child_id, text, list(ids), replace(params, n=1), sampling_seed=seed)
             )
@@ -232,6 +242,9 @@ class LLMEngine:
 
     def add_parent(self, parent: ParentRequest) -> str:
         """Queue requests built by ``make_requests``."""
+        for rid in {parent.request_id, *(c.request_id for c in parent.children)}:
+            if rid in self._parents or rid in self._child_to_parent:
+                raise ValueError(f"request_id {parent.request_id!r} is already in use")
         self._parents[parent.request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request_id] = parent
@@ -534,12 +547,25 @@ def prompts_and_params(
     prompts: PromptType | Sequence[PromptType],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
 ) -> list[tuple[PromptType, SamplingParams | None]]:
-    """Pair each prompt with its params (one for all, or one each)."""
+    """Pair each prompt with its params (one for all, or one each); a ``ValueError``
+    names the argument that has the wrong type."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
+    elif not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            "prompts must be a string, a dict with 'prompt_token_ids', or a list of those, "
+            f"got {type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         return [(p, sampling_params) for p in prompts]
+    if not isinstance(sampling_params, (list, tuple)) or not all(
+        isinstance(sp, SamplingParams) for sp in sampling_params
+    ):
+        raise ValueError(
+            "sampling_params must be a SamplingParams, a list of them, or None, "
+            f"got {type(sampling_params).__name__}"
+        )
     params = list(sampling_params)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.worker import packaged_models as pm
 
 
@@ -99,10 +100,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedtree.entrypoints.api_server import build_app, run_server
 
     kwargs = engine_kwargs(args)
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_json_depth=args.max_json_depth,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_stop_sequences=args.max_stop_sequences,
+        max_stop_length=args.max_stop_length,
+        body_timeout=args.body_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+    )
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(args.model, max_waiting_requests=args.max_waiting_requests, **kwargs)
+    engine = AsyncEngine(args.model, max_waiting_requests=args.max_waiting_requests,
+                         max_logprobs=args.max_logprobs, **kwargs)
     app = build_app(
-        engine, model_name=args.served_model_name, api_key=args.api_key, grace_period=args.grace_period
+        engine, model_name=args.served_model_name, api_key=args.api_key, grace_period=args.grace_period,
+        limits=limits, metrics_require_key=args.metrics_require_key, chat_template=chat_template,
     )
     run_server(app, host=args.host, port=args.port, shutdown_timeout=args.grace_period + 5)
     return 0
@@ -154,6 +170,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="queued requests beyond which new ones get HTTP 429")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish at shutdown")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file replacing the tokenizer's (clients cannot send templates)")
+    serve.add_argument("--metrics-require-key", default=None, action=argparse.BooleanOptionalAction,
+                       help="require the API key on /metrics too (default: when --api-key is set)")
+    limits = serve.add_argument_group("limits per request (over a limit: a 4xx JSON error naming it)")
+    defaults = ServerLimits()
+    limits.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                        help=f"largest request body (413 beyond; default {defaults.max_request_bytes})")
+    limits.add_argument("--max-json-depth", type=int, default=defaults.max_json_depth,
+                        help=f"deepest nesting of JSON arrays/objects (default {defaults.max_json_depth})")
+    limits.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request,
+                        help=f"items of a prompt list (default {defaults.max_prompts_per_request})")
+    limits.add_argument("--max-stop-sequences", type=int, default=defaults.max_stop_sequences,
+                        help=f"stop strings per request (default {defaults.max_stop_sequences})")
+    limits.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,
+                        help=f"characters per stop string (default {defaults.max_stop_length})")
+    limits.add_argument("--max-logprobs", type=int, default=20, help="most logprobs/top_logprobs a request may ask (default 20)")
+    limits.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
+                        help=f"seconds to receive a request body (408 beyond; default {defaults.body_timeout:g})")
+    limits.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive_timeout,
+                        help="seconds a connection may stay without a complete request: idle keep-alive, and "
+                             f"slow headers (default {defaults.keepalive_timeout:g})")
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the packaged models, or assemble and convert them")

@@ -11,8 +11,6 @@ import json
 import math
 from typing import Any
 
-from aiohttp import web
-
 
 class BadRequest(Exception):
     """A client error: ``status`` (400 by default), a message, and the field it is about."""
@@ -25,21 +23,8 @@ class BadRequest(Exception):
         self.code = code
 
 
-async def read_json_object(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object, or ``BadRequest`` saying why it is not one."""
-    raw = await request.read()
-    if not raw:
-        raise BadRequest("the request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {_kind(body)}")
-    return body
-
-
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """How an error message names a JSON value's type ("an array", "null", ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -63,7 +48,7 @@ class Fields:
     def __init__(self, data: Any, prefix: str = ""):
         if not isinstance(data, dict):
             name = prefix.rstrip(".") or "the request body"
-            raise BadRequest(f"{name} must be a JSON object, got {_kind(data)}", prefix.rstrip(".") or None)
+            raise BadRequest(f"{name} must be a JSON object, got {kind_of(data)}", prefix.rstrip(".") or None)
         self.data = data
         self.prefix = prefix
 
@@ -145,8 +130,8 @@ class Fields:
             raise self.error(key, "must be a string")
         return value
 
-    def str_list(self, key: str, max_items: int | None = None) -> list[str]:
-        """A string or a list of non-empty strings (``stop``), as a list."""
+    def str_list(self, key: str, max_items: int | None = None, max_length: int | None = None) -> list[str]:
+        """A string or a list of non-empty strings (``stop``), as a list, within bounds."""
         value = self.data.get(key)
         if value is None:
             return []
@@ -157,7 +142,11 @@ class Fields:
         if any(not s for s in value):
             raise self.error(key, "must not contain empty strings")
         if max_items is not None and len(value) > max_items:
-            raise self.error(key, f"must have at most {max_items} items")
+            raise BadRequest(f"{self.name(key)} must have at most {max_items} items, got {len(value)}", self.name(key))
+        if max_length is not None and any(len(s) > max_length for s in value):
+            longest = max(len(s) for s in value)
+            raise BadRequest(f"{self.name(key)} strings must be at most {max_length} characters, got one of {longest}",
+                             self.name(key))
         return value
 
     def int_list(self, key: str) -> list[int]:

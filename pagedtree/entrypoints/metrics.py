@@ -27,7 +27,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineStatsCollector(Collector):
-    """Gauges and counters read from ``AsyncEngine.stats()`` when Prometheus scrapes.
+    """Gauges and counters read when Prometheus scrapes: request counts live from the
+    ``AsyncEngine``, the rest from its stats snapshot (``AsyncEngine.stats()``).
 
     The speculative-decoding keys (``num_drafts``, ``num_draft_tokens``,
     ``num_accepted_tokens``, ``accepted_tokens_per_position``) read as 0 / empty
@@ -57,8 +58,12 @@ class EngineStatsCollector(Collector):
             family.add_metric(values, float(value or 0))
             return family
 
-        yield gauge("num_requests_running", "Requests in the running batch.", stats.get("num_requests_running"))
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.get("num_requests_waiting"))
+        # Counted on the serving side as requests come and go, so the gauges do not
+        # wait for the engine's next snapshot (a long step would freeze them).
+        waiting = self.engine.num_waiting_requests
+        running = self.engine.num_active_requests - waiting
+        yield gauge("num_requests_running", "Requests generating (past their first token).", running)
+        yield gauge("num_requests_waiting", "Requests accepted and waiting for their first token.", waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.get("kv_cache_usage"))
         yield counter("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", stats.get("prefix_cache_queries"))
         yield counter("prefix_cache_hits", "Prompt blocks found in the prefix cache.", stats.get("prefix_cache_hits"))

@@ -6,7 +6,7 @@ responses: JSON, or SSE chunks ending with ``data: [DONE]``, with usage counts.
 
 from __future__ import annotations
 
-import asyncio
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +16,13 @@ from aiohttp import web
 from pagedtree import __version__
 from pagedtree.engine.async_stream import CompletionDelta, RequestStream, StreamOutput
 from pagedtree.engine.errors import EngineStoppedError
-from pagedtree.entrypoints.fields import BadRequest, Fields, read_json_object
+from pagedtree.entrypoints.fields import BadRequest, Fields
 from pagedtree.entrypoints.openai_params import (
     parse_messages,
     parse_prompts,
     parse_sampling_params,
     parse_stream_options,
+    parse_template_kwargs,
 )
 from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, merge_streams, request_id_of, sse_event
 
@@ -43,6 +44,14 @@ class OpenAIRoutes:
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
+        tokenizer = ctx.engine.tokenizer
+        # Names a client must not pass to apply_chat_template: its own parameters
+        # (the template, tokenize, tools, ...) beside the template variables.
+        reserved = {"chat_template", "tokenize", "tools", "documents", "add_generation_prompt",
+                    "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs"}
+        if tokenizer is not None:
+            reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        self._reserved_template_args = frozenset(reserved)
 
     def add_to(self, app: web.Application, prefix: str) -> None:
         """Register the routes under ``prefix``."""
@@ -71,15 +80,15 @@ class OpenAIRoutes:
     # ------------------------------------------------------- completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions`` (streaming with ``"stream": true``)."""
-        body = Fields(await read_json_object(request))
+        body = Fields(await self.ctx.read_body(request))
         model = self._check_model(body)
         prompts = parse_prompts(body)
         body.unsupported("suffix")
         echo = body.get_bool("echo", False)
-        num_logprobs = body.get_int("logprobs", None, 0, 20)
+        num_logprobs = body.get_int("logprobs", None, 0, self._max_logprobs)
         if echo and num_logprobs is not None:
             raise BadRequest("echo together with logprobs is not supported", "echo")
-        params = parse_sampling_params(body, default_max_tokens=16, num_logprobs=num_logprobs)
+        params = parse_sampling_params(body, 16, num_logprobs, self.ctx.config.limits)
         stream, include_usage = parse_stream_options(body)
         meta = _Meta(f"cmpl-{request_id_of(request)}", "text_completion", int(time.time()), model)
         async with self.ctx.generation(request, prompts, params) as streams:
@@ -155,24 +164,24 @@ class OpenAIRoutes:
     # -------------------------------------------------------------- chat
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``: the tokenizer's chat template, then generation."""
-        body = Fields(await read_json_object(request))
+        body = Fields(await self.ctx.read_body(request))
         model = self._check_model(body)
         messages = parse_messages(body)
         for key in ("tools", "functions", "response_format"):
             body.unsupported(key)
         body.unsupported("tool_choice", "none", "auto")
         want_logprobs = body.get_bool("logprobs", False)
-        top = body.get_int("top_logprobs", None, 0, 20)
+        top = body.get_int("top_logprobs", None, 0, self._max_logprobs)
         if top is not None and not want_logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-        params = parse_sampling_params(body, None, (top or 0) if want_logprobs else None, max_key)
+        params = parse_sampling_params(body, None, (top or 0) if want_logprobs else None, self.ctx.config.limits,
+                                       max_key)
         stream, include_usage = parse_stream_options(body)
         add_generation_prompt = body.get_bool("add_generation_prompt", True)
-        kwargs = body.raw("chat_template_kwargs", {})
-        if not isinstance(kwargs, dict):
-            raise body.error("chat_template_kwargs", "must be an object")
-        prompt = await asyncio.to_thread(self._render_chat, messages, add_generation_prompt, kwargs)
+        kwargs = parse_template_kwargs(body, self._reserved_template_args)
+        # Rendering and tokenizing run in the engine's tokenizer pool, off the loop.
+        prompt = await self.ctx.engine.run_in_tokenizer_pool(self._render_chat, messages, add_generation_prompt, kwargs)
         meta = _Meta(f"chatcmpl-{request_id_of(request)}", "chat.completion", int(time.time()), model)
         names = {"prompt": "messages", "max_tokens": max_key}
         async with self.ctx.generation(request, [prompt], params, names) as streams:
@@ -180,17 +189,28 @@ class OpenAIRoutes:
                 return await self._stream_chat(request, streams[0], meta, include_usage, top or 0)
             return await self._chat(streams[0], meta, top or 0)
 
+    @property
+    def _max_logprobs(self) -> int:
+        return self.ctx.engine.config.max_logprobs
+
     def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      kwargs: dict[str, Any]) -> dict[str, Any]:
         tokenizer = self.ctx.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise BadRequest("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
+        template = self.ctx.config.chat_template
+        if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
+            raise BadRequest("messages: this model's tokenizer has no chat template; use /v1/completions "
+                             "(or start the server with --chat-template)", "messages")
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the client's (roles, ...)
             raise BadRequest(f"messages: the chat template rejected them: {exc}", "messages") from exc
+        limit = self.ctx.engine.max_prompt_chars
+        if len(text) > limit:
+            raise BadRequest(f"messages: the rendered chat is {len(text)} characters, more than the context of "
+                             f"{self.ctx.engine.max_model_len} tokens can hold", "messages")
         # The template already wrote any BOS; encoding with special tokens would double it.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 

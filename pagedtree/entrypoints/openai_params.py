@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from pagedtree.entrypoints.fields import BadRequest, Fields
-from pagedtree.sampling_params import SamplingParams
+from pagedtree.entrypoints.limits import ServerLimits
+from pagedtree.sampling_params import MAX_SEED, SamplingParams
 
-_MAX_SEED = 2**63 - 1
+MAX_N = 64  # choices per request (OpenAI's own bound is 128; each is a sequence here)
+# Chat template variables a client may set: plain values of bounded size, never
+# the template itself or the tokenizer's own options.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARG_CHARS = 4096
 
 
 def parse_prompts(body: Fields) -> list[Any]:
@@ -66,13 +71,34 @@ def parse_stream_options(body: Fields) -> tuple[bool, bool]:
     return stream, options.get_bool("include_usage", False)
 
 
+def parse_template_kwargs(body: Fields, reserved: frozenset[str]) -> dict[str, Any]:
+    """``chat_template_kwargs``: variables for the model's chat template (``reserved``
+    names, the template and the tokenizer's own options, are refused)."""
+    kwargs = body.raw("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise body.error("chat_template_kwargs", "must be an object")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise BadRequest(f"chat_template_kwargs has {len(kwargs)} keys, at most {MAX_TEMPLATE_KWARGS}",
+                         "chat_template_kwargs")
+    for key, value in kwargs.items():
+        name = f"chat_template_kwargs.{key}"
+        if key in reserved:
+            raise BadRequest(f"{name} cannot be set by a request: only the template's own variables can "
+                             "(the server's chat template is fixed)", name)
+        if not isinstance(value, (str, int, float, bool)) and value is not None:
+            raise BadRequest(f"{name} must be a string, number, boolean or null", name)
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
+            raise BadRequest(f"{name} must be at most {MAX_TEMPLATE_KWARG_CHARS} characters", name)
+    return kwargs
+
+
 def parse_sampling_params(body: Fields, default_max_tokens: int | None, num_logprobs: int | None,
-                     max_key: str = "max_tokens") -> SamplingParams:
+                          limits: ServerLimits, max_key: str = "max_tokens") -> SamplingParams:
     """OpenAI (and vLLM-extra) sampling fields as ``SamplingParams``; errors name the field."""
     body.unsupported("presence_penalty", 0, 0.0)
     body.unsupported("frequency_penalty", 0, 0.0)
     body.unsupported("logit_bias", {})
-    n = body.get_int("n", 1, 1, 64)
+    n = body.get_int("n", 1, 1, MAX_N)
     best_of = body.get_int("best_of", None, 1)
     if best_of is not None and best_of != n:
         raise BadRequest("best_of different from n is not supported", "best_of")
@@ -87,10 +113,10 @@ def parse_sampling_params(body: Fields, default_max_tokens: int | None, num_logp
             top_p=body.get_float("top_p", 1.0, 0.0, 1.0, exclusive_minimum=True),
             top_k=body.get_int("top_k", -1, -1),
             min_p=body.get_float("min_p", 0.0, 0.0, 1.0),
-            seed=body.get_int("seed", None, 0, _MAX_SEED),
+            seed=body.get_int("seed", None, 0, MAX_SEED),
             max_tokens=max_tokens,
             min_tokens=min_tokens,
-            stop=body.str_list("stop"),
+            stop=body.str_list("stop", limits.max_stop_sequences, limits.max_stop_length),
             stop_token_ids=body.int_list("stop_token_ids"),
             ignore_eos=body.get_bool("ignore_eos", False),
             logprobs=num_logprobs,

@@ -15,16 +15,17 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiohttp import web
 
 from pagedtree.engine.async_engine import AsyncEngine, new_request_id
 from pagedtree.engine.async_stream import RequestStream, StreamOutput
-from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError
+from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import PromptType
 from pagedtree.entrypoints.fields import BadRequest
+from pagedtree.entrypoints.limits import ServerLimits, read_json_object
 from pagedtree.entrypoints.metrics import ServerMetrics
 from pagedtree.sampling_params import SamplingParams
 
@@ -39,9 +40,10 @@ _MAX_REQUEST_ID = 128
 
 # OpenAI's error "type" and TGI's "error_type" for each status we answer with.
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                  429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
-_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 429: "overloaded",
-              500: "generation", 503: "unavailable"}
+_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 408: "validation", 413: "validation",
+              415: "validation", 429: "overloaded", 500: "generation", 503: "unavailable"}
 
 
 class GenerationFailed(Exception):
@@ -57,6 +59,13 @@ class ServerConfig:
     grace_period: float = 10.0  # seconds in-flight requests may finish during shutdown
     manage_engine: bool = True  # shut the engine down when the app shuts down
     disconnect_poll_interval: float = 0.5  # how often a quiet request checks its client
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    metrics_require_key: bool | None = None  # None: when an API key is set
+    chat_template: str | None = None  # a server-side template replacing the tokenizer's
+
+    def __post_init__(self) -> None:
+        if self.metrics_require_key is None:
+            self.metrics_require_key = bool(self.api_key)
 
 
 class ServerContext:
@@ -153,6 +162,10 @@ class ServerContext:
         return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "internal_server_error"),
                           "param": param, "code": code or status}}
 
+    async def read_body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object body, within the server's limits."""
+        return await read_json_object(request, self.config.limits)
+
     # -------------------------------------------------------- generation
     async def start(
         self,
@@ -161,31 +174,30 @@ class ServerContext:
         params: SamplingParams,
         names: Mapping[str, str] | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt (ids derived from the request id).
+        """Queue one engine request per prompt, all in one engine command.
 
-        If a later prompt is rejected, the ones already queued are aborted, so a
-        request is accepted whole or not at all. ``names`` renames the engine's
-        fields in error messages to the protocol's (``max_tokens`` is TGI's
-        ``parameters.max_new_tokens``).
+        Every engine request gets an id of the server's own: a client's
+        ``X-Request-Id`` is only echoed and logged, so no client can name (or
+        collide with) another client's request. If any prompt is rejected nothing
+        is queued. ``names`` renames the engine's fields in error messages to the
+        protocol's (``max_tokens`` is TGI's ``parameters.max_new_tokens``).
         """
-        base = request_id_of(request)
-        streams: list[RequestStream] = []
+        limit = self.config.limits.max_prompts_per_request
+        if len(prompts) > limit:
+            raise BadRequest(f"prompt has {len(prompts)} items, at most {limit} per request (--max-prompts-per-request)",
+                             (names or {}).get("prompt", "prompt"))
+        engine_ids = [new_request_id() for _ in prompts]
+        logger.debug("request %s: engine ids %s", request_id_of(request), engine_ids)
         try:
-            for i, prompt in enumerate(prompts):
-                engine_id = base if len(prompts) == 1 else f"{base}-{i}"
-                if self.engine.is_active(engine_id):  # a client reused its X-Request-Id
-                    engine_id = f"{engine_id}-{new_request_id()}"
-                try:
-                    streams.append(await self.engine.add_request(prompt, params, engine_id, check_context=True))
-                except ValueError as exc:
-                    where = f"prompt {i}: " if len(prompts) > 1 else ""
-                    message, param = _rename(str(exc), _param_of(str(exc)), names or {})
-                    raise BadRequest(f"{where}{message}", param) from exc
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()
-            raise
-        return streams
+            return await self.engine.add_requests(prompts, params, engine_ids, check_context=True,
+                                                  label=request_id_of(request))
+        except InvalidRequestError as exc:
+            where = f"prompt {exc.index}: " if len(prompts) > 1 else ""
+            message, param = _rename(str(exc), _param_of(str(exc)), names or {})
+            raise BadRequest(f"{where}{message}", param) from exc
+        except ValueError as exc:
+            message, param = _rename(str(exc), _param_of(str(exc)), names or {})
+            raise BadRequest(message, param) from exc
 
     @contextlib.asynccontextmanager
     async def generation(

@@ -17,14 +17,13 @@ from aiohttp import web
 from pagedtree import __version__
 from pagedtree.engine.async_stream import CompletionDelta, StreamOutput
 from pagedtree.engine.errors import EngineStoppedError
-from pagedtree.entrypoints.fields import BadRequest, Fields, read_json_object
+from pagedtree.entrypoints.fields import BadRequest, Fields
+from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, sse_event
-from pagedtree.sampling_params import SamplingParams
+from pagedtree.sampling_params import MAX_SEED, SamplingParams
 
-MAX_STOP_SEQUENCES = 16
 MAX_TOP_N_TOKENS = 10
 DEFAULT_MAX_NEW_TOKENS = 100
-_MAX_SEED = 2**63 - 1
 # The engine's field names as TGI clients know them, for error messages.
 _NAMES = {"max_tokens": "parameters.max_new_tokens", "prompt": "inputs"}
 
@@ -78,7 +77,7 @@ class TGIRoutes:
             "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": engine.max_waiting_requests,
             "max_best_of": 1,
-            "max_stop_sequences": MAX_STOP_SEQUENCES,
+            "max_stop_sequences": self.ctx.config.limits.max_stop_sequences,
             "max_input_tokens": engine.max_model_len - 1,
             "max_total_tokens": engine.max_model_len,
             "max_batch_size": config.max_num_seqs,
@@ -93,21 +92,21 @@ class TGIRoutes:
 
     async def generate(self, request: web.Request) -> web.Response:
         """``POST /generate``: ``{generated_text, details?}``."""
-        parsed = _parse(await read_json_object(request))
+        parsed = _parse(await self.ctx.read_body(request), self.ctx.config.limits)
         return web.json_response(await self._generate(request, parsed))
 
     async def compat_generate(self, request: web.Request) -> web.StreamResponse:
         """``POST /``: TGI's compat route, ``/generate`` as a one-item list, or a stream."""
-        body = await read_json_object(request)
+        body = await self.ctx.read_body(request)
         stream = Fields(body).get_bool("stream", False)
-        parsed = _parse(body)
+        parsed = _parse(body, self.ctx.config.limits)
         if stream:
             return await self._stream(request, parsed)
         return web.json_response([await self._generate(request, parsed)])
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """``POST /generate_stream``: one SSE event per token."""
-        return await self._stream(request, _parse(await read_json_object(request)))
+        return await self._stream(request, _parse(await self.ctx.read_body(request), self.ctx.config.limits))
 
     # ------------------------------------------------------- generation
     async def _generate(self, request: web.Request, parsed: _TGIRequest) -> dict[str, Any]:
@@ -224,7 +223,7 @@ def _finish_reason(c: CompletionDelta) -> str:
     return "stop_sequence" if isinstance(c.stop_reason, str) else "eos_token"
 
 
-def _parse(body: dict[str, Any]) -> _TGIRequest:
+def _parse(body: dict[str, Any], limits: ServerLimits) -> _TGIRequest:
     """TGI's ``{inputs, parameters}`` as engine inputs; errors name ``parameters.<field>``."""
     f = Fields(body)
     inputs = f.required("inputs")
@@ -243,7 +242,7 @@ def _parse(body: dict[str, Any]) -> _TGIRequest:
     top_k = p.get_int("top_k", None, 1)
     # As TGI does: any sampling knob away from its neutral value turns sampling on.
     sampling = do_sample or temperature not in (None, 1.0) or top_k is not None or top_p not in (None, 1.0)
-    seed = p.get_int("seed", None, 0, _MAX_SEED)
+    seed = p.get_int("seed", None, 0, MAX_SEED)
     if sampling and seed is None:
         seed = random.getrandbits(63)  # chosen here so that details can report it
     top_n = p.get_int("top_n_tokens", 0, 0, MAX_TOP_N_TOKENS) or 0
@@ -253,7 +252,7 @@ def _parse(body: dict[str, Any]) -> _TGIRequest:
         top_k=top_k or -1,
         seed=seed,
         max_tokens=p.get_int("max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 1),
-        stop=p.str_list("stop", MAX_STOP_SEQUENCES),
+        stop=p.str_list("stop", limits.max_stop_sequences, limits.max_stop_length),
         repetition_penalty=p.get_float("repetition_penalty", 1.0, 0.0, exclusive_minimum=True),
         logprobs=top_n,  # 0 still reports each sampled token's logprob
     )

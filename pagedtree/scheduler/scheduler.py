@@ -72,9 +72,11 @@ class Scheduler:
         """End ``request`` with ``status`` and return its blocks to the pool."""
         if not status.finished:
             raise ValueError(f"{status} is not a finished status")
-        if request.status == RequestStatus.RUNNING:
+        # Tolerant of a request that is in neither queue (ended halfway through a
+        # failed step): finishing must never raise, it is the recovery path.
+        if request in self.running:
             self.running.remove(request)
-        elif request.status == RequestStatus.WAITING:
+        if request in self.waiting:
             self.waiting.remove(request)
         if self.block_manager.has_sequence(request.request_id):
             self.block_manager.free(request.request_id)

@@ -126,6 +126,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = before >= params.top_p
+        # Explicitly: a top_p that rounds to 0 in fp32 would otherwise drop everything.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:

@@ -35,6 +35,12 @@ def llm(tiny_text_model):
         ({"logprobs": -1}, "logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"n": 10**6}, "n"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
     ],
 )
 def test_sampling_params_reject_bad_values(kwargs, field):
@@ -141,3 +147,64 @@ def test_generation_stops_at_context_limit(tiny_llama):
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 20
     assert torch.tensor(out.outputs[0].token_ids).max() < 256
+
+
+def test_tiny_temperatures_are_greedy_and_tiny_top_p_keeps_the_top_token(llm):
+    """A temperature of 1e-45 overflowed the logits (NaN, finish_reason "error");
+    below 1e-5 it is greedy now. A top_p that rounds to 0 keeps the top token."""
+    assert SamplingParams(temperature=1e-45).greedy and SamplingParams(temperature=1e-300).temperature == 0.0
+    assert not SamplingParams(temperature=1e-4).greedy
+    greedy = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    tiny = llm.generate(
+        ["Hello", "Hello"],
+        [SamplingParams(temperature=1e-300, max_tokens=6, ignore_eos=True),
+         SamplingParams(temperature=0.7, top_p=1e-300, max_tokens=6, ignore_eos=True, seed=3)],
+        use_tqdm=False,
+    )
+    for out in tiny:
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_logprobs_are_capped_by_max_logprobs(tiny_text_model):
+    llm = LLM(str(tiny_text_model.path), block_size=4, max_model_len=64, max_logprobs=5)
+    with pytest.raises(ValueError, match="logprobs must be <= 5"):
+        llm.generate(["Hello"], SamplingParams(logprobs=10**9), use_tqdm=False)
+    out = llm.generate(["Hello"], SamplingParams(logprobs=5, max_tokens=2), use_tqdm=False)[0]
+    assert all(len(top) >= 5 for top in out.outputs[0].logprobs)
+
+
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        (5, None, "prompts must be"),
+        (None, None, "prompts must be"),
+        (["a"], {"temperature": 0}, "sampling_params must be .* got dict"),
+        (["a"], "greedy", "sampling_params must be .* got str"),
+        (["a", "b"], [SamplingParams(), "x"], "sampling_params must be"),
+    ],
+)
+def test_generate_argument_errors_name_the_argument(llm, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_child_ids_cannot_collide(llm):
+    """With n=2, "victim" owns "victim#0" and "victim#1": another request may take
+    none of them (a clash handed one request's blocks to another and killed the
+    engine thread)."""
+    engine = llm.engine
+    engine.add_request("victim", "Hello", SamplingParams(n=2, max_tokens=3))
+    for rid, n in (("victim#0", 1), ("victim", 1), ("victim#1", 3), ("vic", 1)):
+        if rid == "vic":
+            engine.add_request(rid, "Hello", SamplingParams(max_tokens=2))
+            continue
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(rid, "Hello", SamplingParams(n=n, max_tokens=2))
+    # A parent whose children would take an existing id is refused too.
+    engine.add_request("x#0", "Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", "Hello", SamplingParams(n=2, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(llm)

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from pagedtree.engine.async_engine import AsyncEngine
-from pagedtree.entrypoints.api_server import build_app
+from pagedtree.entrypoints.api_server import app_runner, build_app
 
 # A minimal ChatML-style template: the test tokenizer ships none.
 CHAT_TEMPLATE = (
@@ -76,7 +76,7 @@ def start_server(app_factory: Callable[[AsyncEngine], web.Application], engine: 
     app = app_factory(engine)
 
     async def setup():
-        runner = web.AppRunner(app, shutdown_timeout=10)
+        runner = app_runner(app, shutdown_timeout=10)
         await runner.setup()
         # As run_server does: a deep accept queue, so a burst of clients is not
         # answered with dropped SYNs (a 1 s retransmit).

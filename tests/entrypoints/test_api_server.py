@@ -25,7 +25,10 @@ def post(server, path, body, headers=None, raw: bytes | None = None):
     async def main():
         async with aiohttp.ClientSession() as session:
             kwargs = {"data": raw} if raw is not None else {"json": body}
-            async with session.post(server.url + path, headers=headers, **kwargs) as r:
+            sent = dict(headers or {})
+            if raw is not None:  # raw bytes still declared as JSON, as a client sending bad JSON does
+                sent.setdefault("Content-Type", "application/json")
+            async with session.post(server.url + path, headers=sent, **kwargs) as r:
                 if r.headers.get("Content-Type", "").startswith("text/event-stream"):
                     return r.status, r.headers, await read_sse(r)
                 return r.status, r.headers, await r.json(content_type=None)
@@ -207,7 +210,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
 
     asyncio.run(main())
     wait_until_idle(server)
-    metrics = next(m for m in finished if m.request_id == "leaver")
+    metrics = next(m for m in finished if m.label == "leaver")
     assert metrics.finish_reason == "abort" and metrics.num_generation_tokens < 240
 
 
@@ -233,7 +236,7 @@ def test_client_disconnect_while_queued_non_streaming_aborts(server):
     server.run(lambda: _wait_for(blocked))
     wait_until_idle(server)
     # Cancelled before the engine took it, or aborted at once: either way nothing was generated.
-    assert all(m.finish_reason == "abort" for m in finished if m.request_id == "quitter")
+    assert all(m.finish_reason == "abort" for m in finished if m.label == "quitter")
     assert server.run(server.engine.get_stats)["num_generated_tokens"] == generated_before
 
 
@@ -265,6 +268,9 @@ def test_metrics_read_speculative_counters_when_present(server):
     from pagedtree.entrypoints.metrics import ServerMetrics
 
     class FakeEngine:
+        num_waiting_requests = 1
+        num_active_requests = 3
+
         def stats(self):
             return {"num_drafts": 3, "num_draft_tokens": 12, "num_accepted_tokens": 7,
                     "accepted_tokens_per_position": [3, 2, 2]}
@@ -275,6 +281,7 @@ def test_metrics_read_speculative_counters_when_present(server):
     text = ServerMetrics(FakeEngine(), "m").render().decode()
     assert 'pagedtree:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
     assert 'pagedtree:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2.0' in text
+    assert 'pagedtree:num_requests_running{model_name="m"} 2.0' in text
 
 
 @pytest.fixture(scope="module")
@@ -292,8 +299,21 @@ def test_api_key(key_server):
     status, _, error = post(key_server, "/generate", {"inputs": "Hello"})
     assert status == 401 and error["error_type"] == "authentication"
     assert post(key_server, "/v1/completions", body, headers={"Authorization": "Bearer sekret"})[0] == 200
-    assert get(key_server, "/health")[0] == 200 and get(key_server, "/metrics")[0] == 200
+    assert get(key_server, "/health")[0] == 200
+    # A keyed server keys its metrics too (they tell who uses it how much).
+    assert get(key_server, "/metrics")[0] == 401
+    assert get(key_server, "/metrics", headers={"Authorization": "Bearer sekret"})[0] == 200
     assert get(key_server, "/v1/models")[0] == 401
+
+
+def test_metrics_can_stay_open_with_a_key(chat_model_path):
+    live = start_server(lambda e: build_app(e, api_key="k", metrics_require_key=False),
+                        make_engine(chat_model_path, max_model_len=64))
+    try:
+        assert get(live, "/metrics")[0] == 200
+        assert get(live, "/v1/models")[0] == 401
+    finally:
+        live.stop()
 
 
 def test_overload_gives_429_in_both_protocols(chat_model_path):

@@ -129,3 +129,49 @@ def test_example_app_serves_its_routes_next_to_pagedtree(chat_model_path):
         wait_until_idle(live)
     finally:
         live.stop()
+
+
+def test_a_second_signal_hurries_the_shutdown_without_aborting_the_process(chat_model_path):
+    """SIGTERM starts the grace period; a second SIGTERM ends it at once: the
+    in-flight stream gets an error event and [DONE], and the process exits 0 (it
+    used to die with SIGABRT, "terminate called without an active exception")."""
+    import threading
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedtree.entrypoints.cli", "serve", "--model", str(chat_model_path),
+         "--device", "cpu", "--port", str(port), "--max-model-len", "512", "--grace-period", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    events: list[str] = []
+    try:
+        wait_healthy(url, process)
+        body = json.dumps({"prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+
+        def read_stream() -> None:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                for line in r:
+                    if line.startswith(b"data:"):
+                        events.append(line.decode().strip())
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        while not events:
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        reader.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr[-3000:]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2]  # the stream ended with an error event, not cut off
+    assert "aborting the requests still running" in stderr

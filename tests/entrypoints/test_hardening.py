@@ -1,0 +1,353 @@
+"""Hostile and careless clients against a live server on loopback.
+
+One test per way a client used to hurt the server: collide with another request's
+id and kill the engine thread, freeze the event loop with stop strings, run its own
+chat template, send a list of prompts that queued one per step, a huge prompt
+tokenized on the engine thread, deeply nested JSON, tiny temperatures, bodies that
+never end, cross-site ``text/plain`` posts; plus a fuzz test over every POST route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedtree.entrypoints.api_server import build_app
+from pagedtree.entrypoints.limits import ServerLimits
+from tests.entrypoints.conftest import make_engine, start_server, wait_until_idle
+
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/"]
+
+
+@pytest.fixture(scope="module")
+def live(chat_model_path):
+    limits = ServerLimits(body_timeout=1.0, keepalive_timeout=1.0, max_request_bytes=20_000_000)
+    server = start_server(lambda e: build_app(e, model_name="tiny", limits=limits), make_engine(chat_model_path))
+    yield server
+    server.stop()
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body=None, raw: bytes | None = None,
+                headers: dict | None = None, content_type: str = "application/json"):
+    data = raw if raw is not None else json.dumps(body).encode()
+    async with session.post(url, data=data, headers={"Content-Type": content_type, **(headers or {})}) as r:
+        text = await r.text()
+        return r.status, r.headers, text
+
+
+def post(server, path, body=None, raw=None, headers=None, content_type="application/json"):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await _post(session, server.url + path, body, raw, headers, content_type)
+
+    return asyncio.run(main())
+
+
+class HealthProbe:
+    """Polls /health from its own thread and records the slowest answer."""
+
+    def __init__(self, server):
+        self.server = server
+        self.worst = 0.0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.server.url + "/health", timeout=5) as r:
+                    ok = r.status == 200
+            except OSError:
+                ok = False
+            self.worst = max(self.worst, time.monotonic() - started)
+            self.failures += not ok
+            time.sleep(0.01)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_a_client_cannot_collide_with_another_requests_ids(live):
+    """``X-Request-Id: victim`` with n=2, then ``victim#0``: both are served (the
+    engine keys requests by ids of its own), the engine lives, errors quote nobody."""
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.ensure_future(_post(session, live.url + "/v1/completions", {
+                "prompt": "Hello", "n": 2, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            }, headers={"X-Request-Id": "victim"}))
+            await asyncio.sleep(0.05)
+            second = await _post(session, live.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3},
+                                 headers={"X-Request-Id": "victim#0"})
+            third = await _post(session, live.url + "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3}},
+                                headers={"X-Request-Id": "victim#1"})
+            return await first, second, third
+
+    first, second, third = asyncio.run(main())
+    assert [r[0] for r in (first, second, third)] == [200, 200, 200], (first, second, third)
+    assert first[1]["X-Request-Id"] == "victim" and second[1]["X-Request-Id"] == "victim#0"
+    assert len(json.loads(first[2])["choices"]) == 2
+    assert post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+    assert live.engine.is_healthy
+    wait_until_idle(live)
+
+
+def test_a_failed_step_fails_its_requests_with_a_message_that_quotes_nobody(live):
+    """An engine step that raises ends the requests in flight with a 500 whose
+    message is generic; the engine thread carries on."""
+
+    def break_next_step(engine):
+        real = engine.scheduler.schedule
+
+        def broken(*args, **kwargs):
+            engine.scheduler.schedule = real
+            raise ValueError("secret prompt of someone else: 'the password is swordfish'")
+
+        engine.scheduler.schedule = broken
+
+    live.run(lambda: live.engine.call(break_next_step))
+    status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert status == 500 and "swordfish" not in text and "internal engine error" in text
+    assert post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+    assert live.engine.is_healthy
+    wait_until_idle(live)
+
+
+def test_stop_lists_are_bounded_and_never_stall_the_loop(live):
+    with HealthProbe(live) as probe:
+        status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "stop": ["x" * 1500] * 10_000})
+        assert status == 400 and "stop" in text and "16" in text
+        status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "stop": ["x" * 1500]})
+        assert status == 400 and "512 characters" in text
+        status, _, text = post(live, "/generate", {"inputs": "Hi", "parameters": {"stop": ["ab"] * 17}})
+        assert status == 400 and "parameters.stop" in text
+        # The most a request may ask, streamed: held-back text is checked quickly.
+        stops = ["zq" * 255 + "!"] * 16
+        status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "stop": stops, "max_tokens": 60,
+                                                          "ignore_eos": True, "stream": True})
+        assert status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert probe.worst < 0.1 and probe.failures == 0
+    wait_until_idle(live)
+
+
+def test_clients_cannot_send_templates_or_tokenizer_options(live):
+    evil = "{% for i in range(10**9) %}{{ 'x' * 10**6 }}{% endfor %}"
+    messages = [{"role": "user", "content": "Hi"}]
+    for kwargs, field in [
+        ({"chat_template": evil}, "chat_template_kwargs.chat_template"),
+        ({"tokenize": True}, "chat_template_kwargs.tokenize"),
+        ({"tools": []}, "chat_template_kwargs.tools"),
+        ({"flag": {"nested": evil}}, "chat_template_kwargs.flag"),
+        ({"text": "x" * 5000}, "chat_template_kwargs.text"),
+    ]:
+        status, _, text = post(live, "/v1/chat/completions", {"messages": messages, "chat_template_kwargs": kwargs})
+        assert status == 400 and field in text, text
+    # Plain variables are fine.
+    status, _, _ = post(live, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200
+
+
+def test_a_server_side_chat_template_is_used(chat_model_path):
+    server = start_server(lambda e: build_app(e, chat_template="[{{ messages[0]['content'] }}]"),
+                          make_engine(chat_model_path))
+    try:
+        status, _, text = post(server, "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert status == 200
+        assert json.loads(text)["usage"]["prompt_tokens"] == len(server.engine.tokenizer.encode("[Hi]", add_special_tokens=False))
+    finally:
+        server.stop()
+
+
+def test_a_prompt_list_joins_the_batch_in_one_step(live):
+    """50 prompts used to be queued one per engine step (79 s); now they are one command."""
+    before = live.run(live.engine.get_stats)["num_forward_passes"]
+    status, _, text = post(live, "/v1/completions", {"prompt": [f"Hello {i}" for i in range(50)],
+                                                      "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+    assert status == 200 and len(json.loads(text)["choices"]) == 50
+    passes = live.run(live.engine.get_stats)["num_forward_passes"] - before
+    assert passes <= 4 + 2, passes  # the batch prefills together, then 3 more decode steps
+    status, _, text = post(live, "/v1/completions", {"prompt": ["x"] * 257, "max_tokens": 1})
+    assert status == 400 and "256" in text
+    wait_until_idle(live)
+
+
+def test_a_prompt_list_over_the_waiting_bound_is_refused_before_queueing(chat_model_path):
+    server = start_server(lambda e: build_app(e), make_engine(chat_model_path, max_waiting_requests=8))
+    try:
+        before = server.run(server.engine.get_stats)["num_prompt_tokens"]
+        status, _, text = post(server, "/v1/completions", {"prompt": ["Hi"] * 9, "max_tokens": 1})
+        assert status == 429 and "overloaded" in text
+        assert server.run(server.engine.get_stats)["num_prompt_tokens"] == before  # nothing was queued
+    finally:
+        server.stop()
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_it_on_the_engine_thread(live):
+    """A 15 MB prompt is refused from its length in characters, while other streams
+    and /health go on."""
+    huge = "word " * 3_000_000
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            other = asyncio.ensure_future(_post(session, live.url + "/v1/completions", {
+                "prompt": "Hello", "max_tokens": 30, "ignore_eos": True}))
+            started = time.monotonic()
+            result = await _post(session, live.url + "/v1/completions", {"prompt": huge, "max_tokens": 2})
+            return result, time.monotonic() - started, await other
+
+    with HealthProbe(live) as probe:
+        (status, _, text), seconds, other = asyncio.run(main())
+    assert status == 400 and "characters" in text
+    assert seconds < 5 and other[0] == 200
+    assert probe.worst < 0.5
+    # Over the body limit of a default server: 413 before reading it all.
+    status, _, text = post(live, "/v1/completions", raw=b"[" + b"1," * 11_000_000 + b"1]")
+    assert status == 413
+    wait_until_idle(live)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}"])
+def test_deeply_nested_json_is_a_400(live, raw):
+    status, _, text = post(live, "/v1/completions", raw=raw)
+    assert status == 400 and "levels deep" in text
+    status, _, text = post(live, "/generate", raw=raw)
+    assert status == 400 and json.loads(text)["error_type"] == "validation"
+
+
+def test_tiny_temperature_and_top_p_are_not_errors(live):
+    for body in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-45, "top_p": 1e-300}):
+        status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 3} | body)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_only_json_bodies_are_accepted(live):
+    """A web page can POST text/plain across sites without a preflight; not JSON."""
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        status, _, text = post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, content_type=content_type)
+        assert status == 415 and "application/json" in text
+    status, _, text = post(live, "/generate", {"inputs": "Hi"}, content_type="text/plain")
+    assert status == 415 and json.loads(text)["error_type"] == "validation"
+
+
+def test_slow_headers_and_bodies_are_cut_off(live):
+    """Slowloris: a connection that never completes its headers is closed after the
+    keep-alive timeout; a body that never completes is a 408 after the body timeout."""
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        for _ in range(40):
+            try:
+                s.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                break
+            time.sleep(0.1)
+        s.settimeout(5)
+        try:
+            data = s.recv(100)
+        except OSError:
+            data = b""
+        assert data == b"" and time.monotonic() - started < 3.5
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        s.settimeout(5)
+        reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408")
+
+
+def test_gauges_follow_requests_during_a_long_step(live):
+    """While the engine thread is busy, /metrics still counts a new waiting request."""
+    release = threading.Event()
+    live.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(live.engine.call(lambda e: release.wait(10))))
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            pending = asyncio.ensure_future(_post(session, live.url + "/v1/completions",
+                                                  {"prompt": "Hello", "max_tokens": 2}))
+            while live.engine.num_waiting_requests < 1:
+                await asyncio.sleep(0.01)
+            async with session.get(live.url + "/metrics") as r:
+                text = await r.text()
+            release.set()
+            return text, await pending
+
+    text, (status, _, _) = asyncio.run(main())
+    assert 'pagedtree:num_requests_waiting{model_name="tiny"} 1.0' in text
+    assert status == 200
+    wait_until_idle(live)
+
+
+# ------------------------------------------------------------------- fuzzing
+_FIELDS = ["prompt", "messages", "inputs", "parameters", "max_tokens", "n", "stop", "temperature", "top_p", "top_k",
+           "seed", "logprobs", "top_logprobs", "stream", "stream_options", "echo", "model", "best_of", "min_tokens",
+           "stop_token_ids", "ignore_eos", "chat_template_kwargs", "max_new_tokens", "do_sample", "details",
+           "repetition_penalty", "min_p", "suffix", "logit_bias", "top_n_tokens", "return_full_text"]
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 40), st.integers(-2**70, 2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+)
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                          st.dictionaries(st.sampled_from(_FIELDS + ["role", "content"]),
+                                                                          inner, max_size=4)), max_leaves=12)
+_bodies = st.one_of(st.dictionaries(st.sampled_from(_FIELDS), _values, max_size=8), _values)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(POST_ROUTES), body=_bodies)
+def test_fuzzed_bodies_never_get_a_500(live, route, body):
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_new_tokens"):
+            if isinstance(body.get(key), int) and body[key] > 8:
+                body[key] = 8  # keep valid requests short
+        if isinstance(body.get("parameters"), dict):
+            body["parameters"]["max_new_tokens"] = 4
+        body.setdefault("max_tokens", 4)
+    try:
+        raw = json.dumps(body).encode()
+    except ValueError:
+        return
+    status, headers, text = post(live, route, raw=raw)
+    assert status < 500, (status, text)
+    if status >= 400:
+        assert headers["Content-Type"].startswith("application/json") and json.loads(text)["error"]
+
+
+def test_health_answers_quickly_while_fuzzing(live):
+    """A burst of fuzzed requests in parallel; /health stays under 100 ms."""
+    import random
+
+    rng = random.Random(3)
+    bodies = [{"prompt": rng.choice(["Hi", ["a", "b"], [1, 2, 3], 5, None]), "max_tokens": rng.choice([1, 4, -1, "x"]),
+               "stop": rng.choice([None, "x", ["a"] * 20]), "temperature": rng.choice([0, 1e-300, 2.0, "hot"])}
+              for _ in range(120)]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.gather(*[_post(session, live.url + rng.choice(POST_ROUTES[:1]), b) for b in bodies])
+            return [r[0] for r in results]
+
+    with HealthProbe(live) as probe:
+        statuses = asyncio.run(main())
+    assert all(s < 500 for s in statuses) and 200 in statuses and 400 in statuses
+    assert probe.worst < 0.1 and probe.failures == 0
+    wait_until_idle(live)
