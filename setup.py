@@ -15,13 +15,11 @@ setup(
         # an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
         "torch>=2.5",
         "triton>=3.0,<3.8",  # 3.7.1 is what the kernels are tested with (see scripts/setup.sh)
-        "transformers>=5.0,<6",
-        "tokenizers",
-        "sentencepiece",
+        "transformers>=5.0,<6",  # configs, tokenizers (it brings `tokenizers`), GGUF conversion
+        "sentencepiece",  # not imported here: transformers needs it for SentencePiece tokenizers (Llama 2, Mistral)
         "safetensors",
-        "gguf>=0.10",
+        "gguf>=0.10",  # not imported here: transformers reads .gguf files through it
         "numpy",
-        "numba",
         "tqdm",
         "aiohttp",
         "uvloop",

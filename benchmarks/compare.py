@@ -7,7 +7,7 @@ ignored). Engines:
 
 - ``pagedtree``               plain decoding
 - ``pagedtree-spec:PRESET``   tree speculation with a preset of
-                              ``pagedtree.spec.presets`` (chain-5, dynamic-16, ...)
+                              ``pagedtree.speculative.presets`` (chain-5, dynamic-16, ...)
 - ``transformers``            Hugging Face ``generate`` (left-padded batches)
 - ``transformers-assisted``   assisted generation with the draft (batch 1 only)
 - ``vllm``                    vLLM's offline ``LLM`` (from ``--vllm-python``'s venv)
@@ -48,19 +48,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedtree.bench.datasets import CODING_PROMPTS
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-CODING_PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Write a SQL query that returns the ten most recent orders from an orders table.",
-    "Write a Python class for a stack with push, pop and peek.",
-    "Write a Python function that merges two sorted lists.",
-    "Write a bash script that prints the ten largest files in a directory.",
-    "Write a Python function that counts word frequencies in a text.",
-    "Write a JavaScript function that debounces another function.",
-]
 
 
 @dataclass
@@ -131,7 +123,7 @@ def build_workload(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
 
 def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]:
     """The engine configurations to run, and notes on those that cannot run here."""
-    from pagedtree.spec.presets import tree_preset
+    from pagedtree.speculative.presets import tree_preset
 
     own = sys.executable
     vllm_ok = bool(args.vllm_python) and Path(args.vllm_python).exists()
@@ -530,7 +522,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated, from pagedtree, pagedtree-spec, transformers, "
                              "transformers-assisted, vllm, vllm-spec")
     parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",
-                        help="pagedtree tree presets for pagedtree-spec (see pagedtree.spec.presets)")
+                        help="pagedtree tree presets for pagedtree-spec (see pagedtree.speculative.presets)")
     parser.add_argument("--vllm-spec-tokens", type=int, default=4, help="vLLM draft tokens per step")
     parser.add_argument("--batch-sizes", type=_csv(int), default="1,8")
     parser.add_argument("--temperatures", type=_csv(float), default="0")
@@ -571,7 +563,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pagedtree.worker.loader import resolve_model_path
+    from pagedtree.loading.loader import resolve_model_path
 
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

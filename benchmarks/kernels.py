@@ -32,7 +32,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -121,8 +121,9 @@ class Workload:
 
 def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: random.Random) -> Workload:
     """Random caches, shuffled block tables and random trees; dense copies for the baselines."""
-    from pagedtree.kernels import reference
-    from pagedtree.kernels.attention_plan import PlanBuffers, build_step_plan
+    from pagedtree.attention import torch_backend as reference
+    from pagedtree.attention.metadata import AttentionMetadata
+    from pagedtree.kernels.attention_plan import PlanBuffers, build_kernel_plan
 
     bs, hkv, d = args.block_size, args.kv_heads, args.head_dim
     per_req = -(-ctx // bs)
@@ -136,7 +137,8 @@ def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: ra
     parents = [None if nodes == 1 else [-1] + [rng.randrange(-1, j) for j in range(1, nodes)] for _ in range(batch)]
     qsl = [i * nodes for i in range(batch + 1)]
     slots = torch.zeros(batch * nodes, dtype=torch.long, device=device)
-    plan = build_step_plan(qsl, [ctx] * batch, tables, parents, bs, num_blocks, slots, PlanBuffers(device))
+    meta = AttentionMetadata(bs, slots, qsl, [ctx] * batch, tables, parents)
+    plan = build_kernel_plan(meta, num_blocks, PlanBuffers(device))
     query = torch.randn(batch * nodes, args.heads, d, generator=gen).to(dtype).to(device)
     pos = torch.arange(ctx)
     gather = torch.stack([torch.tensor(t)[pos // bs] * bs + pos % bs for t in tables]).to(device)  # [B, L]

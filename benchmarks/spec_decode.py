@@ -27,19 +27,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.spec import SpeculativeConfig
-from pagedtree.spec.presets import TREE_PRESETS
+from pagedtree.bench.datasets import CODING_PROMPTS
+from pagedtree.speculative import SpeculativeConfig
+from pagedtree.speculative.presets import TREE_PRESETS
 
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Write a SQL query that returns the ten most recent orders from an orders table.",
-    "Write a Python class for a stack with push, pop and peek.",
-    "Write a Python function that merges two sorted lists.",
-    "Write a bash script that prints the ten largest files in a directory.",
-    "Write a Python function that counts word frequencies in a text.",
-    "Write a JavaScript function that debounces another function.",
-]
+PROMPTS = CODING_PROMPTS
 
 CONFIGS = TREE_PRESETS
 
@@ -95,7 +87,7 @@ def hf_assisted(args, prompts: list[str]) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedtree.worker.loader import resolve_model_path
+    from pagedtree.loading.loader import resolve_model_path
 
     target_path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(str(target_path))

@@ -146,7 +146,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from pagedtree.worker.loader import load_tokenizer, resolve_model_path
+    from pagedtree.loading.loader import load_tokenizer, resolve_model_path
 
     folder = resolve_model_path(args.model)
     tokenizer = load_tokenizer(folder)

@@ -12,16 +12,12 @@ import argparse
 import time
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.spec import SpeculativeConfig
+from pagedtree.bench.datasets import CODING_PROMPTS
+from pagedtree.speculative import SpeculativeConfig
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Write a SQL query that returns the ten most recent orders from an orders table.",
-    "Write a Python class for a stack with push, pop and peek.",
-]
+PROMPTS = CODING_PROMPTS[:4]
 
 
 def parse_args() -> argparse.Namespace:

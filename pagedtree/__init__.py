@@ -1,10 +1,10 @@
 """pagedtree: an LLM inference engine with paged KV cache and tree speculative decoding."""
 
-from pagedtree.config import EngineConfig
+from pagedtree.config import EngineConfig, SpeculativeConfig
 from pagedtree.engine.llm import LLM
 from pagedtree.engine.llm_engine import LLMEngine
 from pagedtree.outputs import CompletionOutput, RequestOutput
 from pagedtree.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SpeculativeConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.worker import packaged_models as pm
+from pagedtree.loading import packaged_models as pm
 from tests.conftest import assert_no_leaks
 
 PROMPTS = [
@@ -52,7 +52,7 @@ def test_qwen_coder_1_5b_matches_transformers():
 @pytest.mark.slow
 def test_qwen_pair_tree_speculation_equals_plain_decoding():
     """The real 1.5B target with the 0.5B draft: every tree kind gives the plain tokens."""
-    from pagedtree.spec import SpeculativeConfig
+    from pagedtree.speculative import SpeculativeConfig
 
     llm = LLM(pm.QWEN_CODER_1_5B.name, draft_model=pm.QWEN_CODER_0_5B.name, max_model_len=512,
               speculative=SpeculativeConfig(tree="static", max_nodes=16, adaptive=False))

@@ -16,6 +16,19 @@ from pathlib import Path
 from typing import Any
 
 DATASETS = ("random", "sharegpt-json", "file")
+
+# The coding tasks every offline benchmark and the example use (one list, so that
+# their figures describe the same workload).
+CODING_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a SQL query that returns the ten most recent orders from an orders table.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "Write a Python function that merges two sorted lists.",
+    "Write a bash script that prints the ten largest files in a directory.",
+    "Write a Python function that counts word frequencies in a text.",
+    "Write a JavaScript function that debounces another function.",
+]
 DEFAULT_INPUT_LEN = 256
 DEFAULT_OUTPUT_LEN = 128
 _HUMAN_ROLES = ("human", "user")
@@ -41,8 +54,8 @@ def resolve_tokenizer_folder(tokenizer: str | None, model: str | None) -> Path |
     names something local (an installed packaged model or a folder): the server's
     model name is often just a label (``--served-model-name``).
     """
-    from pagedtree.worker import packaged_models as pm
-    from pagedtree.worker.loader import resolve_model_path
+    from pagedtree.loading import packaged_models as pm
+    from pagedtree.loading.loader import resolve_model_path
 
     if tokenizer:
         path = Path(tokenizer).expanduser()
@@ -62,7 +75,7 @@ def resolve_tokenizer_folder(tokenizer: str | None, model: str | None) -> Path |
 
 def load_tokenizer(tokenizer: str | None, model: str | None) -> Any | None:
     """A Hugging Face tokenizer from ``--tokenizer`` (or ``--model``), or None (see above)."""
-    from pagedtree.worker.loader import load_tokenizer as load_from_folder
+    from pagedtree.loading.loader import load_tokenizer as load_from_folder
 
     folder = resolve_tokenizer_folder(tokenizer, model)
     if folder is None:

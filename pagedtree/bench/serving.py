@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from pagedtree.bench import datasets
 from pagedtree.bench.backends import BACKENDS, RequestFunc, RequestInput, served_model_name
 from pagedtree.bench.metrics import METRICS, RequestRecord, parse_slos, summarize
-from pagedtree.worker.packaged_models import ModelNotInstalledError
+from pagedtree.loading.packaged_models import ModelNotInstalledError
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_NUM_PROMPTS = 100

@@ -9,22 +9,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
-import torch
 
-from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedtree.config import EngineConfig
 from pagedtree.engine.output_processor import OutputProcessor
-from pagedtree.engine.speculator import Speculator
 from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import Phase, StepPlan
+from pagedtree.attention import resolve_backend_name
+from pagedtree.loading.loader import load_model, load_tokenizer, resolve_model_path
+from pagedtree.scheduler.plan import StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
-from pagedtree.spec.tree import TokenTree
-from pagedtree.worker.attention import resolve_backend_name
-from pagedtree.worker.draft_worker import DraftWorker
-from pagedtree.worker.loader import load_model, load_tokenizer, resolve_model_path
-from pagedtree.worker.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
+from pagedtree.speculative.draft_worker import load_draft_worker
+from pagedtree.speculative.speculator import Committed, Speculator
+from pagedtree.worker.model_runner import ModelRunner, StepOutput, num_kv_blocks
 
 logger = logging.getLogger("pagedtree")
 
@@ -70,7 +68,7 @@ class LLMEngine:
         requested_len = config.max_model_len or model_limit
         if requested_len > model_limit:
             raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
-        num_blocks = self._num_kv_blocks(loaded.model, requested_len)
+        num_blocks = num_kv_blocks(loaded.model, config, self.dtype, self.device, requested_len)
         self.max_model_len = min(requested_len, num_blocks * config.block_size)
         backend = resolve_backend_name(config.attention_backend, self.device)
         self.runner = ModelRunner(
@@ -89,7 +87,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.speculator = self._load_drafts(backend, num_blocks) if config.draft_model else None
+        self.speculator = self._load_speculator(backend, num_blocks) if config.draft_model else None
         self.speculation_enabled = self.speculator is not None
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
@@ -105,56 +103,13 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------- set-up
-    def _num_kv_blocks(self, model, max_model_len: int) -> int:
+    def _load_speculator(self, backend: str, target_blocks: int) -> Speculator:
         cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(model, cfg.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # Leave room for activations of a full token budget (a generous estimate).
-            activations = 16 * cfg.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
-            budget = int(total * cfg.gpu_memory_utilization) - used - activations
-        else:
-            budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        blocks = budget // per_block
-        # More blocks than every sequence at full length could use is waste.
-        useful = cfg.max_num_seqs * -(-max_model_len // cfg.block_size) + 1
-        blocks = min(blocks, useful)
-        if blocks < 2:
-            raise ValueError(
-                f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes"
-            )
-        return int(blocks)
-
-    def _load_drafts(self, backend: str, target_blocks: int) -> Speculator:
-        cfg = self.config
-        spec = cfg.speculative
-        drafts = []
-        for index, name in enumerate(cfg.draft_model):
-            loaded = load_model(resolve_model_path(name), dtype=self.dtype, device=self.device)
-            vocab = int(loaded.config.vocab_size)
-            if vocab != self.vocab_size:
-                raise ValueError(
-                    f"draft model {name!r} has a vocabulary of {vocab} tokens, the target {self.vocab_size}: "
-                    "a draft must share the target's tokenizer"
-                )
-            limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
-            # Tree nodes never go past max_model_len (the scheduler caps the budget).
-            if limit < self.max_model_len:
-                raise ValueError(
-                    f"draft model {name!r} has {limit} positions, fewer than max_model_len "
-                    f"{self.max_model_len}; lower max_model_len"
-                )
-            # As many blocks as the target, plus every request's tree branches (each fed
-            # node may take a copy-on-write copy or a fresh block).
-            blocks = cfg.num_draft_kv_blocks or target_blocks + cfg.max_num_seqs * (spec.max_nodes + 2)
-            runner = ModelRunner(loaded.model, blocks, cfg.block_size, self.device, self.dtype, backend)
-            bm = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-            drafts.append(DraftWorker(runner, bm, name=f"draft{index}", index=index))
-            logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
-        return Speculator(spec, drafts, self.vocab_size, self.device)
+        drafts = [
+            load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks, backend)
+            for index in range(len(cfg.draft_model))
+        ]
+        return Speculator(cfg.speculative, drafts, self.scheduler, self.vocab_size, self.device)
 
     # ------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -275,17 +230,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of the requests it touched.
 
-        With speculation: choose the tree budget, schedule (decoding requests enter
-        the DRAFT phase), draft their trees, run one target pass over prefill chunks
-        and verify chunks together, accept a path per tree, compact its KV and free
-        the rejected branches, then append the committed tokens one by one.
+        schedule -> draft -> execute -> verify -> commit -> postprocess. With
+        speculation, decoding requests are scheduled in the DRAFT phase, their trees
+        are drafted and attached, the target runs prefill chunks and every tree in
+        one pass, verification accepts a path per tree, whose KV the slot moves put
+        in sequence order, and the committed tokens are appended one by one.
         """
-        step_started = time.perf_counter()
-        tree_budget = self._tree_budget()
-        plan = self.scheduler.schedule(tree_budget)
-        if self.speculator is not None:
-            for request in plan.preempted:
-                self.speculator.release(request.request_id)
+        started = time.perf_counter()
+        spec = self.speculator
+        budget = spec.choose_budget(*self.scheduler.pending_load()) if spec and self.speculation_enabled else 0
+        plan = self.scheduler.schedule(budget)
         if plan.is_empty():
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen while max_model_len fits the cache; fail loudly rather
@@ -294,21 +248,31 @@ class LLMEngine:
                     f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
                     f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free"
                 )
+            if spec:
+                spec.draft(plan)  # releases the preempted requests' draft state
             return []
-        trees = self._draft(plan)
-        started = time.perf_counter()
+        if spec:
+            spec.draft(plan)
+        forward_started = time.perf_counter()
         result = self._execute(plan)
-        if self.speculator is not None:
-            self.speculator.observe_target(plan.num_tokens, time.perf_counter() - started)
-        committed = self._verify(plan, trees, result)
-        if self.speculator is not None and committed:
-            self.speculator.observe_step(
-                tree_budget,
-                [len(tokens) for tokens in committed.values()],
-                [trees[rid].num_nodes for rid in committed],
-                self.speculator.last_levels,
-                self.speculator.last_fed,
-            )
+        forward_seconds = time.perf_counter() - forward_started
+        committed: dict[str, list[Committed]] = {}
+        if spec:
+            verified = spec.verify(plan, result.verify_logits)
+            for request, exc in verified.failed:
+                self._fail(request, exc)
+            committed = verified.committed
+            self.runner.apply_slot_moves(plan.slot_moves)
+        outputs = self._postprocess(plan, result, committed)
+        self.scheduler.update(plan)
+        if spec:
+            spec.end_step(plan, committed, forward_seconds, time.perf_counter() - started,
+                          queue_empty=not self.scheduler.waiting)
+        return outputs
+
+    def _postprocess(self, plan: StepPlan, result: StepOutput,
+                     committed: dict[str, list[Committed]]) -> list[RequestOutput]:
+        """Append each request's new tokens one by one (exact stops), end the finished."""
         touched: dict[str, ParentRequest] = {}
         for chunk in plan.chunks:
             request = chunk.request
@@ -329,23 +293,7 @@ class LLMEngine:
                     self._finish(request, status)
                     break
             touched[rid] = self._child_to_parent[rid]
-        accepted = {rid: len(tokens) - 1 for rid, tokens in committed.items()}
-        self.scheduler.update(plan, accepted)
-        if self.speculator is not None:
-            for chunk in plan.chunks:
-                if chunk.phase == Phase.VERIFY and chunk.request.status == RequestStatus.RUNNING:
-                    self.speculator.cache_blocks(chunk.request)
-        if self.speculator is not None and self.speculation_enabled:
-            decode_only = all(c.phase in (Phase.DECODE, Phase.VERIFY) for c in plan.chunks)
-            if decode_only and not self.scheduler.waiting:
-                appended = sum(len(committed.get(c.request.request_id, [None])) for c in plan.chunks)
-                self.speculator.observe_step_rate(
-                    len(plan.chunks), tree_budget if committed else 0, appended, time.perf_counter() - step_started
-                )
-        outputs = []
-        for parent in {id(p): p for p in touched.values()}.values():
-            outputs.append(self._output(parent))
-        return outputs
+        return [self._output(parent) for parent in {id(p): p for p in touched.values()}.values()]
 
     def set_speculation(self, enabled: bool) -> None:
         """Turn tree speculation on or off for the following steps (benchmarks use it
@@ -353,79 +301,6 @@ class LLMEngine:
         if enabled and self.speculator is None:
             raise ValueError("this engine has no draft model")
         self.speculation_enabled = enabled
-
-    def _tree_budget(self) -> int:
-        """This step's per-request tree budget (0 without speculation)."""
-        if self.speculator is None or not self.speculation_enabled:
-            return 0
-        sched = self.scheduler
-        decoding = sum(1 for r in sched.running if r.num_tokens - r.num_computed_tokens == 1 and r.output_token_ids)
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in sched.running) - decoding
-        pending += sum(r.num_tokens for r in sched.waiting)
-        other = min(pending, self.config.max_num_batched_tokens)
-        return self.speculator.choose_budget(decoding, other)
-
-    def _draft(self, plan: StepPlan) -> dict[str, TokenTree]:
-        """Draft trees for the plan's DRAFT chunks and turn them into VERIFY chunks."""
-        drafting = [c for c in plan.chunks if c.phase == Phase.DRAFT]
-        if not drafting:
-            return {}
-        assert self.speculator is not None
-        try:
-            # Failures of single requests are handled inside (they decode plainly this step).
-            trees = self.speculator.propose([(c.request, c.tree_budget) for c in drafting])
-        except Exception as exc:  # noqa: BLE001 - a bug in the speculator must not lose the step
-            logger.exception("drafting failed (%s: %s); decoding this step without speculation",
-                             type(exc).__name__, exc)
-            for chunk in drafting:
-                self.speculator.release(chunk.request.request_id)
-            trees = {}
-        for chunk in drafting:
-            tree = trees.get(chunk.request.request_id)
-            if tree is None:
-                self.scheduler.attach_tree(chunk, chunk.token_ids[0], [], [], [])
-            else:
-                self.scheduler.attach_tree(chunk, tree.root_token, tree.tokens, tree.parents, tree.depths)
-        return trees
-
-    def _verify(
-        self, plan: StepPlan, trees: dict[str, TokenTree], result: StepOutput
-    ) -> dict[str, list[tuple[int, float, dict[int, float] | None]]]:
-        """Verify every VERIFY chunk; compact accepted paths; commit the drafts.
-
-        Returns the committed ``(token, logprob, top_logprobs)`` per request.
-        """
-        committed: dict[str, list[tuple[int, float, dict[int, float] | None]]] = {}
-        src: list[int] = []
-        dst: list[int] = []
-        for chunk in plan.chunks:
-            request = chunk.request
-            rid = request.request_id
-            if chunk.phase != Phase.VERIFY:
-                continue
-            logits = result.verify_logits.get(rid)
-            if logits is None or request.status.finished:
-                if self.speculator is not None:
-                    self.speculator.release(rid)
-                continue
-            assert self.speculator is not None
-            # Seeded requests are verified with their noise, the others with their own stream.
-            uses_stream = not request.params.greedy and request.params.seed is None
-            generator = self.runner.generator_for(rid, request.sampling_seed) if uses_stream else None
-            try:
-                verified = self.speculator.verify(request, trees[rid], logits, generator)
-            except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
-                self._fail(request, exc)
-                continue
-            # Slide the accepted nodes' KV down to the slots right after the root.
-            for depth, node in enumerate(verified.result.accepted_nodes, start=1):
-                if chunk.slot_mapping[1 + node] != chunk.slot_mapping[depth]:
-                    src.append(chunk.slot_mapping[1 + node])
-                    dst.append(chunk.slot_mapping[depth])
-            self.speculator.commit(request, verified.token_ids[:-1])
-            committed[rid] = list(zip(verified.token_ids, verified.logprobs, verified.top_logprobs))
-        self.runner.copy_slots(src, dst)
-        return committed
 
     def _execute(self, plan: StepPlan) -> StepOutput:
         try:

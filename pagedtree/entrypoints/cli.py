@@ -8,7 +8,7 @@ import sys
 import time
 
 from pagedtree.entrypoints.limits import ServerLimits
-from pagedtree.worker import packaged_models as pm
+from pagedtree.loading import packaged_models as pm
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

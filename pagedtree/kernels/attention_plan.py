@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # kernels read the metadata; they never import the layers above
+    from pagedtree.attention.metadata import AttentionMetadata
 
 
 def next_power_of_2(n: int) -> int:
@@ -99,7 +103,7 @@ def tree_ancestor_words(parents: Sequence[int], num_words: int) -> list[list[int
 
 
 @dataclass(slots=True)
-class StepPlan:
+class KernelPlan:
     """Device-side metadata of one step, shared by every layer's launches."""
 
     num_tokens: int
@@ -218,17 +222,11 @@ def validate_step(
     return query_lens
 
 
-def build_step_plan(
-    query_start_loc: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    tree_parents: Sequence[Sequence[int] | None],
-    block_size: int,
-    num_blocks: int,
-    slot_mapping: torch.Tensor,
-    buffers: PlanBuffers,
-) -> StepPlan:
-    """Validate the step and upload its metadata in one host-to-device copy."""
+def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuffers) -> KernelPlan:
+    """Validate the step's metadata and upload it in one host-to-device copy."""
+    query_start_loc, context_lens = meta.query_start_loc, meta.context_lens
+    block_tables, tree_parents, block_size = meta.block_tables, meta.tree_parents, meta.block_size
+    slot_mapping = meta.slot_mapping
     query_lens = validate_step(query_start_loc, context_lens, block_tables, tree_parents, block_size, num_blocks)
     num_requests = len(context_lens)
     num_tokens = query_start_loc[-1] if query_start_loc else 0
@@ -259,7 +257,7 @@ def build_step_plan(
     host = torch.tensor([x for s in sections for x in s], dtype=torch.int32)
     dev = buffers.upload(host, slot="step")
     views = list(torch.split(dev, sizes))
-    return StepPlan(
+    return KernelPlan(
         num_tokens=num_tokens,
         num_requests=num_requests,
         block_size=block_size,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedtree.kernels import triton_kernels as K
-from pagedtree.kernels.attention_plan import StepPlan, TileShape, choose_tile_shape, next_power_of_2
+from pagedtree.kernels.attention_plan import KernelPlan, TileShape, choose_tile_shape, next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -71,7 +71,7 @@ def store_kv(
     """Write ``key``/``value`` ``[T, H_kv, D]`` into cache slots ``slot_mapping`` (Triton).
 
     ``slots_checked`` skips the range check of the slots (one device sync) when the
-    caller has already done it for the step, as :func:`build_step_plan` does.
+    caller has already done it for the step, as :func:`build_kernel_plan` does.
     """
     check_cache(key_cache, value_cache)
     check_device(key_cache.device)
@@ -99,7 +99,7 @@ def store_kv(
     )
 
 
-def default_tile_shape(plan: StepPlan, num_heads: int, num_kv_heads: int, device: torch.device) -> TileShape:
+def default_tile_shape(plan: KernelPlan, num_heads: int, num_kv_heads: int, device: torch.device) -> TileShape:
     """The tile shape :func:`unified_attention` uses when none is given."""
     num_sms = 132
     if device.type == "cuda" and not K.INTERPRETED:
@@ -114,7 +114,7 @@ def unified_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    plan: StepPlan,
+    plan: KernelPlan,
     scale: float,
     tile: TileShape | None = None,
     out: torch.Tensor | None = None,

@@ -2,8 +2,8 @@
 
 The block manager never touches tensors. It hands out block ids and slot numbers
 (``slot = block_id * block_size + offset``) and tells the worker which blocks to copy
-(copy-on-write) before a step writes into them. Token-tree branches (the tree
-speculation issue) are forked sequences that share their parent's blocks; a branch
+(copy-on-write) before a step writes into them. Token-tree branches (tree
+speculation) are forked sequences that share their parent's blocks; a branch
 that appends into a shared, partially filled last block gets a private copy first.
 
 Prefix caching: once a block is full of *computed* tokens it gets a hash chained

@@ -46,25 +46,32 @@ class ScheduledChunk:
     logits_from: int | None
     tree_parents: list[int] | None = None
     tree_budget: int = 0
+    num_accepted: int = 0  # VERIFY: tree nodes accepted (set by Scheduler.commit_tree)
 
     @property
     def num_tokens(self) -> int:
         """How many new tokens this chunk computes."""
         return len(self.token_ids)
 
-    @property
-    def samples(self) -> bool:
-        """Whether the step produces logits (and so a sampled token) for this request."""
-        return self.logits_from is not None
+
+@dataclass(slots=True)
+class SlotMove:
+    """Copy one token's KV from slot ``src`` to slot ``dst`` in every layer."""
+
+    src: int
+    dst: int
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """Everything one engine step runs: the chunks and the block copies to do first."""
+    """Everything one engine step runs: the block copies to do before the forward,
+    the chunks, and (after verification) the slot moves that put accepted tree paths
+    in sequence order."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    slot_moves: list[SlotMove] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

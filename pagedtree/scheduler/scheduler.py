@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedtree.request import Request, RequestStatus
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import Phase, ScheduledChunk, StepPlan
+from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
 
 
 @dataclass(slots=True)
@@ -63,10 +63,14 @@ class Scheduler:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        """Requests waiting or running."""
-        return len(self.waiting) + len(self.running)
+    def pending_load(self) -> tuple[int, int]:
+        """``(decoding requests, other tokens)`` the next step will see: requests with
+        one token to compute (they may speculate) and prefill work, capped by the
+        token budget. The speculation budget is chosen from these."""
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.output_token_ids)
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - decoding
+        pending += sum(r.num_tokens for r in self.waiting)
+        return decoding, min(pending, self.config.max_num_batched_tokens)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` with ``status`` and return its blocks to the pool."""
@@ -191,6 +195,18 @@ class Scheduler:
         chunk.tree_parents = [-1] + [p + 1 for p in parents]
         chunk.logits_from = 0
 
+    def commit_tree(self, plan: StepPlan, chunk: ScheduledChunk, accepted_nodes: Sequence[int]) -> None:
+        """Keep a verified tree's accepted path: its nodes' KV slides down to the slots
+        right after the root (slot moves, recorded in ``plan`` for the runner), and
+        ``update`` then truncates the rest of the tree's slots."""
+        if chunk.phase != Phase.VERIFY:
+            raise ValueError(f"commit_tree needs a VERIFY chunk, got {chunk.phase}")
+        for depth, node in enumerate(accepted_nodes, start=1):
+            src, dst = chunk.slot_mapping[1 + node], chunk.slot_mapping[depth]
+            if src != dst:  # a chain's accepted prefix is already in place
+                plan.slot_moves.append(SlotMove(src, dst))
+        chunk.num_accepted = len(accepted_nodes)
+
     def _cached_prefix_len(self, request: Request) -> int:
         return len(self.block_manager.find_cached_prefix(request.all_token_ids)) * (
             self.block_manager.block_size
@@ -223,13 +239,13 @@ class Scheduler:
         plan.preempted.append(request)
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: StepPlan, num_accepted: Mapping[str, int] | None = None) -> None:
+    def update(self, plan: StepPlan) -> None:
         """Record what a step computed and make newly full blocks findable by prefix.
 
         The engine appends sampled tokens (and calls ``finish`` for requests that
         ended) before calling this. For a VERIFY chunk only the root and the
-        ``num_accepted[request_id]`` accepted nodes (already compacted into sequence
-        order) count as computed; the slots of rejected nodes are released here.
+        ``chunk.num_accepted`` accepted nodes (moved into sequence order by then)
+        count as computed; the slots of rejected nodes are released here.
         """
         bm = self.block_manager
         bs = bm.block_size
@@ -239,7 +255,7 @@ class Scheduler:
                 continue
             before = request.num_computed_tokens
             if chunk.phase == Phase.VERIFY:
-                request.num_computed_tokens += 1 + (num_accepted or {}).get(request.request_id, 0)
+                request.num_computed_tokens += 1 + chunk.num_accepted
                 bm.truncate(request.request_id, request.num_computed_tokens)
             else:
                 request.num_computed_tokens += chunk.num_tokens

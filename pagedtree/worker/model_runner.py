@@ -7,16 +7,52 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.scheduler.plan import Phase, ScheduledChunk, StepPlan
-from pagedtree.worker.attention import AttentionMetadata, make_backend
+from pagedtree.attention import AttentionMetadata, make_backend
+from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedtree.sampling import SampleResult, SamplingRow, sample
+from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
 from pagedtree.worker.models.decoder import DecoderForCausalLM
-from pagedtree.worker.sampler import SampleResult, SamplingRow, sample
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Memory one KV block takes across all layers (keys and values)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def num_kv_blocks(model: DecoderForCausalLM, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int) -> int:
+    """How many KV blocks the target's cache gets: ``num_kv_blocks`` if set, else what
+    the memory budget holds (``kv_cache_memory`` on CPU, ``gpu_memory_utilization``
+    of the device minus what is in use and room for activations on CUDA), never more
+    than every sequence at full length could use."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Leave room for activations of a full token budget (a generous estimate).
+        activations = 16 * config.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
+        budget = int(total * config.gpu_memory_utilization) - used - activations
+    else:
+        budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+    blocks = budget // per_block
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    blocks = min(blocks, useful)
+    if blocks < 2:
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes")
+    return int(blocks)
+
+
+def num_draft_kv_blocks(config: EngineConfig, target_blocks: int) -> int:
+    """A draft's cache: as many blocks as the target's, plus every request's tree
+    branches (each fed node may take a copy-on-write copy or a fresh block), unless
+    ``num_draft_kv_blocks`` says otherwise."""
+    if config.num_draft_kv_blocks is not None:
+        return config.num_draft_kv_blocks
+    max_nodes = config.speculative.max_nodes if config.speculative is not None else 0
+    return target_blocks + config.max_num_seqs * (max_nodes + 2)
 
 
 @dataclass(slots=True)
@@ -118,6 +154,11 @@ class ModelRunner:
         """Move single token slots in every layer (tree-path compaction)."""
         if src:
             self.attention.copy_slots(src, dst)
+
+    def apply_slot_moves(self, moves: list[SlotMove]) -> None:
+        """The plan's slot moves (accepted tree paths into sequence order), all layers at once."""
+        if moves:
+            self.copy_slots([m.src for m in moves], [m.dst for m in moves])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -293,10 +293,19 @@ def test_shutdown_aborts_in_flight_and_refuses_new_work(tiny_text_model):
     async def main():
         short = asyncio.ensure_future(collect(engine, "Hello", greedy(2)))
         long = asyncio.ensure_future(collect(engine, "Hello", greedy(250)))
-        await asyncio.sleep(0.05)
-        await engine.shutdown(grace_period=0.3)
+        await short
+        # Hold the engine thread between steps until the grace period is over, so the
+        # long request is certain to be in flight when it ends (no race with its speed).
+        release = threading.Event()
+        hold = asyncio.ensure_future(engine.call(lambda e: release.wait(30)))
+        stopping = asyncio.ensure_future(engine.shutdown(grace_period=0.3))
+        await asyncio.sleep(0.6)
+        assert not long.done() and not stopping.done()
         with pytest.raises(EngineStoppedError):
             await engine.add_request("Hello", greedy(2))
+        release.set()
+        await hold
+        await stopping
         return await short, await long
 
     short, long = asyncio.run(main())
@@ -311,7 +320,7 @@ def test_from_config_and_load_errors(tiny_text_model, tmp_path):
     engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_text_model.path), max_model_len=64))
     assert engine.max_model_len == 64 and engine.tokenizer is not None
     asyncio.run(engine.shutdown())
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="missing"):
         AsyncEngine(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="max_waiting_requests"):
         AsyncEngine(str(tiny_text_model.path), max_waiting_requests=0)

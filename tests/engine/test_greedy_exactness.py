@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from pagedtree import LLM, SamplingParams
@@ -13,22 +11,12 @@ NEW_TOKENS = 12
 NUM_PROMPTS = 16
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model_key: str, hf_model_id: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts and transformers' greedy outputs for them (computed once per model)."""
-    model = _MODELS[model_key]
-    prompts = random_prompts(NUM_PROMPTS, vocab=256, min_len=1, max_len=70, seed=7)
-    return prompts, [hf_greedy(model.hf_model, p, NEW_TOKENS) for p in prompts]
-
-
-_MODELS: dict = {}
-
-
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model(request, tiny_llama, tiny_qwen2):
+    """``(name, tiny model, prompts, transformers' greedy outputs)``, computed once per model."""
     m = tiny_llama if request.param == "llama" else tiny_qwen2
-    _MODELS[request.param] = m
-    return request.param, m
+    prompts = random_prompts(NUM_PROMPTS, vocab=256, min_len=1, max_len=70, seed=7)
+    return request.param, m, prompts, [hf_greedy(m.hf_model, p, NEW_TOKENS) for p in prompts]
 
 
 def _run(model_path, prompts, **engine_kwargs):
@@ -42,8 +30,7 @@ def _run(model_path, prompts, **engine_kwargs):
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("max_num_seqs", [1, 5, 16])
 def test_greedy_matches_transformers(model, block_size, chunked, max_num_seqs):
-    key, m = model
-    prompts, expected = _reference(key, id(m.hf_model))
+    _, m, prompts, expected = model
     llm, got = _run(
         m.path,
         prompts,
@@ -57,8 +44,7 @@ def test_greedy_matches_transformers(model, block_size, chunked, max_num_seqs):
 
 
 def test_greedy_matches_transformers_under_preemption(model):
-    key, m = model
-    prompts, expected = _reference(key, id(m.hf_model))
+    _, m, prompts, expected = model
     # 30 blocks of 4 tokens cannot hold 16 sequences of up to 82 tokens at once.
     llm, got = _run(m.path, prompts, block_size=4, num_kv_blocks=30, max_num_batched_tokens=32)
     assert got == expected
@@ -67,8 +53,7 @@ def test_greedy_matches_transformers_under_preemption(model):
 
 
 def test_prefix_cache_hits_give_same_tokens(model):
-    key, m = model
-    prompts, expected = _reference(key, id(m.hf_model))
+    _, m, prompts, expected = model
     llm = LLM(str(m.path), block_size=4)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]

@@ -115,7 +115,8 @@ def test_openai_client_with_api_key(chat_model_path):
     try:
         good = openai.OpenAI(base_url=live.url + "/v1", api_key="k1", max_retries=0)
         model = good.models.list().data[0].id
-        assert good.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
+        done = good.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 2 and done.choices[0].finish_reason == "length"
         bad = openai.OpenAI(base_url=live.url + "/v1", api_key="k2", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model="x", prompt="Hi", max_tokens=2)
@@ -125,14 +126,14 @@ def test_openai_client_with_api_key(chat_model_path):
 
 # --------------------------------------------------------- text_generation
 def test_tgi_client_generate_greedy_equals_llm(server, llm):
-    expected = greedy(llm, "Hello world", 8).outputs[0]
+    # TGI has no ignore_eos: compare with plain decoding that also stops at EOS.
+    expected = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     tgi = text_generation.Client(server.url, timeout=30)
     out = tgi.generate("Hello world", max_new_tokens=8)
-    assert out.details.generated_tokens == len(out.details.tokens)
-    n = out.details.generated_tokens
-    assert [t.id for t in out.details.tokens] == expected.token_ids[:n]
-    if out.details.finish_reason.value == "length":
-        assert out.generated_text == expected.text
+    assert out.details.generated_tokens == len(out.details.tokens) == len(expected.token_ids)
+    assert [t.id for t in out.details.tokens] == expected.token_ids
+    assert out.generated_text == expected.text
+    assert out.details.finish_reason.value == {"length": "length", "stop": "eos_token"}[expected.finish_reason]
     assert out.details.seed is None  # greedy
 
 

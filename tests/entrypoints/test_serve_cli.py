@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from pagedtree.entrypoints.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from pagedtree.kernels import reference
+from pagedtree.attention import torch_backend as reference
+from pagedtree.attention.metadata import AttentionMetadata
 
 
 def _dense(q, k, v, mask, scale):
@@ -56,7 +57,8 @@ def test_mixed_batch_matches_dense(block_size, seed):
         else:
             parents.append(_random_parents(n, rng))
     q = torch.randn(qsl[-1], heads, dim)
-    plan = reference.build_reference_plan(qsl, ctx, tables, parents, block_size)
+    slots = torch.zeros(qsl[-1], dtype=torch.long)
+    plan = reference.build_reference_plan(AttentionMetadata(block_size, slots, qsl, ctx, tables, parents))
     out = reference.paged_attention(q, k_cache, v_cache, plan, scale=dim**-0.5)
     for i, (kind, n, prefix) in enumerate(kinds):
         pos = torch.arange(ctx[i])
@@ -94,4 +96,4 @@ def test_ancestor_mask_rejects_bad_parents():
 
 def test_plan_rejects_short_block_table():
     with pytest.raises(ValueError, match="block table too short"):
-        reference.build_reference_plan([0, 3], [9], [[0]], [None], block_size=4)
+        reference.build_reference_plan(AttentionMetadata(4, torch.zeros(3, dtype=torch.long), [0, 3], [9], [[0]], [None]))

@@ -14,8 +14,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedtree.kernels import reference, triton_ops  # noqa: E402
-from pagedtree.kernels.attention_plan import PlanBuffers, TileShape, build_step_plan  # noqa: E402
+from pagedtree.attention import torch_backend as reference  # noqa: E402
+from pagedtree.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedtree.kernels import triton_ops  # noqa: E402
+from pagedtree.kernels.attention_plan import PlanBuffers, TileShape, build_kernel_plan  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -59,17 +61,15 @@ class Batch:
             slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx)]
         self.slots = torch.tensor(slots, dtype=torch.long, device=DEVICE)
 
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata(self.block_size, self.slots, self.qsl, self.ctx, self.tables, self.parents)
+
     def plan(self):
-        return build_step_plan(
-            self.qsl, self.ctx, self.tables, self.parents, self.block_size, self.num_blocks,
-            self.slots, PlanBuffers(DEVICE),
-        )
+        return build_kernel_plan(self.meta(), self.num_blocks, PlanBuffers(DEVICE))
 
     def expected(self) -> torch.Tensor:
         """The torch reference on fp32 copies of the inputs (the kernels compute in fp32)."""
-        ref_plan = reference.build_reference_plan(
-            self.qsl, self.ctx, self.tables, self.parents, self.block_size, device=DEVICE
-        )
+        ref_plan = reference.build_reference_plan(self.meta())
         return reference.paged_attention(
             self.query.float(), self.k_cache.float(), self.v_cache.float(), ref_plan, self.scale
         )
@@ -180,7 +180,7 @@ def _layers(num_layers, shape, dtype, seed):
     "src,dst", [([0, 3, 5], [7, 2, 6]), ([1, 2, 3], [0, 1, 2]), ([4, 6], [6, 4])], ids=["disjoint", "slide", "swap"]
 )
 def test_copy_blocks_matches_reference(dtype, src, dst):
-    from pagedtree.kernels.triton_attention import TritonPagedAttention
+    from pagedtree.attention.triton_backend import TritonPagedAttention
 
     caches = _layers(3, (8, 4, 2, 16), dtype, seed=1)
     expected = [(k.clone(), v.clone()) for k, v in caches]
@@ -197,7 +197,7 @@ def test_copy_blocks_matches_reference(dtype, src, dst):
     ids=["compact-path", "disjoint", "swap"],
 )
 def test_copy_slots_matches_reference(dtype, src, dst):
-    from pagedtree.kernels.triton_attention import TritonPagedAttention
+    from pagedtree.attention.triton_backend import TritonPagedAttention
 
     caches = _layers(2, (8, 4, 2, 16), dtype, seed=2)
     expected = [(k.clone(), v.clone()) for k, v in caches]
@@ -211,7 +211,8 @@ def test_copy_slots_matches_reference(dtype, src, dst):
 def _plan(qsl, ctx, tables, parents, block_size=4, num_blocks=8, slots=None):
     if slots is None:
         slots = torch.zeros(qsl[-1], dtype=torch.long)
-    return build_step_plan(qsl, ctx, tables, parents, block_size, num_blocks, slots.to(DEVICE), PlanBuffers(DEVICE))
+    meta = AttentionMetadata(block_size, slots.to(DEVICE), qsl, ctx, tables, parents)
+    return build_kernel_plan(meta, num_blocks, PlanBuffers(DEVICE))
 
 
 @pytest.mark.parametrize(
@@ -262,7 +263,7 @@ def test_attention_rejects_bad_shapes():
 
 
 def test_copies_reject_bad_indices():
-    from pagedtree.kernels.triton_attention import TritonPagedAttention
+    from pagedtree.attention.triton_backend import TritonPagedAttention
 
     backend = TritonPagedAttention(_layers(1, (4, 2, 1, 16), torch.float32, seed=0), 1.0)
     with pytest.raises(ValueError, match="same length"):

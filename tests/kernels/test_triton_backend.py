@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from pagedtree import LLM, SamplingParams  # noqa: E402
-from pagedtree.kernels.triton_attention import TritonPagedAttention  # noqa: E402
-from pagedtree.worker.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from pagedtree.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from pagedtree.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,8 +88,8 @@ def test_engine_greedy_triton_equals_torch(tiny_llama, block_size):
 
 def test_tree_speculation_triton_equals_torch(tiny_llama, tmp_path):
     """Tree verification (tree masks, compaction of accepted paths) through the kernels."""
-    from pagedtree.spec import SpeculativeConfig
-    from tests.spec.conftest import save_perturbed_copy
+    from pagedtree.speculative import SpeculativeConfig
+    from tests.speculative.conftest import save_perturbed_copy
 
     draft = save_perturbed_copy(tiny_llama, tmp_path / "draft", noise=0.1, seed=11)
     prompts = random_prompts(3, vocab=256, min_len=2, max_len=30, seed=5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedtree.worker.attention import make_backend, resolve_backend_name
+from pagedtree.attention import make_backend, resolve_backend_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import torch\n"
-        "from pagedtree.worker.attention import resolve_backend_name\n"
+        "from pagedtree.attention import resolve_backend_name\n"
         "try:\n"
         "    resolve_backend_name('triton', torch.device('cpu'))\n"
         "except ValueError as e:\n"
@@ -63,10 +63,10 @@ def test_missing_triton_is_an_import_error_and_a_clear_value_error():
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
         "import torch\n"
         "try:\n"
-        "    import pagedtree.kernels.triton_attention\n"
+        "    import pagedtree.attention.triton_backend\n"
         "except ImportError:\n"
         "    print('IMPORT-ERROR')\n"
-        "from pagedtree.worker.attention import resolve_backend_name\n"
+        "from pagedtree.attention import resolve_backend_name\n"
         "print('AUTO', resolve_backend_name('auto', torch.device('cpu')))\n"
         "try:\n"
         "    resolve_backend_name('triton', torch.device('cpu'))\n"

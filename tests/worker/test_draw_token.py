@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pagedtree.worker.sampler import draw_token
+from pagedtree.sampling import draw_token
 
 
 def test_draws_follow_the_distribution_and_skip_zero_mass():

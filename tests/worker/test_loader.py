@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.worker import packaged_models as pm
-from pagedtree.worker.loader import load_model, resolve_model_path
+from pagedtree.loading import packaged_models as pm
+from pagedtree.loading.loader import load_model, resolve_model_path
 from pagedtree.worker.models import model_class_for
 from pagedtree.worker.models.decoder import Linear
 

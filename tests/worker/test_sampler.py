@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.worker.sampler import SamplingRow, apply_penalties, sample, target_probs
+from pagedtree.sampling import SamplingRow, apply_penalties, sample, target_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 

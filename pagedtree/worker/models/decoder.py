@@ -122,21 +122,9 @@ class Linear(nn.Linear):
 
     ``pack_for_cpu`` (called by the loader) reorders an fp32 CPU weight once into
     oneDNN's blocked layout and drops the dense copy; every product then goes through
-    oneDNN's inner product, whatever the number of rows. Measured with torch 2.13
-    (oneDNN 3.12) on the 2-core AMD EPYC machine over the linear layers of a whole
-    Qwen2.5-0.5B-shaped stack (weights cycling through memory, as in a real forward;
-    median of 7):
-
-    | rows | ``F.linear`` / ``W @ x.T`` | oneDNN, dense weight | oneDNN, packed |
-    |---:|---:|---:|---:|
-    | 1 (plain decoding at batch 1, a draft chain) | 96 ms (either) | 58 ms | 60 ms |
-    | 4 (a small tree, batch 4) | 68 ms (``W @ x.T``) | 74 ms | 51 ms |
-    | 16 (batch 16, a 16-node tree) | 161 ms (``W @ x.T``) | 112 ms | 74 ms |
-
-    and the SmolLM2-135M shapes, where oneDNN's per-call cost once made small weights
-    slower, gave 19 ms packed against 34 ms for ``F.linear`` at one row. Packing for 16
-    rows is as fast at one row as packing for one row and 1.5x faster at 16. Prefill
-    (hundreds of rows) is also a little faster than ``F.linear``. Results differ from
+    oneDNN's inner product, whatever the number of rows: at 1, 4 and 16 rows it beat
+    ``F.linear`` by 1.6x, 1.3x and 2.2x on a Qwen2.5-0.5B-shaped stack (the table is in
+    benchmarks/RESULTS.md, "CPU linear layers"). Results differ from
     ``F.linear``'s only in fp32 rounding order. Other dtypes and devices, and a layer
     that was never packed, use ``F.linear``.
     """

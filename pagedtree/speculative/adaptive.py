@@ -24,8 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedtree.spec.sequoia import expected_accepted
-from pagedtree.spec.tree import TreeShape
+from pagedtree.speculative.sequoia import expected_accepted
+from pagedtree.speculative.tree import TreeShape
 
 _EMA = 0.2
 
@@ -87,7 +87,7 @@ class RankAcceptance:
             self.accepted[rank] += 1 if hit else 0
 
     def rates(self) -> tuple[float, ...]:
-        """Conditional acceptance rate per rank (see ``pagedtree.spec.sequoia``)."""
+        """Conditional acceptance rate per rank (see ``pagedtree.speculative.sequoia``)."""
         return tuple(a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried))
 
 

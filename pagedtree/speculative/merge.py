@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
 
 
 def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.spec import SpeculativeConfig
+from pagedtree.speculative import SpeculativeConfig
 from tests.conftest import assert_no_leaks, random_prompts
 
 MAX_TOKENS = 24

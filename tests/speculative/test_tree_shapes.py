@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.spec.adaptive import BudgetOutcome, CostModel, RankAcceptance, choose_budget
-from pagedtree.spec.builders import ShapeTreeBuilder
-from pagedtree.spec.merge import merge_trees
-from pagedtree.spec.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
-from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree, TreeShape
-from pagedtree.spec.verify import verify_greedy
+from pagedtree.speculative.adaptive import BudgetOutcome, CostModel, RankAcceptance, choose_budget
+from pagedtree.speculative.builders import ShapeTreeBuilder
+from pagedtree.speculative.merge import merge_trees
+from pagedtree.speculative.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, TreeShape
+from pagedtree.speculative.verify import verify_greedy
 
 
 def test_expansion_shape_is_breadth_first_and_capped():
@@ -211,7 +211,7 @@ def test_all_shapes_enumeration_is_complete():
 
 
 def test_measured_step_rates_overrule_the_model():
-    from pagedtree.spec.adaptive import RealizedRates
+    from pagedtree.speculative.adaptive import RealizedRates
 
     realized = RealizedRates()
     predicted = {0: 10.0, 5: 14.0}

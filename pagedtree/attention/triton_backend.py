@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedtree.kernels import triton_ops
-from pagedtree.kernels.attention_plan import PlanBuffers, StepPlan, build_step_plan
+from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, build_kernel_plan
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
 if TYPE_CHECKING:
-    from pagedtree.worker.attention import AttentionMetadata
+    from pagedtree.attention.metadata import AttentionMetadata
 
 __all__ = ["INTERPRETED", "TritonPagedAttention"]
 
@@ -49,7 +49,7 @@ class TritonPagedAttention:
         self.device = first.device
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = first.shape
         self._buffers = PlanBuffers(self.device)
-        self._plan: StepPlan | None = None
+        self._plan: KernelPlan | None = None
         # Every layer's key and value cache, for the all-layers copy launches.
         self._flat_caches = [c for pair in kv_caches for c in pair]
         self._cache_table = triton_ops.pointer_table(self._flat_caches, self.device)
@@ -58,16 +58,7 @@ class TritonPagedAttention:
         """Validate the step and upload its metadata once for every layer."""
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
-        self._plan = build_step_plan(
-            meta.query_start_loc,
-            meta.context_lens,
-            meta.block_tables,
-            meta.tree_parents,
-            meta.block_size,
-            self.num_blocks,
-            meta.slot_mapping,
-            self._buffers,
-        )
+        self._plan = build_kernel_plan(meta, self.num_blocks, self._buffers)
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

@@ -1,4 +1,5 @@
-"""Pure-torch paged attention: the CPU backend and the reference for the Triton kernels.
+"""Pure-torch paged attention: the production CPU backend, and the reference the
+Triton kernels are tested against.
 
 KV cache layout (one pair per layer): ``[num_blocks, block_size, num_kv_heads,
 head_dim]``; token slot ``s`` lives at ``cache.view(-1, H_kv, D)[s]``.
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedtree.attention.metadata import AttentionMetadata
 
 # Requests with at most this many new tokens (decode steps, token trees) are padded
 # into one batched attention call; longer prefill chunks each get their own call so
@@ -63,15 +66,11 @@ class ReferencePlan:
     num_tokens: int
 
 
-def build_reference_plan(
-    query_start_loc: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    tree_parents: Sequence[Sequence[int] | None],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> ReferencePlan:
+def build_reference_plan(meta: AttentionMetadata) -> ReferencePlan:
     """Group the step's requests and precompute their gathers and masks."""
+    query_start_loc, context_lens = meta.query_start_loc, meta.context_lens
+    block_tables, tree_parents, block_size = meta.block_tables, meta.tree_parents, meta.block_size
+    device = meta.slot_mapping.device
     num_requests = len(context_lens)
     if len(query_start_loc) != num_requests + 1:
         raise ValueError("query_start_loc must have one more entry than context_lens")
@@ -233,3 +232,46 @@ def copy_slots(
         flat_v = value_cache.view(-1, num_kv_heads, head_dim)
         flat_k[dst] = flat_k[src]
         flat_v[dst] = flat_v[src]
+
+
+class TorchPagedAttention:
+    """The pure-torch backend: one gather + SDPA per attention group and layer."""
+
+    name = "torch"
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+        self.kv_caches = kv_caches
+        self.scale = scale
+        self._meta: AttentionMetadata | None = None
+        self._plan: ReferencePlan | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Build the gathers and masks shared by every layer of this step."""
+        self._meta = meta
+        self._plan = build_reference_plan(meta)
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        assert self._meta is not None and self._plan is not None, "begin_step first"
+        key_cache, value_cache = self.kv_caches[layer_index]
+        store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)
+        return paged_attention(query, key_cache, value_cache, self._plan, self.scale)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (copy-on-write) in every layer."""
+        device = self.kv_caches[0][0].device
+        copy_blocks(
+            self.kv_caches,
+            torch.as_tensor(src, dtype=torch.long, device=device),
+            torch.as_tensor(dst, dtype=torch.long, device=device),
+        )
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy single token slots in every layer (compacting an accepted tree path)."""
+        device = self.kv_caches[0][0].device
+        copy_slots(
+            self.kv_caches,
+            torch.as_tensor(src, dtype=torch.long, device=device),
+            torch.as_tensor(dst, dtype=torch.long, device=device),
+        )

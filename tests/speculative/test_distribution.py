@@ -15,12 +15,12 @@ import torch
 from scipy.stats import chisquare
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.spec import builders
-from pagedtree.spec.builders import DynamicTreeBuilder, ShapeTreeBuilder
-from pagedtree.spec.merge import merge_trees
-from pagedtree.spec.sequoia import optimal_shape
-from pagedtree.spec.tree import ROOT, ChildDraw, TreeShape
-from pagedtree.spec.verify import verify_stochastic
+from pagedtree.speculative import builders
+from pagedtree.speculative.builders import DynamicTreeBuilder, ShapeTreeBuilder
+from pagedtree.speculative.merge import merge_trees
+from pagedtree.speculative.sequoia import optimal_shape
+from pagedtree.speculative.tree import ROOT, ChildDraw, TreeShape
+from pagedtree.speculative.verify import verify_stochastic
 
 V = 5
 DRAWS = 5000

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def gguf_cache_folder(gguf_file: Path) -> Path:
     """Cache folder for a user-supplied GGUF file, keyed by path, size and mtime."""
-    from pagedtree.worker.packaged_models import cache_dir
+    from pagedtree.loading.packaged_models import cache_dir
 
     stat = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()

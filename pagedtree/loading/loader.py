@@ -31,8 +31,8 @@ def resolve_model_path(model: str | Path | None) -> Path:
     target), a folder with config.json, a ``.gguf`` file (converted once into the
     cache), or a hub id (downloaded where a hub is reachable).
     """
-    from pagedtree.worker import packaged_models as pm
-    from pagedtree.worker.gguf import convert_gguf_to_hf, gguf_cache_folder
+    from pagedtree.loading import packaged_models as pm
+    from pagedtree.loading.gguf import convert_gguf_to_hf, gguf_cache_folder
 
     if model is None:
         model = pm.DEFAULT_MODEL
@@ -67,7 +67,7 @@ def _download_from_hub(repo_id: str) -> Path:
             )
         )
     except Exception as exc:  # noqa: BLE001 - the hub raises many kinds; all mean "not here"
-        from pagedtree.worker.packaged_models import PACKAGED_MODELS
+        from pagedtree.loading.packaged_models import PACKAGED_MODELS
 
         raise ValueError(
             f"model {repo_id!r} is not a local folder, a .gguf file, a packaged model "

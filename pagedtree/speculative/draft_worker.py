@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedtree.config import EngineConfig
+from pagedtree.loading.loader import load_model, resolve_model_path
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
-from pagedtree.spec.builders import TreeBuilder
-from pagedtree.spec.tree import ROOT, TokenTree
-from pagedtree.worker.model_runner import ModelRunner
-from pagedtree.worker.sampler import DRAFT_STREAM, stream_seed
+from pagedtree.speculative.builders import TreeBuilder
+from pagedtree.speculative.tree import ROOT, TokenTree
+from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks
+from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")
 
@@ -240,3 +242,33 @@ class DraftWorker:
     def num_requests(self) -> int:
         """Requests whose KV the draft holds."""
         return len(self._computed)
+
+
+def load_draft_worker(
+    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int, backend: str
+) -> DraftWorker:
+    """Load ``config.draft_model[index]`` with its own KV cache and block manager.
+
+    The draft must share the target's vocabulary and cover ``max_model_len``
+    positions (tree nodes never go past it: the scheduler caps the budget).
+    """
+    name = config.draft_model[index]
+    device, dtype = config.resolve_device(), config.resolve_dtype()
+    loaded = load_model(resolve_model_path(name), dtype=dtype, device=device)
+    vocab = int(loaded.config.vocab_size)
+    if vocab != vocab_size:
+        raise ValueError(
+            f"draft model {name!r} has a vocabulary of {vocab} tokens, the target {vocab_size}: "
+            "a draft must share the target's tokenizer"
+        )
+    limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
+    if limit < max_model_len:
+        raise ValueError(
+            f"draft model {name!r} has {limit} positions, fewer than max_model_len {max_model_len}; "
+            "lower max_model_len"
+        )
+    blocks = num_draft_kv_blocks(config, target_blocks)
+    runner = ModelRunner(loaded.model, blocks, config.block_size, device, dtype, backend)
+    block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+    logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
+    return DraftWorker(runner, block_manager, name=f"draft{index}", index=index)

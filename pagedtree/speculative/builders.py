@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree, TreeShape
-from pagedtree.worker.sampler import target_probs
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, TreeShape
+from pagedtree.sampling import target_probs
 
 # depth of the children to propose (1 = the root's) -> the request's Gumbel noise
 # for that output position (coupled proposals of seeded requests).

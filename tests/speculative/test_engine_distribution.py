@@ -19,10 +19,10 @@ import torch
 from scipy.stats import chisquare
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.spec import SpeculativeConfig
-from pagedtree.spec import verify as verify_module
+from pagedtree.speculative import SpeculativeConfig
+from pagedtree.speculative import verify as verify_module
 from tests.conftest import save_tiny_model
-from tests.spec.conftest import save_perturbed_copy
+from tests.speculative.conftest import save_perturbed_copy
 
 VOCAB = 8
 DRAWS = 5000
@@ -105,22 +105,32 @@ def _llm(target, drafts, max_num_seqs: int = 256, **spec) -> LLM:
     )
 
 
+SINGLE_DRAFT_SPECS = [
+    dict(tree="static", expansion=(2, 1), draft_sampling="without_replacement"),
+    dict(tree="static", expansion=(2, 1), draft_sampling="iid"),
+    dict(tree="static", expansion=(2, 1), draft_sampling="topk"),
+    dict(tree="chain", depth=3, draft_sampling="without_replacement"),
+    dict(tree="dynamic", top_k=2, depth=2, max_nodes=3),
+    dict(tree="sequoia", depth=2, max_nodes=3, draft_sampling="iid", acceptance_rates=(0.4, 0.3, 0.2)),
+]
+FAST_DRAWS = 1500
+
+
+def _spec_id(spec: dict) -> str:
+    return f"{spec['tree']}-{spec.get('draft_sampling', 'topk')}"
+
+
+# Every rule and tree kind at full power (5,000 draws) under -m slow; two of them
+# with fewer draws in the default suite.
 @pytest.mark.parametrize(
-    "spec",
-    [
-        dict(tree="static", expansion=(2, 1), draft_sampling="without_replacement"),
-        dict(tree="static", expansion=(2, 1), draft_sampling="iid"),
-        dict(tree="static", expansion=(2, 1), draft_sampling="topk"),
-        dict(tree="chain", depth=3, draft_sampling="without_replacement"),
-        dict(tree="dynamic", top_k=2, depth=2, max_nodes=3),
-        dict(tree="sequoia", depth=2, max_nodes=3, draft_sampling="iid", acceptance_rates=(0.4, 0.3, 0.2)),
-    ],
-    ids=lambda s: f"{s['tree']}-{s.get('draft_sampling', 'topk')}",
+    "spec,draws",
+    [pytest.param(s, DRAWS, marks=pytest.mark.slow, id=_spec_id(s)) for s in SINGLE_DRAFT_SPECS]
+    + [pytest.param(s, FAST_DRAWS, id=f"{_spec_id(s)}-fast") for s in (SINGLE_DRAFT_SPECS[0], SINGLE_DRAFT_SPECS[4])],
 )
-def test_engine_samples_the_target_distribution(tiny_vocab_pair, spec):
+def test_engine_samples_the_target_distribution(tiny_vocab_pair, spec, draws):
     target, draft = tiny_vocab_pair
     llm = _llm(target, [draft], **spec)
-    counts, _ = _sampled_joint(llm)
+    counts, _ = _sampled_joint(llm, draws=draws)
     stats = llm.stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert _pvalue(counts, _exact_joint(target.hf_model)) > P_MIN
@@ -137,7 +147,7 @@ def test_engine_with_a_wrong_rule_fails(tiny_vocab_pair, monkeypatch):
                 draw.probs = torch.full_like(draw.probs, 1.0 / draw.probs.numel())
         return real(tree, probs, generator)
 
-    monkeypatch.setattr("pagedtree.engine.speculator.verify_stochastic", wrong)
+    monkeypatch.setattr("pagedtree.speculative.verifier.verify_stochastic", wrong)
     target, draft = tiny_vocab_pair
     llm = _llm(target, [draft], tree="static", expansion=(2, 1), draft_sampling="iid")
     counts, _ = _sampled_joint(llm)
@@ -165,9 +175,16 @@ def peaked_models(tmp_path_factory):
 TWO_DRAFT_DRAWS = 4000
 
 
-@pytest.mark.parametrize("rule", ["without_replacement", "iid"])
-@pytest.mark.parametrize("tree", ["chain", "static"])
-@pytest.mark.parametrize("pair", ["same-draft-twice", "correlated-drafts"])
+# All eight combinations under -m slow (about 10 s each); two in the default suite.
+_DEFAULT_TWO_DRAFT = {("same-draft-twice", "chain", "without_replacement"), ("correlated-drafts", "static", "iid")}
+
+
+@pytest.mark.parametrize(
+    "pair,tree,rule",
+    [pytest.param(p, t, r, id=f"{p}-{t}-{r}", marks=() if (p, t, r) in _DEFAULT_TWO_DRAFT else pytest.mark.slow)
+     for p in ("same-draft-twice", "correlated-drafts") for t in ("chain", "static")
+     for r in ("without_replacement", "iid")],
+)
 def test_two_drafts_sample_the_target_distribution(peaked_models, pair, tree, rule):
     """Each draft draws from its own random stream, and verification replays every
     draft's proposals against that draft's q: the merged tree keeps the target's

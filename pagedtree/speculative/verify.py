@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.spec.tree import ROOT, ChildDraw, TokenTree
-from pagedtree.worker.sampler import draw_token
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
+from pagedtree.sampling import draw_token
 
 _EPS = 1e-12
 

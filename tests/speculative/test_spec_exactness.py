@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.spec import SpeculativeConfig
+from pagedtree.speculative import SpeculativeConfig
 from tests.conftest import assert_no_leaks, hf_greedy, random_prompts
 
 MAX_TOKENS = 20
@@ -153,7 +153,7 @@ def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
 def test_a_draft_failure_costs_only_the_failing_request(tiny_llama, tiny_llama_draft, prompts, reference, caplog, monkeypatch):
     """Drafting that raises for one request: it decodes without speculation (same
     tokens), every other request of the same steps still speculates."""
-    from pagedtree.worker.draft_worker import DraftWorker
+    from pagedtree.speculative.draft_worker import DraftWorker
 
     bad = prompts[2]
     real = DraftWorker.propose

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from pagedtree.spec.tree import ROOT, TreeShape
+from pagedtree.speculative.tree import ROOT, TreeShape
 
 
 def marginal_rank_rates(acceptance_rates: Sequence[float]) -> list[float]:

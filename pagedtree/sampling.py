@@ -28,6 +28,7 @@ from pagedtree.sampling_params import SamplingParams
 # Keys that separate the random streams derived from one request seed.
 NOISE_STREAM = 1  # Gumbel noise of seeded draws, per output position
 DRAFT_STREAM = 2  # a draft model's random children, per draft model
+VERIFY_STREAM = 3  # the acceptance tests of tree verification
 
 
 def stream_seed(seed: int, *keys: int) -> int:
@@ -157,16 +158,21 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
             tokens.append(int(coupled_tokens(probs, noise)))
         else:
             tokens.append(draw_token(probs, row.generator))
-    results: list[SampleResult] = []
     chosen = raw_logprobs[torch.arange(len(rows)), torch.as_tensor(tokens, dtype=torch.long)].tolist()
-    for i, row in enumerate(rows):
-        top = None
-        if row.params.logprobs is not None:
-            k = row.params.logprobs
-            top = {}
-            if k > 0:
-                values, ids = torch.topk(raw_logprobs[i], k)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            top[tokens[i]] = chosen[i]
-        results.append(SampleResult(token_id=tokens[i], logprob=chosen[i], top_logprobs=top))
-    return results
+    return [
+        SampleResult(token, logprob, top_logprobs(raw_logprobs[i], token, logprob, row.params.logprobs))
+        for i, (row, token, logprob) in enumerate(zip(rows, tokens, chosen))
+    ]
+
+
+def top_logprobs(raw_logprobs: torch.Tensor, token: int, logprob: float, k: int | None) -> dict[int, float] | None:
+    """What a token reports with ``logprobs=k``: the ``k`` best raw logprobs of its row
+    ``raw_logprobs [V]`` plus its own (None when logprobs were not asked for)."""
+    if k is None:
+        return None
+    top: dict[int, float] = {}
+    if k > 0:
+        values, ids = torch.topk(raw_logprobs, k)
+        top = dict(zip(ids.tolist(), values.tolist()))
+    top[token] = logprob
+    return top

@@ -1,0 +1,170 @@
+"""Proposing token trees: every draft model grows its trees, and they are merged.
+
+``TreeProposer`` decides, per request, how children are proposed (which fixes how
+they are verified), how the node budget is shared between draft models, and keeps a
+draft failure to the requests it hits. A new kind of drafter (a model-free one, say)
+is one more source here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pagedtree.request import Request
+from pagedtree.speculative.budget import BudgetPolicy
+from pagedtree.speculative.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
+from pagedtree.config import SpeculativeConfig
+from pagedtree.speculative.draft_worker import DraftJob, DraftWorker
+from pagedtree.speculative.merge import merge_trees
+from pagedtree.speculative.noise import NoiseCache
+from pagedtree.speculative.tree import DETERMINISTIC_RULES, RANDOM_RULES, TokenTree
+
+logger = logging.getLogger("pagedtree")
+
+
+def proposal_rule(request: Request, config: SpeculativeConfig) -> str:
+    """How this request's children are proposed, which fixes how they are verified.
+
+    Greedy requests take the draft's top tokens; seeded sampling requests the coupled
+    ones (top tokens under the seed's Gumbel noise, verified with the same noise, so
+    their output depends on the seed alone); other sampling requests
+    ``draft_sampling`` (dynamic trees: always top-k).
+    """
+    params = request.params
+    if params.greedy:
+        return "topk"
+    if params.seed is not None:
+        return "coupled"
+    if config.tree == "dynamic":
+        return "topk"
+    return config.draft_sampling
+
+
+class TreeProposer:
+    """Grows and merges the trees of every draft model for one step."""
+
+    def __init__(self, drafts: Sequence[DraftWorker], budget: BudgetPolicy, noise: NoiseCache):
+        if not drafts:
+            raise ValueError("speculation needs at least one draft model")
+        self.drafts = list(drafts)
+        self.budget = budget
+        self.noise = noise
+        for draft in self.drafts:
+            draft.on_forward = budget.draft_cost.observe
+        self.last_levels = 0  # draft forwards of the last propose
+        self.last_fed = 0  # tokens they fed
+
+    @property
+    def config(self) -> SpeculativeConfig:
+        return self.budget.config
+
+    def shares(self, request: Request, budget: int) -> list[int]:
+        """Each draft model's node budget for one request.
+
+        Deterministic proposals can be pruned after merging, so every draft builds a
+        full tree and the merge keeps the best nodes. Random draws cannot be pruned
+        (that would bias them), so the budget is split and the merged tree fits by
+        construction; a draft with a share of 0 sits this step out for the request.
+        """
+        n = len(self.drafts)
+        if n == 1 or proposal_rule(request, self.config) in DETERMINISTIC_RULES:
+            return [budget] * n
+        base, extra = divmod(budget, n)
+        return [base + (1 if i < extra else 0) for i in range(n)]
+
+    def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """Trees for the given requests, each within its node budget.
+
+        A request whose drafting fails gets no tree (it decodes without speculation
+        this step); the others are unaffected.
+        """
+        shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
+        per_draft: list[dict[str, TokenTree]] = []
+        for index, draft in enumerate(self.drafts):
+            wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
+            per_draft.append(self._propose_isolated(draft, [(r, s) for r, s in wanted if s > 0]))
+        trees: dict[str, TokenTree] = {}
+        for request, budget in requests_and_budgets:
+            rid = request.request_id
+            found = [d[rid] for d in per_draft if rid in d]
+            if not found:
+                continue
+            try:
+                tree = found[0] if len(found) == 1 and found[0].num_nodes <= budget else merge_trees(found, budget)
+            except Exception as exc:  # noqa: BLE001 - this request decodes plainly, the others go on
+                logger.warning("merging the drafts' trees of request %s failed (%s: %s); it decodes "
+                               "without speculation this step", rid, type(exc).__name__, exc)
+                self.commit(rid, [])
+                continue
+            trees[rid] = tree
+        self.last_levels = sum(d.last_levels for d in self.drafts)
+        self.last_fed = sum(d.last_fed for d in self.drafts)
+        return trees
+
+    def _propose_isolated(self, draft: DraftWorker, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """``draft.propose`` for all of ``wanted`` at once; if that fails, for each
+        request alone, so that a failure costs only the requests that fail."""
+        if not wanted:
+            return {}
+        try:
+            return draft.propose([DraftJob(r, self._builder(r, share, draft)) for r, share in wanted])
+        except Exception as exc:  # noqa: BLE001
+            if len(wanted) > 1:
+                logger.warning("%s failed on a batch of %d requests (%s: %s); drafting them one by one",
+                               draft.name, len(wanted), type(exc).__name__, exc)
+            else:
+                _log_draft_failure(draft, wanted[0][0], exc)
+            for request, _ in wanted:
+                draft.release(request.request_id)
+            if len(wanted) == 1:
+                return {}
+        trees: dict[str, TokenTree] = {}
+        for request, share in wanted:
+            try:
+                trees.update(draft.propose([DraftJob(request, self._builder(request, share, draft))]))
+            except Exception as exc:  # noqa: BLE001
+                _log_draft_failure(draft, request, exc)
+                draft.release(request.request_id)
+        return trees
+
+    def _builder(self, request: Request, budget: int, draft: DraftWorker) -> TreeBuilder:
+        cfg = self.config
+        params = request.params
+        rule = proposal_rule(request, cfg)
+        generator = draft.generator_for(request) if rule in RANDOM_RULES else None
+        noise = self._noise_for(request) if rule == "coupled" else None
+        root = request.output_token_ids[-1]
+        if cfg.tree == "dynamic":
+            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, root, params, rule, noise)
+        return ShapeTreeBuilder(self.budget.shape_for(budget), root, params, rule, generator, noise)
+
+    def _noise_for(self, request: Request) -> Callable[[int], torch.Tensor]:
+        """Depth of the children to propose -> the request's noise at that position."""
+        seed = request.sampling_seed
+        root_position = len(request.output_token_ids) - 1  # the root is the newest output token
+        return lambda depth: self.noise.get(seed, root_position + depth)
+
+    # ------------------------------------------------------------ draft KV
+    def commit(self, request_id: str, accepted_tokens: Sequence[int]) -> None:
+        """Every draft keeps the KV of the accepted path and frees its other branches."""
+        for draft in self.drafts:
+            draft.commit(request_id, accepted_tokens)
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the drafts' full computed blocks for prefix reuse."""
+        tokens = request.all_token_ids
+        for draft in self.drafts:
+            draft.cache_blocks(request.request_id, tokens)
+
+    def release(self, request_id: str) -> None:
+        """Free a request's draft KV everywhere."""
+        for draft in self.drafts:
+            draft.release(request_id)
+
+
+def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:
+    logger.warning("%s failed for request %s (%s: %s); it decodes without speculation this step",
+                   draft.name, request.request_id, type(exc).__name__, exc)

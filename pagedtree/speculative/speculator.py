@@ -1,0 +1,188 @@
+"""Tree speculation as the engine sees it: three calls per step.
+
+- ``draft(plan)``: the scheduler put decoding requests in the DRAFT phase with tree
+  slots reserved; every draft model grows their trees (``TreeProposer``) and the
+  scheduler attaches them, turning DRAFT chunks into VERIFY chunks.
+- ``verify(plan, step_output)``: after the target's pass over every tree, accept a
+  path per request (``Verifier``), have the scheduler record the KV slot moves that
+  put the accepted path in sequence order (``Scheduler.commit_tree``, into the
+  plan), and keep the drafts' KV of that path only. Returns the committed tokens.
+- ``end_step(...)``: every measurement the adaptive budget uses.
+
+Between steps, ``choose_budget`` picks the next step's node budget (``BudgetPolicy``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedtree.request import Request, RequestStatus
+from pagedtree.scheduler.plan import Phase, StepPlan
+from pagedtree.scheduler.scheduler import Scheduler
+from pagedtree.speculative.budget import BudgetPolicy
+from pagedtree.config import SpeculativeConfig
+from pagedtree.speculative.draft_worker import DraftWorker
+from pagedtree.speculative.metrics import SpecMetrics
+from pagedtree.speculative.noise import NoiseCache
+from pagedtree.speculative.proposer import TreeProposer, proposal_rule
+from pagedtree.speculative.tree import TokenTree
+from pagedtree.speculative.verifier import Verifier
+
+logger = logging.getLogger("pagedtree")
+
+# (token, logprob, top_logprobs) of one committed token.
+Committed = tuple[int, float, "dict[int, float] | None"]
+
+
+@dataclass(slots=True)
+class VerifyOutput:
+    """What ``verify`` decided: committed tokens per request, and requests whose
+    verification raised (the engine fails them alone)."""
+
+    committed: dict[str, list[Committed]] = field(default_factory=dict)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+
+
+class Speculator:
+    """Drafting, verification and measurements of tree speculation (see module docstring)."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        drafts: Sequence[DraftWorker],
+        scheduler: Scheduler,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.scheduler = scheduler
+        self.budget = BudgetPolicy(config)
+        noise = NoiseCache(vocab_size, device)
+        self.proposer = TreeProposer(drafts, self.budget, noise)
+        self.verifier = Verifier(noise, device)
+        self.metrics = SpecMetrics()
+        self._noise = noise
+        self._sized_for_nodes = config.max_nodes
+        self._trees: dict[str, TokenTree] = {}
+        self._step_budget: int | None = None  # set by choose_budget, used by end_step
+
+    @property
+    def config(self) -> SpeculativeConfig:
+        """The tree settings in force."""
+        return self.budget.config
+
+    @property
+    def drafts(self) -> list[DraftWorker]:
+        """The draft workers."""
+        return self.proposer.drafts
+
+    def reconfigure(self, config: SpeculativeConfig) -> None:
+        """Switch tree settings between runs (benchmarks sweep them on one engine).
+
+        ``max_nodes`` may not exceed the one the drafts' caches were sized for.
+        """
+        if config.max_nodes > self._sized_for_nodes:
+            raise ValueError(f"max_nodes {config.max_nodes} > {self._sized_for_nodes} the draft caches were sized for")
+        self.budget.reconfigure(config)
+
+    def choose_budget(self, num_decoding: int, other_tokens: int) -> int:
+        """Node budget per request for the next step (0 = decode without speculation)."""
+        self._step_budget = self.budget.choose(num_decoding, other_tokens)
+        return self._step_budget
+
+    # ----------------------------------------------------------------- step
+    def draft(self, plan: StepPlan) -> None:
+        """Grow the trees of the plan's DRAFT chunks and attach them (see module docstring)."""
+        for request in plan.preempted:
+            self.release(request.request_id)
+        self._noise.clear()
+        self._trees = {}
+        drafting = [c for c in plan.chunks if c.phase == Phase.DRAFT]
+        if not drafting:
+            return
+        try:
+            # Failures of single requests are handled inside (they decode plainly).
+            trees = self.proposer.propose([(c.request, c.tree_budget) for c in drafting])
+        except Exception as exc:  # noqa: BLE001 - a bug in drafting must not lose the step
+            logger.exception("drafting failed (%s: %s); decoding this step without speculation",
+                             type(exc).__name__, exc)
+            for chunk in drafting:
+                self.proposer.release(chunk.request.request_id)
+            trees = {}
+        for chunk in drafting:
+            tree = trees.get(chunk.request.request_id)
+            if tree is None:
+                self.scheduler.attach_tree(chunk, chunk.token_ids[0], [], [], [])
+            else:
+                self.scheduler.attach_tree(chunk, tree.root_token, tree.tokens, tree.parents, tree.depths)
+        self._trees = trees
+        self.metrics.tree_sizes_per_step.append(sum(t.num_nodes for t in trees.values()))
+
+    def verify(self, plan: StepPlan, verify_logits: dict[str, torch.Tensor]) -> VerifyOutput:
+        """Accept a path of every VERIFY chunk's tree from the target's logits."""
+        out = VerifyOutput()
+        for chunk in plan.chunks:
+            if chunk.phase != Phase.VERIFY:
+                continue
+            request = chunk.request
+            rid = request.request_id
+            logits = verify_logits.get(rid)
+            if logits is None or request.status.finished:  # failed in the forward
+                self.release(rid)
+                continue
+            tree = self._trees[rid]
+            try:
+                verified = self.verifier.verify(request, tree, logits, proposal_rule(request, self.config))
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
+                out.failed.append((request, exc))
+                continue
+            self.scheduler.commit_tree(plan, chunk, verified.result.accepted_nodes)
+            self.proposer.commit(rid, verified.token_ids[:-1])
+            self.metrics.record(request, tree, verified.result)
+            self.budget.observe_trials(verified.result.rank_trials)
+            out.committed[rid] = verified.entries()
+        return out
+
+    def end_step(self, plan: StepPlan, committed: dict[str, list[Committed]], forward_seconds: float,
+                 step_seconds: float, queue_empty: bool) -> None:
+        """Take the step's measurements (costs, what the budget delivered) and register
+        the drafts' newly full blocks for prefix reuse."""
+        budget, self._step_budget = self._step_budget, None
+        self.budget.target_cost.observe(plan.num_tokens, forward_seconds)
+        if budget and committed:
+            self.budget.observe_step(
+                budget,
+                [len(tokens) for tokens in committed.values()],
+                [self._trees[rid].num_nodes for rid in committed],
+                self.proposer.last_levels,
+                self.proposer.last_fed,
+            )
+        for chunk in plan.chunks:
+            if chunk.phase == Phase.VERIFY and chunk.request.status == RequestStatus.RUNNING:
+                self.proposer.cache_blocks(chunk.request)
+        decode_only = all(c.phase in (Phase.DECODE, Phase.VERIFY) for c in plan.chunks)
+        if budget is not None and decode_only and queue_empty:
+            appended = sum(len(committed.get(c.request.request_id, [None])) for c in plan.chunks)
+            self.budget.observe_step_rate(len(plan.chunks), budget if committed else 0, appended, step_seconds)
+        self._trees = {}
+
+    def release(self, request_id: str) -> None:
+        """Free everything speculation holds for a request (finished, preempted, failed)."""
+        self.proposer.release(request_id)
+        self.verifier.release(request_id)
+
+    def stats(self) -> dict[str, object]:
+        """Speculation counters for ``LLM.stats()``."""
+        bms = [d.block_manager for d in self.drafts]
+        return self.metrics.stats() | {
+            "num_draft_forward_passes": sum(d.num_forward_passes for d in self.drafts),
+            "num_steps_speculation_off": self.budget.num_steps_speculation_off,
+            "last_tree_budget": self.budget.last_budget,
+            "rank_acceptance_rates": list(self.budget.rank_acceptance.rates()),
+            "draft_num_total_blocks": sum(bm.num_blocks for bm in bms),
+            "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
+            "draft_num_cached_blocks": sum(bm.num_cached_blocks for bm in bms),
+        }

@@ -1,0 +1,95 @@
+"""The scheduler on its own: FCFS admission, token budget, chunked prefill,
+preemption by recompute, tree slots reserved, attached, committed and truncated."""
+
+from __future__ import annotations
+
+from pagedtree.request import Request, RequestStatus
+from pagedtree.sampling_params import SamplingParams
+from pagedtree.scheduler.block_manager import BlockManager
+from pagedtree.scheduler.plan import Phase, SlotMove
+from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 16) -> Request:
+    return Request(rid, None, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens), sampling_seed=0)
+
+
+def _scheduler(num_blocks=32, block_size=4, **cfg) -> Scheduler:
+    config = SchedulerConfig(**({"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128} | cfg))
+    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=False))
+
+
+def _finish_step(scheduler: Scheduler, plan, new_token: int = 7) -> None:
+    """What the engine does after a forward: append the sampled token where one was drawn."""
+    for chunk in plan.chunks:
+        if chunk.logits_from is not None:
+            chunk.request.output_token_ids.append(new_token)
+    scheduler.update(plan)
+
+
+def test_fcfs_admission_within_the_token_budget_with_chunked_prefill():
+    s = _scheduler(max_num_batched_tokens=10)
+    a, b = _request("a", 7), _request("b", 6)
+    s.add_request(a)
+    s.add_request(b)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 7), ("b", 3)]
+    assert plan.chunks[1].logits_from is None  # b's prompt is not finished: no sample
+    _finish_step(s, plan)
+    plan = s.schedule()
+    # a decodes one token, b finishes its prompt in the same step.
+    assert [(c.request.request_id, c.phase, c.num_tokens) for c in plan.chunks] == [
+        ("a", Phase.DECODE, 1), ("b", Phase.PREFILL, 3)]
+    # Before that step runs: a may speculate (one token to compute), b has 3 prompt tokens left.
+    assert s.pending_load() == (1, 3)
+
+
+def test_preemption_by_recompute_frees_the_newest_request():
+    s = _scheduler(num_blocks=4, block_size=4)
+    a, b = _request("a", 8), _request("b", 8)
+    s.add_request(a)
+    s.add_request(b)
+    _finish_step(s, s.schedule())
+    assert s.block_manager.num_free_blocks == 0
+    plan = s.schedule()  # a needs a third block for its next token: b goes
+    assert plan.preempted == [b] and b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert [c.request for c in plan.chunks] == [a]
+    assert s.num_preemptions == 1
+
+
+def test_tree_slots_are_reserved_attached_committed_and_truncated():
+    s = _scheduler()
+    r = _request("r", 5, max_tokens=4)
+    s.add_request(r)
+    _finish_step(s, s.schedule())  # prefill; first output token appended
+    assert s.pending_load() == (1, 0)
+    plan = s.schedule(tree_budget=8)
+    chunk = plan.chunks[0]
+    # The budget is capped by max_tokens: 4 - 1 generated - 1 bonus = 2 nodes.
+    assert chunk.phase == Phase.DRAFT and chunk.tree_budget == 2
+    assert s.block_manager.num_tokens("r") == r.num_tokens + 2
+    # A two-node star: both children of the root.
+    s.attach_tree(chunk, r.output_token_ids[-1], [11, 12], [-1, -1], [1, 1])
+    assert chunk.phase == Phase.VERIFY and chunk.token_ids == [r.output_token_ids[-1], 11, 12]
+    assert chunk.positions == [5, 6, 6] and chunk.tree_parents == [-1, 0, 0]
+    # Node 1 (token 12) is accepted: its KV slides into the slot right after the root.
+    s.commit_tree(plan, chunk, [1])
+    assert plan.slot_moves == [SlotMove(chunk.slot_mapping[2], chunk.slot_mapping[1])]
+    r.output_token_ids += [12, 9]
+    s.update(plan)
+    assert r.num_computed_tokens == 7 and s.block_manager.num_tokens("r") == 7
+    s.block_manager.check_invariants()
+
+
+def test_an_empty_tree_is_a_plain_decode_and_finish_frees_everything():
+    s = _scheduler()
+    r = _request("r", 5)
+    s.add_request(r)
+    _finish_step(s, s.schedule())
+    plan = s.schedule(tree_budget=3)
+    chunk = plan.chunks[0]
+    s.attach_tree(chunk, r.output_token_ids[-1], [], [], [])
+    assert chunk.phase == Phase.DECODE and s.block_manager.num_tokens("r") == r.num_tokens
+    s.finish(r, RequestStatus.FINISHED_ABORTED)
+    s.finish(r, RequestStatus.FINISHED_ABORTED)  # finishing twice is harmless (recovery paths)
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks and not s.has_unfinished()

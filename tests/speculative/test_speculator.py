@@ -1,0 +1,89 @@
+"""The speculator on its own: draft -> (target logits) -> verify -> end_step, with a
+real draft worker and scheduler and hand-made target logits."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedtree.loading.loader import load_model
+from pagedtree.request import Request
+from pagedtree.sampling_params import SamplingParams
+from pagedtree.scheduler.block_manager import BlockManager
+from pagedtree.scheduler.plan import Phase, SlotMove
+from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.speculative import SpeculativeConfig
+from pagedtree.speculative.draft_worker import DraftWorker
+from pagedtree.speculative.speculator import Speculator
+from pagedtree.worker.model_runner import ModelRunner
+
+VOCAB = 256
+
+
+def _setup(draft_path, **spec):
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
+                          BlockManager(32, 4))
+    loaded = load_model(draft_path)
+    bm = BlockManager(64, 4)
+    draft = DraftWorker(ModelRunner(loaded.model, 64, 4, torch.device("cpu"), torch.float32, "torch"), bm)
+    config = SpeculativeConfig(adaptive=False, **spec)
+    return scheduler, Speculator(config, [draft], scheduler, VOCAB)
+
+
+def _decoding_request(scheduler: Scheduler) -> Request:
+    r = Request("r", None, [5, 9, 13, 2, 7], SamplingParams(temperature=0, max_tokens=20), sampling_seed=0)
+    scheduler.add_request(r)
+    plan = scheduler.schedule()
+    r.output_token_ids.append(17)  # as if the prefill sampled it
+    scheduler.update(plan)
+    return r
+
+
+def _logits_choosing(tokens: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(tokens), VOCAB)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 10.0
+    return logits
+
+
+def test_a_chain_is_drafted_verified_and_committed(tiny_llama_draft):
+    scheduler, spec = _setup(tiny_llama_draft.path, tree="chain", depth=3, max_nodes=3)
+    r = _decoding_request(scheduler)
+    plan = scheduler.schedule(spec.choose_budget(*scheduler.pending_load()))
+    spec.draft(plan)
+    chunk = plan.chunks[0]
+    assert chunk.phase == Phase.VERIFY and chunk.num_tokens == 4 and chunk.tree_parents == [-1, 0, 1, 2]
+    nodes = chunk.token_ids[1:]
+    # The target agrees on the first two nodes, then wants token 99 (not the third node).
+    other = 99 if nodes[2] != 99 else 98
+    out = spec.verify(plan, {"r": _logits_choosing([nodes[0], nodes[1], other, 0])})
+    assert [t for t, _, _ in out.committed["r"]] == [nodes[0], nodes[1], other]
+    assert chunk.num_accepted == 2 and plan.slot_moves == []  # a chain's accepted prefix is in place
+    r.output_token_ids += [t for t, _, _ in out.committed["r"]]
+    scheduler.update(plan)
+    spec.end_step(plan, out.committed, forward_seconds=0.01, step_seconds=0.02, queue_empty=True)
+    stats = spec.stats()
+    assert stats["num_drafts"] == 1 and stats["num_accepted_tokens"] == 2 and stats["accepted_tokens_per_position"] == [1, 1]
+    assert r.num_computed_tokens == r.num_tokens - 1  # root + 2 accepted; the bonus is next step's root
+    spec.release("r")
+    assert spec.drafts[0].num_requests == 0
+
+
+def test_an_accepted_side_branch_is_moved_into_place(tiny_llama_draft):
+    scheduler, spec = _setup(tiny_llama_draft.path, tree="static", expansion=(2,), max_nodes=2)
+    _decoding_request(scheduler)
+    plan = scheduler.schedule(spec.choose_budget(1, 0))
+    spec.draft(plan)
+    chunk = plan.chunks[0]
+    assert chunk.tree_parents == [-1, 0, 0]
+    second = chunk.token_ids[2]
+    out = spec.verify(plan, {"r": _logits_choosing([second, 0, 0])})
+    assert out.committed["r"][0][0] == second
+    assert plan.slot_moves == [SlotMove(chunk.slot_mapping[2], chunk.slot_mapping[1])]
+
+
+def test_a_verification_that_raises_fails_only_its_request(tiny_llama_draft):
+    scheduler, spec = _setup(tiny_llama_draft.path, tree="chain", depth=2, max_nodes=2)
+    _decoding_request(scheduler)
+    plan = scheduler.schedule(2)
+    spec.draft(plan)
+    out = spec.verify(plan, {"r": torch.zeros(1, VOCAB)})  # wrong number of rows
+    assert not out.committed and [r.request_id for r, _ in out.failed] == ["r"]
