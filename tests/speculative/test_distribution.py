@@ -54,19 +54,28 @@ def _first_two_tokens(kind: str, rule: str, seed: int) -> np.ndarray:
     counts = np.zeros((V, V))
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(DRAWS):
-        b = _builder(kind, rule, gen)
-        feed = b.expand_level([(-1, q_root.log())])
-        b.expand_level([(n, q_next[b.tree.tokens[n]].log()) for n in feed])
-        tree = b.finish()
-        rows = torch.stack([p_root] + [p_next[t] if d == 1 else p_next[0] for t, d in zip(tree.tokens, tree.depths)])
-        # Rows of depth-2 nodes are never reached by a two-token check except as the
-        # bonus row, which the loop below replaces by the exact conditional.
-        result = verify_stochastic(tree, rows, gen)
-        tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
-        if len(tokens) == 1:
-            tokens.append(int(torch.multinomial(p_next[tokens[0]], 1, generator=gen)))
-        counts[tokens[0], tokens[1]] += 1
+        tree = _grow(_builder(kind, rule, gen), q_root, q_next)
+        counts[_first_two_tokens_of(tree, p_root, p_next, gen)] += 1
     return counts
+
+
+def _grow(builder, q_root: torch.Tensor, q_next: torch.Tensor):
+    """A two-level tree from the draft tables."""
+    feed = builder.expand_level([(-1, q_root.log())])
+    builder.expand_level([(n, q_next[builder.tree.tokens[n]].log()) for n in feed])
+    return builder.finish()
+
+
+def _first_two_tokens_of(tree, p_root: torch.Tensor, p_next: torch.Tensor, gen) -> tuple[int, int]:
+    """Verify ``tree`` against the target tables; the first two tokens it yields."""
+    # Rows of depth-2 nodes are never reached by a two-token check except as the
+    # bonus row, which is replaced below by the exact conditional.
+    rows = torch.stack([p_root] + [p_next[t] if d == 1 else p_next[0] for t, d in zip(tree.tokens, tree.depths)])
+    result = verify_stochastic(tree, rows, gen)
+    tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
+    if len(tokens) == 1:
+        tokens.append(int(torch.multinomial(p_next[tokens[0]], 1, generator=gen)))
+    return tokens[0], tokens[1]
 
 
 def _expected(seed: int) -> np.ndarray:
@@ -148,17 +157,8 @@ def _merged_two_draft_tokens(rule: str, seed: int, coupled_streams: bool = False
         for (qr, qn), gen, shape in zip(
             [(q_root, q_next), (q2_root, q2_next)], streams, shapes
         ):
-            b = ShapeTreeBuilder(shape, 0, params, rule, gen)
-            feed = b.expand_level([(-1, qr.log())])
-            b.expand_level([(n, qn[b.tree.tokens[n]].log()) for n in feed])
-            trees.append(b.finish())
-        tree = merge_trees(trees, max_nodes=6)
-        rows = torch.stack([p_root] + [p_next[t] if d == 1 else p_next[0] for t, d in zip(tree.tokens, tree.depths)])
-        result = verify_stochastic(tree, rows, verify_gen)
-        tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
-        if len(tokens) == 1:
-            tokens.append(int(torch.multinomial(p_next[tokens[0]], 1, generator=verify_gen)))
-        counts[tokens[0], tokens[1]] += 1
+            trees.append(_grow(ShapeTreeBuilder(shape, 0, params, rule, gen), qr, qn))
+        counts[_first_two_tokens_of(merge_trees(trees, max_nodes=6), p_root, p_next, verify_gen)] += 1
     return counts
 
 

@@ -33,15 +33,21 @@ MAX_TOKENS = 5
 P_MIN = 0.001
 
 
+def _target(folder, seed: int, logit_scale: float):
+    """A tiny 8-token Llama whose output logits are scaled by ``logit_scale``."""
+    target = save_tiny_model(folder / "target", "llama", seed=seed, with_tokenizer=False, vocab_size=VOCAB)
+    with torch.no_grad():
+        target.hf_model.lm_head.weight.mul_(logit_scale)
+    target.hf_model.save_pretrained(str(target.path))
+    return target
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_vocab")
-    target = save_tiny_model(folder / "target", "llama", seed=7, with_tokenizer=False, vocab_size=VOCAB)
     # Spread the logits less than the default tiny models so that every cell of the
     # 8x8 table is likely enough to be tested.
-    with torch.no_grad():
-        target.hf_model.lm_head.weight.mul_(0.4)
-    target.hf_model.save_pretrained(str(target.path))
+    target = _target(folder, seed=7, logit_scale=0.4)
     draft = save_perturbed_copy(target, folder / "draft", noise=0.6, seed=8)
     return target, draft
 
@@ -161,10 +167,7 @@ def peaked_models(tmp_path_factory):
     drafts show) and two drafts: a perturbed copy, and a copy of that copy perturbed
     a little more (correlated with the first)."""
     folder = tmp_path_factory.mktemp("peaked")
-    target = save_tiny_model(folder / "target", "llama", seed=27, with_tokenizer=False, vocab_size=VOCAB)
-    with torch.no_grad():
-        target.hf_model.lm_head.weight.mul_(2.5)
-    target.hf_model.save_pretrained(str(target.path))
+    target = _target(folder, seed=27, logit_scale=2.5)
     # Chosen (seeds, scale, noise) so that treating a repeated draw as a fresh one
     # moves the first verified token's distribution far: the test has power.
     draft = save_perturbed_copy(target, folder / "draft", noise=1.0, seed=18)
