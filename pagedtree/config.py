@@ -21,6 +21,7 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+QUANTIZATIONS = ("int8", "int4")  # weight-only, see pagedtree.worker.models.linear
 
 TREE_KINDS = ("static", "chain", "dynamic", "sequoia")
 DRAFT_SAMPLING_RULES = ("without_replacement", "iid", "topk")
@@ -105,6 +106,11 @@ class EngineConfig:
     (``num_draft_kv_blocks`` overrides it).
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
+
+    ``quantization`` ("int8" or "int4") stores linear weights weight-only quantized
+    (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16). The draft
+    models take the target's dtype and quantization unless ``draft_dtype`` /
+    ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts).
     """
 
     model: str | None = None
@@ -123,7 +129,10 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     max_logprobs: int = 20
+    quantization: str | None = None
     draft_model: str | list[str] | None = None
+    draft_dtype: str | torch.dtype | None = None
+    draft_quantization: str | None = None
     speculative: SpeculativeConfig | None = None
     num_draft_kv_blocks: int | None = None
 
@@ -134,6 +143,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("quantization", "draft_quantization"):
+            value = getattr(self, name)
+            allowed = QUANTIZATIONS + (("none",) if name == "draft_quantization" else ())
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be None or one of {allowed}, got {value!r}")
+        if self.quantization == "none":
+            self.quantization = None
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -165,6 +181,8 @@ class EngineConfig:
             raise ValueError(f"num_draft_kv_blocks must be >= 1, got {self.num_draft_kv_blocks}")
         self.resolve_device()
         self.resolve_dtype()
+        if self.draft_dtype is not None:
+            self.resolve_draft_dtype()
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on ("auto": CUDA when present, else CPU)."""
@@ -181,11 +199,30 @@ class EngineConfig:
         return device
 
     def resolve_dtype(self) -> torch.dtype:
-        """The weight/activation dtype ("auto": fp32 on CPU, where bf16 matmuls are slow; bf16 on CUDA)."""
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.resolve_device().type == "cuda" else torch.float32
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        """The target's activation (and dense weight) dtype: see ``resolve_model_dtype``."""
+        return self._dtype_of(self.dtype, self.quantization)
+
+    def resolve_draft_dtype(self) -> torch.dtype:
+        """The drafts' dtype (``draft_dtype``, else the target's)."""
+        if self.draft_dtype is None:
+            return self._dtype_of(self.dtype, self.resolve_draft_quantization())
+        return self._dtype_of(self.draft_dtype, self.resolve_draft_quantization())
+
+    def resolve_draft_quantization(self) -> str | None:
+        """The drafts' quantization (``draft_quantization``, else the target's)."""
+        if self.draft_quantization is None:
+            return self.quantization
+        return None if self.draft_quantization == "none" else self.draft_quantization
+
+    def _dtype_of(self, dtype: str | torch.dtype, quantization: str | None) -> torch.dtype:
+        """"auto": bf16 on CUDA and for quantized weights (their kernels take bf16), fp32
+        otherwise on CPU."""
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            if quantization is not None or self.resolve_device().type == "cuda":
+                return torch.bfloat16
+            return torch.float32
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]

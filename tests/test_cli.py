@@ -33,7 +33,8 @@ def test_models_list(capsys):
 
 
 @pytest.mark.parametrize(
-    "script", ["benchmarks/throughput.py", "examples/offline_generate.py", "-m pagedtree.entrypoints.cli"]
+    "script", ["benchmarks/throughput.py", "benchmarks/precision.py", "examples/offline_generate.py",
+               "-m pagedtree.entrypoints.cli"]
 )
 def test_scripts_have_help(script):
     args = script.split() if script.startswith("-m") else [str(ROOT / script)]

@@ -171,8 +171,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` over the paged cache; returns ``[T, H, D]``.
 
-    The new tokens' keys and values must already be stored in the cache.
+    The new tokens' keys and values must already be stored in the cache. 16-bit
+    inputs are computed in fp32 (and rounded once at the end): then a query row's
+    result does not depend on how many other rows share its call up to fp32 rounding,
+    so a token verified inside a tree gets the logits it gets when decoded alone
+    (bf16 SDPA takes other code paths for other shapes).
     """
+    compute = torch.float32 if query.dtype in (torch.bfloat16, torch.float16) else query.dtype
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[-2]
     # One row per cache slot. ``index_select`` on a 2-D view copies whole rows and is
@@ -188,16 +193,17 @@ def paged_attention(
             q = query[first : first + b * q_len].view(b, q_len, num_heads, head_dim)
         else:
             q = query.index_select(0, group.query_index.flatten()).view(b, q_len, num_heads, head_dim)
+        q = q.to(compute)
         slots = group.kv_slots.flatten()
         k = slot_rows_k.index_select(0, slots).view(b, k_len, num_kv_heads, head_dim)
         v = slot_rows_v.index_select(0, slots).view(b, k_len, num_kv_heads, head_dim)
-        k = k.transpose(1, 2).to(query.dtype)  # [B, H_kv, K, D]
-        v = v.transpose(1, 2).to(query.dtype)
+        k = k.transpose(1, 2).to(compute)  # [B, H_kv, K, D]
+        v = v.transpose(1, 2).to(compute)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        o = o.transpose(1, 2).reshape(b * q_len, num_heads, head_dim)  # [B*Q, H, D]
+        o = o.transpose(1, 2).reshape(b * q_len, num_heads, head_dim).to(query.dtype)  # [B*Q, H, D]
         if first is not None:
             out[first : first + b * q_len] = o
         else:

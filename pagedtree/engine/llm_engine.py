@@ -56,8 +56,7 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype()
         started = time.monotonic()
-        folder = resolve_model_path(config.model)
-        loaded = load_model(folder, dtype=self.dtype, device=self.device)
+        loaded = load_model(config.model, dtype=self.dtype, device=self.device, quantization=config.quantization)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer)) if config.tokenizer else loaded.tokenizer

@@ -21,6 +21,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB on CPU (default 2)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantized linear layers (bf16 activations)")
     spec = parser.add_argument_group("tree speculative decoding (on when --draft-model is given)")
     spec.add_argument("--draft-model", nargs="+", default=None, help="draft model(s); several drafts' trees are merged")
     spec.add_argument("--spec-tree", default=None, choices=["static", "chain", "dynamic", "sequoia"], help="tree kind (default: chain)")
@@ -28,6 +30,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
     spec.add_argument("--spec-max-nodes", type=int, default=None, help="tree node budget per request")
     spec.add_argument("--no-spec-adaptive", action="store_true", help="always use the full budget")
+    spec.add_argument("--draft-dtype", default=None, help="the drafts' dtype (default: the target's)")
+    spec.add_argument("--draft-quantization", default=None, choices=["int8", "int4", "none"],
+                      help="the drafts' quantization (default: the target's)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,11 +45,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        quantization=args.quantization,
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
     if args.draft_model:
         kwargs["draft_model"] = args.draft_model
+        kwargs["draft_dtype"] = args.draft_dtype
+        kwargs["draft_quantization"] = args.draft_quantization
         spec: dict = {"adaptive": not args.no_spec_adaptive}
         if args.spec_tree:
             spec["tree"] = args.spec_tree

@@ -1,4 +1,5 @@
-"""GGUF files: converted once to a Hugging Face folder by transformers' own loader.
+"""GGUF files: converted once to a Hugging Face folder by transformers' own loader
+(dense models), or read directly for quantized ones (``gguf_weights``).
 
 transformers knows every GGUF quantisation and the llama.cpp tensor layout quirks
 (for instance the permuted Q/K projections of llama-architecture files), so we use
@@ -53,4 +54,28 @@ def convert_gguf_to_hf(gguf_file: Path, out_folder: Path) -> Path:
     else:
         tmp.rename(out_folder)
     print(f"[pagedtree] converted in {time.monotonic() - started:.0f}s -> {out_folder}", flush=True)
+    return out_folder
+
+
+def gguf_metadata_folder(gguf_file: Path, out_folder: Path) -> Path:
+    """A folder with ``gguf_file``'s config and tokenizer only (no weights), written once:
+    what the quantized loader needs besides the GGUF's own tensors."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if (out_folder / "config.json").exists():
+        return out_folder
+    print(f"[pagedtree] reading the config and tokenizer of {gguf_file.name} (once)...", flush=True)
+    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    out_folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_folder.with_name(out_folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    if out_folder.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out_folder)
     return out_folder

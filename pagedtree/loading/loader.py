@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from pagedtree.loading.gguf_weights import load_gguf_weights
 from pagedtree.worker.models import model_class_for
 from pagedtree.worker.models.decoder import DecoderForCausalLM, RotaryEmbedding
 
@@ -99,21 +100,70 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     pack_weights: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build our implementation of ``model`` and load its weights onto ``device``.
 
-    ``pack_weights`` prepacks fp32 CPU linear weights for oneDNN (and drops their dense
-    copies), the fast layout for inference; ``False`` keeps plain ``nn.Linear`` weights.
+    ``quantization`` ("int8" or "int4") makes every linear layer weight-only quantized
+    (``Linear.quantize``); otherwise ``pack_weights`` prepacks fp32/bf16 CPU linear
+    weights for oneDNN (and drops their dense copies), the fast layout for inference;
+    ``False`` keeps plain ``nn.Linear`` weights.
     """
+    gguf_file = gguf_source(model) if quantization is not None else None
+    if gguf_file is not None:
+        # Straight from the GGUF's quantized blocks: the dense model is never built.
+        folder = gguf_config_folder(model, gguf_file)
+        config = AutoConfig.from_pretrained(str(folder))
+        net = build_on_meta(model_class_for(config), config, dtype)
+        load_gguf_weights(net, gguf_file, quantization, dtype)
+        net.rotary = RotaryEmbedding(config, net.head_dim).to(device)
+        return LoadedModel(model=net.eval(), config=config, tokenizer=load_tokenizer(folder), path=folder)
     folder = resolve_model_path(model)
     config = AutoConfig.from_pretrained(str(folder))
     cls = model_class_for(config)
     net = build_empty(cls, config, dtype, device)
     load_safetensors_weights(net, _safetensors_files(folder))
     net.eval()
-    if pack_weights:
+    if quantization is not None:
+        net.quantize_weights(quantization)
+    elif pack_weights:
         net.pack_weights_for_cpu()
     return LoadedModel(model=net, config=config, tokenizer=load_tokenizer(folder), path=folder)
+
+
+def gguf_source(model: str | Path | None) -> Path | None:
+    """The GGUF file behind ``model`` (a packaged name or a ``.gguf`` path), else None."""
+    from pagedtree.loading import packaged_models as pm
+
+    name = str(model) if model is not None else pm.DEFAULT_MODEL
+    if name in pm.PACKAGED_MODELS:
+        return pm.gguf_path(pm.PACKAGED_MODELS[name])
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def gguf_config_folder(model: str | Path | None, gguf_file: Path) -> Path:
+    """A folder with the config and tokenizer of a GGUF model: the converted folder
+    when there is one, else one holding only those (written once)."""
+    from pagedtree.loading import packaged_models as pm
+    from pagedtree.loading.gguf import gguf_cache_folder, gguf_metadata_folder
+
+    name = str(model) if model is not None else pm.DEFAULT_MODEL
+    converted = pm.cache_dir() / "hf" / name if name in pm.PACKAGED_MODELS else gguf_cache_folder(gguf_file)
+    if (converted / "config.json").exists():
+        return converted
+    return gguf_metadata_folder(gguf_file, pm.cache_dir() / "meta" / converted.name)
+
+
+def build_on_meta(cls: type[DecoderForCausalLM], config, dtype: torch.dtype) -> DecoderForCausalLM:
+    """The model's modules with every parameter on the meta device (no memory)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def build_empty(

@@ -160,11 +160,8 @@ def converted_folder(model: PackagedModel) -> Path:
     folder = cache_dir() / "hf" / model.name
     if (folder / "config.json").exists():
         return folder
-    source = gguf_path(model)
-    convert_gguf_to_hf(source, folder)
-    if not model.whole_file:
-        # The parts stay installed, so the assembled copy is only a disk cost.
-        source.unlink(missing_ok=True)
+    # The assembled GGUF stays in the cache: quantized engines load from it directly.
+    convert_gguf_to_hf(gguf_path(model), folder)
     return folder
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedtree.config import EngineConfig
-from pagedtree.loading.loader import load_model, resolve_model_path
+from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
@@ -253,8 +253,9 @@ def load_draft_worker(
     positions (tree nodes never go past it: the scheduler caps the budget).
     """
     name = config.draft_model[index]
-    device, dtype = config.resolve_device(), config.resolve_dtype()
-    loaded = load_model(resolve_model_path(name), dtype=dtype, device=device)
+    device, dtype = config.resolve_device(), config.resolve_draft_dtype()
+    loaded = load_model(name, dtype=dtype, device=device,
+                        quantization=config.resolve_draft_quantization())
     vocab = int(loaded.config.vocab_size)
     if vocab != vocab_size:
         raise ValueError(

@@ -19,6 +19,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedtree.worker.models.linear import Linear
+
 
 @dataclass(slots=True, frozen=True)
 class DecoderSpec:
@@ -115,46 +117,6 @@ class DecoderAttention(nn.Module):
         k = apply_rotary(k, cos, sin)
         out = attention(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that runs on CPU from a weight prepacked for oneDNN.
-
-    ``pack_for_cpu`` (called by the loader) reorders an fp32 CPU weight once into
-    oneDNN's blocked layout and drops the dense copy; every product then goes through
-    oneDNN's inner product, whatever the number of rows: at 1, 4 and 16 rows it beat
-    ``F.linear`` by 1.6x, 1.3x and 2.2x on a Qwen2.5-0.5B-shaped stack (the table is in
-    benchmarks/RESULTS.md, "CPU linear layers"). Results differ from
-    ``F.linear``'s only in fp32 rounding order. Other dtypes and devices, and a layer
-    that was never packed, use ``F.linear``.
-    """
-
-    packed_weight: torch.Tensor | None = None
-
-    def pack_for_cpu(self) -> bool:
-        """Reorder an fp32 CPU weight into oneDNN's layout and drop the dense one.
-
-        Returns whether it packed. A weight tied to the embedding keeps living there;
-        this layer then holds a packed copy of it.
-        """
-        weight = self.weight
-        if weight is None or not _ONEDNN_PACKING or weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
-        self.weight = None
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
-            return super().forward(x)
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-# oneDNN picks its blocked layout for an expected row count: 16 serves 1-32 rows well.
-_PACK_ROWS_HINT = 16
-_ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class DecoderMLP(nn.Module):
@@ -268,8 +230,21 @@ class DecoderForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, attention)
         return self.model.norm(hidden)
 
+    def quantize_weights(self, mode: str) -> int:
+        """Weight-only ``mode`` ("int8"/"int4") for every linear layer; returns how many.
+
+        A head tied to the embedding gets its own quantized copy (the embedding table
+        stays dense for the lookups).
+        """
+        count = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is not None:
+                module.quantize(mode)
+                count += 1
+        return count
+
     def pack_weights_for_cpu(self) -> int:
-        """Prepack every linear layer's fp32 CPU weight for oneDNN (``Linear.pack_for_cpu``).
+        """Prepack every dense linear layer's fp32/bf16 CPU weight for oneDNN (``Linear.pack_for_cpu``).
 
         Returns how many layers were packed (0 on other devices and dtypes).
         """

@@ -9,7 +9,7 @@ from pagedtree import LLM, SamplingParams
 from pagedtree.loading import packaged_models as pm
 from pagedtree.loading.loader import load_model, resolve_model_path
 from pagedtree.worker.models import model_class_for
-from pagedtree.worker.models.decoder import Linear
+from pagedtree.worker.models.linear import Linear
 
 
 def test_tied_and_untied_heads_load(tiny_llama, tiny_qwen2):

@@ -1,0 +1,243 @@
+"""Quantized weights straight from a GGUF file, without building the dense model.
+
+llama.cpp files store most weights in 4- to 8-bit blocks. For ``quantization="int4"``
+the 4-bit blocks (Q4_0, Q4_1, Q4_K: an affine grid per 32 weights) become torch's
+int4 layout exactly (same codes, same scale and minimum per group of 32); the 5- to
+8-bit blocks (Q5_*, Q6_K, Q8_0) and dense tensors become per-row int8, which loses
+less than rounding them to 4 bits would. For ``quantization="int8"`` every linear
+weight is per-row int8. Norms, biases and the embedding table stay dense (bf16).
+
+Only the tensors being converted are ever dense, one at a time: the 1.5B model needs
+its quantized weights plus the embedding table, not its 6 GB of fp32.
+
+Names follow llama.cpp's (``blk.N.attn_q.weight``, ...); llama-architecture files
+store the Q and K projections with rows permuted for llama.cpp's rotary layout, which
+is undone here row by row (codes and scales alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedtree.worker.models.decoder import DecoderForCausalLM
+from pagedtree.worker.models.linear import INT4_GROUP_SIZE, Linear, int4_scales_and_zeros, quantize_int8
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor (None: not a weight we load)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+@dataclass(slots=True)
+class _Int4Rows:
+    """Rows of an int4 weight: codes ``[n, K]`` (0..15), per-group ``scale`` and ``low`` ``[n, K/32]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+
+
+def _int4_rows(tensor) -> _Int4Rows:
+    """Codes and affine parameters of a Q4_0/Q4_1/Q4_K tensor, exactly as stored."""
+    kind = tensor.tensor_type.name
+    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+    blocks = np.asarray(tensor.data).reshape(-1)
+    if kind == "Q4_K":
+        blocks = blocks.reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mins = _q4k_scale_min(blocks[:, 4:16])
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 0x0F).reshape(-1, 8, 32)
+        scale = d * sc.astype(np.float32)
+        low = -dmin * mins.astype(np.float32)
+    else:  # Q4_0 / Q4_1: one group of 32 per block
+        width = 18 if kind == "Q4_0" else 20
+        blocks = blocks.reshape(-1, width)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        if kind == "Q4_0":
+            low = -8.0 * d
+            qs = blocks[:, 2:]
+        else:
+            low = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+            qs = blocks[:, 4:]
+        qs = qs.reshape(-1, 1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 0x0F).reshape(-1, 1, 32)
+        scale = d
+    return _Int4Rows(
+        codes=torch.from_numpy(codes.reshape(n, k).astype(np.int32)),
+        scale=torch.from_numpy(np.ascontiguousarray(scale).reshape(n, k // INT4_GROUP_SIZE)),
+        low=torch.from_numpy(np.ascontiguousarray(low).reshape(n, k // INT4_GROUP_SIZE)),
+    )
+
+
+def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and minimums of each Q4_K block (llama.cpp's packing)."""
+    scales = scales.reshape(-1, 3, 4)
+    d, m, m_d = scales[:, 0], scales[:, 1], scales[:, 2]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mins
+
+
+# Large tensors are dequantized this many rows at a time, so that numpy's temporaries
+# stay small (a whole 150k-row embedding would need several times its fp32 size).
+_CHUNK_ROWS = 2048
+
+
+def _rows(tensor) -> int:
+    return int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+
+
+def _dense_chunks(tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, fp32 rows [n, K])`` of any GGUF tensor, a chunk at a time."""
+    from gguf.quants import dequantize
+
+    data = np.asarray(tensor.data)
+    cols = int(tensor.shape[0])
+    rows = _rows(tensor)
+    data = data.reshape(rows, -1)
+    for start in range(0, rows, _CHUNK_ROWS):
+        values = np.asarray(dequantize(data[start : start + _CHUNK_ROWS], tensor.tensor_type), dtype=np.float32)
+        if not values.flags.writeable:  # a dense tensor comes back as a view of the mapped file
+            values = values.copy()
+        yield start, torch.from_numpy(np.ascontiguousarray(values).reshape(-1, cols))
+
+
+def _dense(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Any GGUF tensor in ``dtype``, shaped ``[N, K]`` (or ``[N]`` for a vector)."""
+    shape = [int(s) for s in reversed(tensor.shape)]
+    out = torch.empty((_rows(tensor), int(tensor.shape[0])), dtype=dtype)
+    for start, chunk in _dense_chunks(tensor):
+        out[start : start + chunk.shape[0]] = chunk
+    return out.reshape(shape)
+
+
+def _int8_rows(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes and scales of any GGUF tensor, a chunk of rows at a time."""
+    codes = torch.empty((_rows(tensor), int(tensor.shape[0])), dtype=torch.int8)
+    scales = torch.empty(_rows(tensor))
+    for start, chunk in _dense_chunks(tensor):
+        c, sc = quantize_int8(chunk)
+        codes[start : start + c.shape[0]] = c
+        scales[start : start + c.shape[0]] = sc
+    return codes, scales
+
+
+def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (rows are ``[heads, 2, head_dim/2]`` there)."""
+    half = x.shape[0] // heads // 2
+    return x.reshape(heads, half, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: str, dtype: torch.dtype) -> None:
+    """Fill ``net`` (built on the meta device) from ``gguf_file``: linear layers
+    quantized (see module docstring), everything else dense in ``dtype``."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_file))
+    config = net.config
+    permute = {"q_proj": config.num_attention_heads,
+               "k_proj": getattr(config, "num_key_value_heads", config.num_attention_heads)}
+    llama_layout = str(reader.fields["general.architecture"].contents()) == "llama"
+    parts: dict[str, list[tuple[slice, object]]] = {}  # linear weight -> its checkpoint tensors
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is not None:
+            tensors[name] = tensor
+    if net.tie_word_embeddings and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    linears = {f"{n}.weight" for n, m in net.named_modules() if isinstance(m, Linear)}
+    for name, tensor in tensors.items():
+        target, rows = net.checkpoint_target(name) if name != "lm_head.weight" else (name, None)
+        proj = name.rsplit(".", 2)[-2]
+        unpermute = permute.get(proj) if llama_layout else None
+        if target in linears:
+            parts.setdefault(target, []).append((rows, tensor, unpermute))
+            continue
+        value = _dense(tensor, dtype)
+        if unpermute is not None:  # a q/k bias
+            value = _unpermute_rows(value, unpermute)
+        _set_dense(net, target, rows, value)
+    for target, pieces in parts.items():
+        _set_linear(net.get_submodule(target.rsplit(".", 1)[0]), pieces, quantization)
+    missing = [n for n, p in net.named_parameters() if p.is_meta]
+    missing += [f"{n}.weight" for n, m in net.named_modules()
+                if isinstance(m, Linear) and m.weight is not None and m.weight.is_meta]
+    if missing:
+        raise ValueError(f"{gguf_file.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _set_dense(net: nn.Module, target: str, rows: slice | None, value: torch.Tensor) -> None:
+    module_name, _, leaf = target.rpartition(".")
+    module = net.get_submodule(module_name)
+    param = getattr(module, leaf)
+    if param.is_meta:
+        param = nn.Parameter(torch.empty(param.shape, dtype=value.dtype), requires_grad=False)
+        setattr(module, leaf, param)
+    destination = param if rows is None else param[rows]
+    with torch.no_grad():
+        destination.copy_(value.reshape(destination.shape))
+
+
+def _set_linear(layer: Linear, pieces: list, quantization: str) -> None:
+    """Quantize a linear layer from its checkpoint tensors (several for a fused one)."""
+    pieces = sorted(pieces, key=lambda p: 0 if p[0] is None else p[0].start)
+    exact_int4 = quantization == "int4" and all(t.tensor_type.name in _INT4_TYPES for _, t, _ in pieces)
+    if exact_int4:
+        rows = []
+        for _, tensor, heads in pieces:
+            part = _int4_rows(tensor)
+            if heads is not None:
+                part = _Int4Rows(*(_unpermute_rows(x, heads) for x in (part.codes, part.scale, part.low)))
+            rows.append(part)
+        codes = torch.cat([r.codes for r in rows])
+        layer.set_int4(codes, int4_scales_and_zeros(torch.cat([r.scale for r in rows]), torch.cat([r.low for r in rows])))
+    else:
+        codes, scales = [], []
+        for _, tensor, heads in pieces:
+            c, sc = _int8_rows(tensor)
+            if heads is not None:
+                c, sc = _unpermute_rows(c, heads), _unpermute_rows(sc, heads)
+            codes.append(c)
+            scales.append(sc)
+        weight = torch.cat(codes)
+        if weight.shape != (layer.out_features, layer.in_features):
+            raise ValueError(f"GGUF weights of shape {tuple(weight.shape)} for a layer of "
+                             f"{(layer.out_features, layer.in_features)}")
+        layer.set_int8(weight, torch.cat(scales))
+
+
+def iter_linear_kinds(gguf_file: Path) -> Iterator[tuple[str, str]]:
+    """``(name, quantization type)`` of the file's tensors (for reports and tests)."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(str(gguf_file)).tensors:
+        yield tensor.name, tensor.tensor_type.name

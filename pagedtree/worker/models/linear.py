@@ -1,0 +1,140 @@
+"""Linear layers for CPU inference: oneDNN-prepacked fp32/bf16, and weight-only int8/int4.
+
+Every layer starts as a plain ``nn.Linear`` (the loader fills its dense weight); then
+one of these replaces the dense weight in place:
+
+- ``pack_for_cpu``: oneDNN's blocked layout for fp32 or bf16 weights, every product
+  through oneDNN's inner product (the fastest dense path for the few-row products of
+  decoding and tree verification; figures in benchmarks/RESULTS.md, "CPU linear
+  layers");
+- ``quantize("int8")``: symmetric per-output-channel int8 weights,
+  ``torch._weight_int8pack_mm``;
+- ``quantize("int4")``: asymmetric int4 weights in groups of 32 input features with a
+  scale and a zero point each, ``aten._weight_int4pack_mm_for_cpu`` (the packed layout
+  of ``aten._convert_weight_to_int4pack_for_cpu``).
+
+The quantized kernels take bf16 activations (their fp32 paths are an order of
+magnitude slower on this CPU), so a quantized layer computes in bf16 and returns the
+input's dtype. Nothing here is hand-written GEMM: these are torch's own CPU kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZE = 32
+# oneDNN picks its blocked layout for an expected row count: 16 serves 1-32 rows well.
+_PACK_ROWS_HINT = 16
+_ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# The int4 kernel's packing tiles the input dimension by this many 16-element tiles.
+_INT4_INNER_K_TILES = 8
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``(codes [N, K] int8, scales [N] fp32)``, weight ~ codes * scale."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group_size`` input features.
+
+    Returns ``(codes [N, K] int32 in 0..15, scales_and_zeros [K/group, N, 2] fp32)`` with
+    weight ~ (code - 8) * scale + zero, the convention of torch's int4 CPU kernel.
+    """
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 needs in_features divisible by {group_size}, got {k}")
+    groups = w.view(n, k // group_size, group_size)
+    low = groups.amin(dim=-1)
+    high = groups.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp(min=1e-12)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    return codes, int4_scales_and_zeros(scale, low)
+
+
+def int4_scales_and_zeros(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``[K/group, N, 2]`` (scale, zero) for per-group ``scale`` and minimum ``low`` ``[N, K/group]``
+    of codes 0..15 (weight = code * scale + low = (code - 8) * scale + zero)."""
+    return torch.stack([scale.t(), (low + 8.0 * scale).t()], dim=-1).contiguous()
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can drop its dense weight for a faster CPU form (see module docstring)."""
+
+    packed_weight: torch.Tensor | None = None
+    # Weight-only quantization: "int8" or "int4", its codes and its scales.
+    quantization: str | None = None
+    qweight: torch.Tensor | None = None
+    qscales: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder an fp32 or bf16 CPU weight into oneDNN's layout and drop the dense one.
+
+        Returns whether it packed. A weight tied to the embedding keeps living there;
+        this layer then holds a packed copy of it.
+        """
+        weight = self.weight
+        if (weight is None or not _ONEDNN_PACKING or weight.device.type != "cpu"
+                or weight.dtype not in (torch.float32, torch.bfloat16)):
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
+        self.weight = None
+        return True
+
+    def quantize(self, mode: str) -> None:
+        """Replace the dense weight by ``mode`` ("int8" or "int4") codes and scales."""
+        if self.weight is None:
+            raise ValueError("quantize needs the dense weight (quantize before packing)")
+        if mode == "int8":
+            codes, scales = quantize_int8(self.weight)
+            self.set_int8(codes, scales)
+        elif mode == "int4":
+            codes, scales_and_zeros = quantize_int4(self.weight)
+            self.set_int4(codes, scales_and_zeros)
+        else:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
+
+    def set_int8(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Use int8 ``codes [N, K]`` with per-row ``scales [N]`` (drops the dense weight)."""
+        self.quantization = "int8"
+        self.qweight = codes.to(torch.int8).contiguous()
+        self.qscales = scales.to(torch.bfloat16)
+        self.weight = None
+
+    def set_int4(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        """Use int4 ``codes [N, K]`` (0..15) with ``scales_and_zeros [K/32, N, 2]``."""
+        self.quantization = "int4"
+        self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), _INT4_INNER_K_TILES
+        )
+        self.qscales = scales_and_zeros.to(torch.bfloat16).contiguous()
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantization is not None:
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            if self.quantization == "int8":
+                out = torch._weight_int8pack_mm(rows, self.qweight, self.qscales)
+            else:
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, INT4_GROUP_SIZE, self.qscales)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes this layer's weight takes in its current form."""
+        tensors = [self.weight, self.packed_weight, self.qweight, self.qscales]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)

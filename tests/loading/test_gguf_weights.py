@@ -1,0 +1,95 @@
+"""Quantized weights straight from the packaged GGUF files.
+
+The 4-bit blocks of a file become int4 exactly (the same grid of values), the others
+per-row int8; a quantized engine loaded this way decodes like the fp32 one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.loading import packaged_models as pm
+from pagedtree.loading.gguf_weights import _dense, _int4_rows, _int8_rows, hf_name
+from pagedtree.worker.models.linear import INT4_GROUP_SIZE, Linear
+
+
+@pytest.fixture(scope="module")
+def tensors_of():
+    """``tensors_of(model)``: the packaged model's GGUF tensors by name (read once per module)."""
+    from gguf import GGUFReader
+
+    read: dict[str, dict] = {}
+
+    def get(model: pm.PackagedModel) -> dict:
+        if not pm.is_installed(model):
+            pytest.skip(f"{model.name} not installed")
+        if model.name not in read:
+            read[model.name] = {t.name: t for t in GGUFReader(str(pm.gguf_path(model))).tensors}
+        return read[model.name]
+
+    return get
+
+
+def _reference(tensor) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
+
+
+@pytest.mark.parametrize("model,name", [
+    (pm.SMOLLM2_135M, "blk.3.ffn_up.weight"),  # Q4_1
+    (pm.PACKAGED_MODELS["qwen2.5-coder-0.5b-instruct"], "blk.11.ffn_down.weight"),  # Q4_K
+])
+def test_4_bit_blocks_become_int4_exactly(tensors_of, model, name):
+    tensor = tensors_of(model)[name]
+    assert tensor.tensor_type.name in ("Q4_1", "Q4_K")
+    rows = _int4_rows(tensor)
+    assert rows.codes.min() >= 0 and rows.codes.max() <= 15
+    scale = rows.scale.repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    low = rows.low.repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    torch.testing.assert_close(rows.codes.float() * scale + low, _reference(tensor), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "Q8_0"])
+def test_other_blocks_become_int8_within_half_a_step(tensors_of, name):
+    """Q5_0, Q6_K and Q8_0 blocks: per-row int8 within half a step of the stored values."""
+    tensors = tensors_of(pm.PACKAGED_MODELS["qwen2.5-coder-0.5b-instruct"])
+    if name == "Q8_0":  # the first Q8_0 projection of the file
+        name = next(n for n, t in tensors.items() if t.tensor_type.name == "Q8_0" and n.startswith("blk."))
+    tensor = tensors[name]
+    codes, scales = _int8_rows(tensor)
+    reference = _reference(tensor)
+    assert ((codes.float() * scales[:, None] - reference).abs() <= scales[:, None] / 2 + 1e-6).all()
+    torch.testing.assert_close(_dense(tensor), reference)
+
+
+def test_names_map_to_the_checkpoint():
+    assert hf_name("blk.7.attn_output.weight") == "model.layers.7.self_attn.o_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("rope_freqs.weight") is None
+
+
+def test_a_quantized_engine_decodes_like_fp32(tensors_of):
+    """SmolLM2's file is Q4_1 throughout (its Q/K rows permuted for llama.cpp): every
+    linear layer is int4, and greedy decoding follows fp32 (bf16 activations aside)."""
+    tensors_of(pm.SMOLLM2_135M)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    dense = LLM(pm.SMOLLM2_135M.name, dtype="float32", max_model_len=128, kv_cache_memory=2**26)
+    int4 = LLM(pm.SMOLLM2_135M.name, quantization="int4", max_model_len=128, kv_cache_memory=2**26)
+    layers = [m for m in int4.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert {m.quantization for m in layers if m is not int4.engine.runner.model.lm_head} == {"int4"}
+    a = dense.generate(prompts, params, use_tqdm=False)
+    b = int4.generate(prompts, params, use_tqdm=False)
+    agreed = diffs = 0
+    for x, y in zip(a, b):
+        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
+        n = next((i for i, (p, q) in enumerate(zip(tx, ty)) if p != q), len(tx))
+        agreed += n
+        diffs = max(diffs, max((abs(lx[t] - ly[t]) for t, lx, ly in zip(tx[:n], x.outputs[0].logprobs, y.outputs[0].logprobs)), default=0))
+    assert agreed >= 0.75 * 12 * len(prompts), agreed
+    assert diffs < 0.5

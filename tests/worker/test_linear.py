@@ -1,0 +1,73 @@
+"""CPU linear layers: packed fp32/bf16 and weight-only int8/int4 against their references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedtree.worker.models.linear import INT4_GROUP_SIZE, Linear, quantize_int4, quantize_int8
+
+
+def _layer(n: int, k: int, bias: bool, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    layer = Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if bias:
+            layer.bias.normal_()
+    return layer
+
+
+def _dequant_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    scale = scales_and_zeros[..., 0].t().repeat_interleave(INT4_GROUP_SIZE, dim=1)  # [N, K]
+    zero = scales_and_zeros[..., 1].t().repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    return (codes.float() - 8) * scale + zero
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (576, 576), (192, 128), (1536, 256)])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_layers_equal_their_dequantized_weights(n, k, rows, mode):
+    layer = _layer(n, k, bias=True)
+    dense = layer.weight.detach().clone()
+    if mode == "int8":
+        codes, scales = quantize_int8(dense)
+        reference = codes.float() * scales[:, None]
+    else:
+        codes, sz = quantize_int4(dense)
+        reference = _dequant_int4(codes, sz)
+        assert codes.min() >= 0 and codes.max() <= 15
+    # The quantization error itself is bounded by half a step.
+    step = (scales[:, None] if mode == "int8" else sz[..., 0].t().repeat_interleave(INT4_GROUP_SIZE, 1))
+    assert ((reference - dense).abs() <= step / 2 + 1e-6).all()
+    bias = layer.bias.detach().clone()
+    layer.quantize(mode)
+    assert layer.weight is None and layer.quantization == mode
+    x = torch.randn(rows, k)
+    got = layer(x)
+    # The kernel takes bf16 activations and scales: compare with the same rounding.
+    expected = x.bfloat16().float() @ reference.t() + bias
+    assert got.dtype == x.dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got, expected, atol=0.05 * k**0.5, rtol=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_equal_f_linear(dtype):
+    layer = _layer(96, 64, bias=True).to(dtype)
+    x = torch.randn(7, 64, dtype=dtype)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert layer.pack_for_cpu() and layer.weight is None
+    torch.testing.assert_close(layer(x), expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+
+
+def test_int4_needs_whole_groups_and_known_modes():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_int4(torch.randn(8, 40))
+    layer = _layer(8, 32, bias=False)
+    with pytest.raises(ValueError, match="quantization must be"):
+        layer.quantize("int3")
+    layer.quantize("int8")
+    with pytest.raises(ValueError, match="dense weight"):
+        layer.quantize("int4")
+    assert layer.weight_bytes == 8 * 32 + 8 * 2
