@@ -33,7 +33,8 @@ def test_models_list(capsys):
 
 
 @pytest.mark.parametrize(
-    "script", ["benchmarks/throughput.py", "benchmarks/precision.py", "examples/offline_generate.py",
+    "script", ["benchmarks/throughput.py", "benchmarks/precision.py", "benchmarks/step_profile.py",
+               "examples/offline_generate.py",
                "-m pagedtree.entrypoints.cli"]
 )
 def test_scripts_have_help(script):
