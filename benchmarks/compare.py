@@ -65,6 +65,7 @@ class EngineSpec:
     draft: bool = False
     spec: dict[str, Any] | None = None
     baseline: str | None = None  # the plain engine this speculative one is compared with
+    quantization: str | None = None  # pagedtree's weight-only int8/int4
 
 
 @dataclass
@@ -131,6 +132,8 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
     for name in args.engines:
         if name == "pagedtree":
             specs.append(EngineSpec("pagedtree", "pagedtree", own))
+        elif name in ("pagedtree-int8", "pagedtree-int4"):
+            specs.append(EngineSpec(name, "pagedtree", own, quantization=name.rsplit("-", 1)[1]))
         elif name == "pagedtree-spec":
             for preset in args.spec_presets:
                 specs.append(EngineSpec(f"pagedtree-spec:{preset}", "pagedtree", own, draft=True,
@@ -197,7 +200,9 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
     out = out_dir / f"{args.tag}_{safe}.json"
     log = out_dir / f"{args.tag}_{safe}.log"
     cmd = [spec.python, str(HERE / "engine_runner.py"), "--engine", spec.engine, "--label", spec.label,
-           "--model", str(model), "--workload", str(workload_path), "--out", str(out), "--dtype", args.dtype,
+           # Quantized engines load a packaged model straight from its GGUF (by name).
+           "--model", str(args.model if spec.quantization else model), "--workload", str(workload_path),
+           "--out", str(out), "--dtype", args.dtype,
            "--seed", str(args.seed)]
     if args.prefix_caching:
         cmd.append("--prefix-caching")
@@ -205,6 +210,8 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--draft-model", str(draft)]
     if spec.spec is not None:
         cmd += ["--spec", json.dumps(spec.spec)]
+    if spec.quantization is not None:
+        cmd += ["--quantization", spec.quantization]
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
     started = time.perf_counter()
     run = EngineRun(spec)
@@ -519,7 +526,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft for the speculative engines ('' for none)")
     parser.add_argument("--engines", type=_csv(str),
                         default="pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm,vllm-spec",
-                        help="comma-separated, from pagedtree, pagedtree-spec, transformers, "
+                        help="comma-separated, from pagedtree, pagedtree-int8, pagedtree-int4 (weight-only "
+                             "quantized, straight from a packaged model's GGUF), pagedtree-spec, transformers, "
                              "transformers-assisted, vllm, vllm-spec")
     parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",
                         help="pagedtree tree presets for pagedtree-spec (see pagedtree.speculative.presets)")

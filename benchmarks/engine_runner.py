@@ -80,7 +80,7 @@ def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tu
     from pagedtree import LLM, SamplingParams
 
     kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed,
-                                  enable_prefix_caching=args.prefix_caching)
+                                  enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
     if args.draft_model:
         kwargs["draft_model"] = args.draft_model
         kwargs["speculative"] = json.loads(args.spec or "{}")
@@ -299,6 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fields; vLLM: num_speculative_tokens)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="pagedtree: weight-only")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep pagedtree's and vLLM's prefix cache on (off: every cell prefills its prompts, "
                              "as transformers does, although the cells repeat the same prompts)")
