@@ -20,6 +20,7 @@ setup(
         "safetensors",
         "gguf>=0.10",  # not imported here: transformers reads .gguf files through it
         "numpy",
+        "numba>=0.60",  # the CPU attention kernel (pagedtree/attention/cpu_kernels.py)
         "tqdm",
         "aiohttp",
         "uvloop",

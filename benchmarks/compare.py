@@ -12,6 +12,9 @@ ignored). Engines:
 - ``transformers-assisted``   assisted generation with the draft (batch 1 only)
 - ``vllm``                    vLLM's offline ``LLM`` (from ``--vllm-python``'s venv)
 - ``vllm-spec``               vLLM with draft-model speculation (``--vllm-spec-tokens``)
+- ``llamacpp``                llama.cpp (llama-cpp-python, from ``--llamacpp-python``'s venv)
+                              on the model's GGUF file, batch 1 only; labelled with the
+                              GGUF's quantization, e.g. ``llamacpp:Q4_K_M``
 
 Serving part (``--serve-rates``): ``pagedtree serve`` and vLLM's OpenAI server are
 started one after the other and driven over HTTP by ``benchmarks/serving.py`` at each
@@ -27,6 +30,16 @@ Outputs under ``--out-dir``: ``TAG.md`` (tables), ``TAG.json`` (everything), and
 vLLM comes from its own environment: ``bash benchmarks/peers/setup_vllm.sh`` creates
 ``.venv-vllm`` (the default ``--vllm-python``); vLLM engines are skipped, with a note
 in the table, when it is missing.
+
+llama.cpp comes from its own environment too: ``bash benchmarks/peers/setup_llamacpp.sh``
+builds ``.venv-llamacpp`` (the default ``--llamacpp-python``; 7-15 minutes on 2
+cores), and the ``llamacpp`` engine is skipped, with a note, when it is missing. It
+runs a GGUF file: a packaged model's assembled GGUF, or ``--model`` when that is a
+.gguf file (for any other model it is skipped, with a note). It uses every core unless
+``--llamacpp-threads`` says otherwise; batches larger than 1 are listed as skipped.
+
+    python benchmarks/compare.py --model qwen2.5-coder-1.5b-instruct --draft-model '' \\
+        --engines pagedtree-int4,llamacpp --batch-sizes 1 --temperatures 0
 """
 
 from __future__ import annotations
@@ -66,6 +79,8 @@ class EngineSpec:
     spec: dict[str, Any] | None = None
     baseline: str | None = None  # the plain engine this speculative one is compared with
     quantization: str | None = None  # pagedtree's weight-only int8/int4
+    model: str | None = None  # the runner's --model when not the HF folder (llamacpp: the GGUF file)
+    threads: int | None = None  # llamacpp's n_threads (None: every core)
 
 
 @dataclass
@@ -128,6 +143,7 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
 
     own = sys.executable
     vllm_ok = bool(args.vllm_python) and Path(args.vllm_python).exists()
+    llamacpp_ok = bool(args.llamacpp_python) and Path(args.llamacpp_python).exists()
     specs, notes = [], []
     for name in args.engines:
         if name == "pagedtree":
@@ -156,11 +172,66 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
                 specs.append(EngineSpec(f"vllm-spec:draft-{args.vllm_spec_tokens}{tag}", "vllm", args.vllm_python,
                                         draft=True, spec={"num_speculative_tokens": args.vllm_spec_tokens},
                                         baseline=f"vllm{tag}"))
+        elif name == "llamacpp":
+            if not llamacpp_ok:
+                notes.append(f"{name}: skipped, no llama.cpp environment at {args.llamacpp_python} "
+                             "(run `bash benchmarks/peers/setup_llamacpp.sh`)")
+                continue
+            gguf, why = llamacpp_gguf(args.model)
+            if gguf is None:
+                notes.append(f"{name}: skipped, {why}")
+                continue
+            tag = "" if args.llamacpp_threads is None else f"@threads{args.llamacpp_threads}"
+            specs.append(EngineSpec(f"llamacpp:{gguf_quantization(gguf)}{tag}", "llamacpp", args.llamacpp_python,
+                                    model=str(gguf), threads=args.llamacpp_threads))
         else:
             raise SystemExit(f"unknown engine {name!r}")
         if specs and specs[-1].draft and not args.draft_model:
             raise SystemExit(f"engine {name} needs --draft-model")
     return specs, notes
+
+
+def llamacpp_gguf(model: str) -> tuple[Path | None, str]:
+    """The GGUF file llama.cpp runs for ``--model``, or None and why not.
+
+    A packaged model's GGUF is assembled (once) into the cache, as for pagedtree's
+    quantized engines; a ``--model`` that is a .gguf file is used as it is. A Hugging
+    Face folder has no GGUF to give llama.cpp.
+    """
+    from pagedtree.loading import packaged_models as pm
+
+    if model in pm.PACKAGED_MODELS:
+        try:
+            return pm.gguf_path(pm.PACKAGED_MODELS[model]), ""
+        except pm.ModelNotInstalledError as exc:
+            return None, str(exc)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if path.is_file():
+            return path.resolve(), ""
+        return None, f"GGUF file not found: {path}"
+    return None, (f"--model {model} is neither a packaged model nor a .gguf file "
+                  "(llama.cpp runs GGUF files only)")
+
+
+def gguf_quantization(path: Path) -> str:
+    """The GGUF's quantization as llama.cpp names it (``general.file_type``: Q4_K_M, Q8_0, ...).
+
+    Falls back to the quantization written in the file name, then to ``gguf``.
+    """
+    import re
+
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        field = GGUFReader(str(path)).fields.get("general.file_type")
+        if field is not None:
+            name = LlamaFileType(int(field.parts[field.data[0]][0])).name
+            return name.removeprefix("MOSTLY_")
+    except Exception:  # an old gguf package, an unknown file type, a file it cannot read
+        pass
+    found = re.search(r"(?i)(?:^|[-_.])((?:I?Q\d+_[0-9A-Z_]*?[0-9A-Z])|BF16|F16|F32)(?:\.gguf)?$", path.name)
+    return found.group(1).upper() if found else "gguf"
 
 
 def vllm_env(python: str, reserved_cpus: int | None = None) -> dict[str, str]:
@@ -200,8 +271,9 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
     out = out_dir / f"{args.tag}_{safe}.json"
     log = out_dir / f"{args.tag}_{safe}.log"
     cmd = [spec.python, str(HERE / "engine_runner.py"), "--engine", spec.engine, "--label", spec.label,
-           # Quantized engines load a packaged model straight from its GGUF (by name).
-           "--model", str(args.model if spec.quantization else model), "--workload", str(workload_path),
+           # Quantized engines load a packaged model straight from its GGUF (by name);
+           # llama.cpp gets the GGUF file itself.
+           "--model", spec.model or str(args.model if spec.quantization else model), "--workload", str(workload_path),
            "--out", str(out), "--dtype", args.dtype,
            "--seed", str(args.seed)]
     if args.prefix_caching:
@@ -212,6 +284,8 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--spec", json.dumps(spec.spec)]
     if spec.quantization is not None:
         cmd += ["--quantization", spec.quantization]
+    if spec.threads is not None:
+        cmd += ["--threads", str(spec.threads)]
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
     started = time.perf_counter()
     run = EngineRun(spec)
@@ -520,15 +594,18 @@ def _csv(kind):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_vllm = ROOT / ".venv-vllm" / "bin" / "python"
+    default_llamacpp = ROOT / ".venv-llamacpp" / "bin" / "python"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="packaged name or HF folder")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                        help="packaged name, HF folder or .gguf file (llamacpp needs a packaged name or a .gguf)")
     parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct",
                         help="draft for the speculative engines ('' for none)")
     parser.add_argument("--engines", type=_csv(str),
                         default="pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm,vllm-spec",
                         help="comma-separated, from pagedtree, pagedtree-int8, pagedtree-int4 (weight-only "
                              "quantized, straight from a packaged model's GGUF), pagedtree-spec, transformers, "
-                             "transformers-assisted, vllm, vllm-spec")
+                             "transformers-assisted, vllm, vllm-spec, llamacpp (llama.cpp on the model's GGUF, "
+                             "batch 1 only; from --llamacpp-python's venv)")
     parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",
                         help="pagedtree tree presets for pagedtree-spec (see pagedtree.speculative.presets)")
     parser.add_argument("--vllm-spec-tokens", type=int, default=4, help="vLLM draft tokens per step")
@@ -551,6 +628,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-reserved-cpus", type=int, default=None,
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM (default: vLLM's own, which keeps 1 "
                              "core for its scheduler; 0 gives every core to the model)")
+    parser.add_argument("--llamacpp-python", default=str(default_llamacpp),
+                        help="Python of the llama.cpp environment (bash benchmarks/peers/setup_llamacpp.sh)")
+    parser.add_argument("--llamacpp-threads", type=int, default=None,
+                        help="llama.cpp's n_threads (default: every core; the label then says @threadsN)")
     parser.add_argument("--serve-rates", type=_csv(str), default=[],
                         help="request rates for the serving part, e.g. 0.5,1,inf (empty: skip)")
     parser.add_argument("--serve-engines", type=_csv(str), default="pagedtree,vllm")
@@ -566,6 +647,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--temperatures must be >= 0")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.llamacpp_threads is not None and args.llamacpp_threads < 1:
+        parser.error("--llamacpp-threads must be >= 1")
     return args
 
 

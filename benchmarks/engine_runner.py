@@ -3,8 +3,10 @@
 ``benchmarks/compare.py`` starts this script once per engine configuration, in a
 fresh process (so engines never share memory or threads), with the Python of the
 environment that has the engine: the project's ``.venv`` for pagedtree and
-transformers, ``.venv-vllm`` for vLLM (which must not import pagedtree). It only
-needs the standard library, torch, transformers and the engine itself.
+transformers, ``.venv-vllm`` for vLLM (which must not import pagedtree),
+``.venv-llamacpp`` for llama.cpp (no torch there). At the top level it only needs
+the standard library; each engine's loader imports the engine itself (and torch,
+transformers where that engine uses them).
 
 A workload file is JSON: ``{"output_len": N, "cells": [{"batch_size": B,
 "temperature": T, "rounds": R, "repeats": K, "prompts": [[ids...], ...]}, ...]}``. A
@@ -17,6 +19,8 @@ counters are those of the median timing.
 
     python benchmarks/engine_runner.py --engine pagedtree --model DIR \\
         --workload w.json --out r.json [--draft-model DIR --spec '{"tree": "chain"}']
+    .venv-llamacpp/bin/python benchmarks/engine_runner.py --engine llamacpp \\
+        --model FILE.gguf --workload w.json --out r.json [--threads N]
 """
 
 from __future__ import annotations
@@ -197,7 +201,56 @@ def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[R
     return info, run
 
 
-LOADERS = {"pagedtree": load_pagedtree, "transformers": load_transformers, "vllm": load_vllm}
+def load_llamacpp(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
+    """llama.cpp through llama-cpp-python, one sequence at a time, on the GGUF file itself.
+
+    ``--model`` is the .gguf file; the weights stay in its own quantization (Q4_K_M,
+    ...), so ``--dtype`` does not apply. Each request starts from an empty KV cache
+    (no prefix reuse between prompts, like the other engines without
+    ``--prefix-caching``) and produces exactly ``output_len`` tokens: the token loop
+    is driven here and stopped by count, so EOS never ends it. Greedy at temperature 0,
+    otherwise the plain temperature distribution (top-k, top-p, min-p all off).
+    """
+    import llama_cpp
+
+    if args.draft_model:
+        raise SystemExit("the llamacpp engine does not speculate (no --draft-model)")
+    threads = args.threads or os.cpu_count() or 1
+    started = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args.model, n_ctx=max_len, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, seed=args.seed, verbose=False)
+    load_seconds = time.perf_counter() - started
+
+    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
+        if len(prompts) > 1:
+            raise NotImplementedError("llama-cpp-python decodes one sequence at a time: batch 1 only")
+        if temperature > 0:
+            sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
+        else:
+            sampling = dict(temp=0.0, top_k=1)
+        llm.reset()  # a fresh KV cache for every request
+        tokens = 0
+        # generate() evaluates the prompt, then samples a token and evaluates it on the
+        # next step; it never checks EOS itself (create_completion does), so stopping
+        # by count gives exactly output_len tokens, and the last one is not evaluated.
+        stream = llm.generate(prompts[0], repeat_penalty=1.0, reset=True, **sampling)
+        try:
+            for _ in stream:
+                tokens += 1
+                if tokens >= output_len:
+                    break
+        finally:
+            stream.close()
+        if tokens != output_len:
+            raise RuntimeError(f"llama.cpp produced {tokens} tokens, expected {output_len}")
+        return tokens, None
+
+    info = RunInfo("llamacpp", args.label, {"llama-cpp-python": llama_cpp.__version__}, load_seconds, threads)
+    return info, run
+
+
+LOADERS = {"pagedtree": load_pagedtree, "transformers": load_transformers, "vllm": load_vllm,
+           "llamacpp": load_llamacpp}
 
 
 def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[dict], None] | None = None) -> dict:
@@ -206,15 +259,17 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
     ``on_cell`` gets the result so far after every cell (the caller saves it, so a run
     stopped by a time limit still reports the cells it finished).
     """
-    import torch
-
     cells = workload["cells"]
     output_len = int(workload["output_len"])
     max_batch = max(int(c["batch_size"]) for c in cells)
     max_prompt = max(len(p) for c in cells for p in c["prompts"])
     info, run = LOADERS[args.engine](args, max_batch, max_prompt + output_len + 16)
-    info.versions["torch"] = torch.__version__
-    info.threads = torch.get_num_threads()
+    # torch only where the engine uses it (llama.cpp's venv has none); the llama.cpp
+    # loader reports its own thread count.
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info.versions["torch"] = torch.__version__
+        info.threads = info.threads or torch.get_num_threads()
     # Warm-up: one short request (first-call allocations, vLLM's compiled graphs).
     first = cells[0]["prompts"][0]
     run([first], 0.0, min(4, output_len))
@@ -293,13 +348,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", required=True, choices=sorted(LOADERS))
     parser.add_argument("--label", default=None, help="name of this configuration in the tables")
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--model", required=True, help="Hugging Face model folder (llamacpp: a .gguf file)")
     parser.add_argument("--draft-model", nargs="+", default=None, help="draft folder(s): speculation on")
     parser.add_argument("--spec", default=None, help="speculation options as JSON (pagedtree SpeculativeConfig "
                         "fields; vLLM: num_speculative_tokens)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="pagedtree: weight-only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llamacpp: n_threads and n_threads_batch (default: every core, os.cpu_count())")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep pagedtree's and vLLM's prefix cache on (off: every cell prefills its prompts, "
                              "as transformers does, although the cells repeat the same prompts)")

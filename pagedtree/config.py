@@ -3,11 +3,23 @@ tree-speculation settings among them (plain data, validated on construction)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), where bf16
+    linear layers run about twice as fast as fp32; read from /proc/cpuinfo (Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 _DTYPES = {
     "float32": torch.float32,
@@ -215,12 +227,12 @@ class EngineConfig:
         return None if self.draft_quantization == "none" else self.draft_quantization
 
     def _dtype_of(self, dtype: str | torch.dtype, quantization: str | None) -> torch.dtype:
-        """"auto": bf16 on CUDA and for quantized weights (their kernels take bf16), fp32
-        otherwise on CPU."""
+        """"auto": bf16 on CUDA, for quantized weights (their kernels take bf16) and on
+        CPUs with native bf16 arithmetic (as vLLM's CPU build); fp32 on other CPUs."""
         if isinstance(dtype, torch.dtype):
             return dtype
         if dtype == "auto":
-            if quantization is not None or self.resolve_device().type == "cuda":
+            if quantization is not None or self.resolve_device().type == "cuda" or cpu_has_native_bf16():
                 return torch.bfloat16
             return torch.float32
         if dtype not in _DTYPES:

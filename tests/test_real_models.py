@@ -22,7 +22,7 @@ def _check(model: pm.PackagedModel, new_tokens: int, prompts=PROMPTS) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = pm.converted_folder(model)
-    llm = LLM(model.name, max_model_len=512, kv_cache_memory=256 * 2**20)
+    llm = LLM(model.name, dtype="float32", max_model_len=512, kv_cache_memory=256 * 2**20)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ours = llm.generate(prompts, params, use_tqdm=False)
@@ -54,7 +54,7 @@ def test_qwen_pair_tree_speculation_equals_plain_decoding():
     """The real 1.5B target with the 0.5B draft: every tree kind gives the plain tokens."""
     from pagedtree.speculative import SpeculativeConfig
 
-    llm = LLM(pm.QWEN_CODER_1_5B.name, draft_model=pm.QWEN_CODER_0_5B.name, max_model_len=512,
+    llm = LLM(pm.QWEN_CODER_1_5B.name, dtype="float32", draft_model=pm.QWEN_CODER_0_5B.name, max_model_len=512,
               speculative=SpeculativeConfig(tree="static", max_nodes=16, adaptive=False))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm.engine.set_speculation(False)

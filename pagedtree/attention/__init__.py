@@ -1,7 +1,10 @@
 """Attention over the paged KV cache: per-step metadata and the two backends.
 
 - ``metadata.AttentionMetadata``: what a forward tells its backend (plain data);
-- ``torch_backend``: gathers + SDPA with causal and tree masks (the CPU backend);
+- ``torch_backend``: gathers + SDPA with causal and tree masks (the reference, and
+  CPU caches the kernel does not take);
+- ``cpu_backend``: a numba kernel that reads KV blocks in place (the CPU backend for
+  fp32 and bf16 caches);
 - ``triton_backend``: the Triton kernels of ``pagedtree.kernels`` (CUDA, or the
   interpreter in tests).
 
@@ -21,11 +24,12 @@ from pagedtree.attention.torch_backend import TorchPagedAttention
 if TYPE_CHECKING:
     from pagedtree.attention.triton_backend import TritonPagedAttention
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """The concrete backend for ``name``: "auto" is Triton on CUDA, torch elsewhere.
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The concrete backend for ``name`` and a KV cache of ``dtype``: "auto" is Triton on
+    CUDA; on CPU the in-place kernel ("cpu") for fp32/bf16 when numba imports, else torch.
 
     "triton" on CPU runs the kernels in Triton's interpreter (slow; for tests), which
     must be switched on with ``TRITON_INTERPRET=1`` before pagedtree is imported.
@@ -33,7 +37,16 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_kernels_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if _triton_kernels_available() else "torch"
+        return "cpu" if _cpu_kernel_available(dtype) else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPU only, not {device}")
+        if not _cpu_kernel_available(dtype):
+            raise ValueError(
+                f"attention_backend='cpu' needs numba (pip install numba) and an fp32 or bf16 KV cache, got {dtype}"
+            )
     if name == "triton":
         if not _triton_kernels_available():
             raise ValueError(
@@ -55,14 +68,29 @@ def _triton_kernels_available() -> bool:
     return True
 
 
+def _cpu_kernel_available(dtype: torch.dtype) -> bool:
+    """Whether the numba kernel imports (numba installed) and takes ``dtype`` caches."""
+    try:
+        import pagedtree.kernels.cpu_attention  # noqa: F401  (imports numba)
+    except ImportError:
+        return False
+    from pagedtree.attention.cpu_backend import supports_dtype
+
+    return supports_dtype(dtype)
+
+
 def make_backend(
     name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float
 ) -> TorchPagedAttention | TritonPagedAttention:
-    """Instantiate the backend called ``name`` ("auto" is resolved by the caches' device)."""
+    """Instantiate the backend called ``name`` ("auto" is resolved by the caches' device and dtype)."""
     if name == "auto" and kv_caches:
-        name = resolve_backend_name(name, kv_caches[0][0].device)
+        name = resolve_backend_name(name, kv_caches[0][0].device, kv_caches[0][0].dtype)
     if name == "torch":
         return TorchPagedAttention(kv_caches, scale)
+    if name == "cpu":
+        from pagedtree.attention.cpu_backend import CpuPagedAttention
+
+        return CpuPagedAttention(kv_caches, scale)
     if name != "triton":
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     from pagedtree.attention.triton_backend import TritonPagedAttention

@@ -66,8 +66,12 @@ class ReferencePlan:
     num_tokens: int
 
 
-def build_reference_plan(meta: AttentionMetadata) -> ReferencePlan:
-    """Group the step's requests and precompute their gathers and masks."""
+def build_reference_plan(meta: AttentionMetadata, small_queries: bool = True) -> ReferencePlan:
+    """Group the step's requests and precompute their gathers and masks.
+
+    With ``small_queries=False`` the requests of at most ``SMALL_QUERY_LEN`` new tokens
+    are left out (the CPU kernel serves them in place).
+    """
     query_start_loc, context_lens = meta.query_start_loc, meta.context_lens
     block_tables, tree_parents, block_size = meta.block_tables, meta.tree_parents, meta.block_size
     device = meta.slot_mapping.device
@@ -76,7 +80,7 @@ def build_reference_plan(meta: AttentionMetadata) -> ReferencePlan:
         raise ValueError("query_start_loc must have one more entry than context_lens")
     small = [i for i in range(num_requests) if _qlen(query_start_loc, i) <= SMALL_QUERY_LEN]
     large = [i for i in range(num_requests) if _qlen(query_start_loc, i) > SMALL_QUERY_LEN]
-    groups = [[i] for i in large] + ([small] if small else [])
+    groups = [[i] for i in large] + ([small] if small and small_queries else [])
     built = [
         _build_group(g, query_start_loc, context_lens, block_tables, tree_parents, block_size, device)
         for g in groups
@@ -168,8 +172,12 @@ def paged_attention(
     value_cache: torch.Tensor,
     plan: ReferencePlan,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` over the paged cache; returns ``[T, H, D]``.
+
+    Rows of the plan's groups are written into ``out`` when given (other rows are left
+    alone: another kernel serves them), else into a new tensor.
 
     The new tokens' keys and values must already be stored in the cache. 16-bit
     inputs are computed in fp32 (and rounded once at the end): then a query row's
@@ -184,7 +192,8 @@ def paged_attention(
     # 3-4x faster on CPU than advanced indexing (``aten::index``) with the same result.
     slot_rows_k = key_cache.view(-1, num_kv_heads * head_dim)
     slot_rows_v = value_cache.view(-1, num_kv_heads * head_dim)
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     for group in plan.groups:
         b, q_len = group.query_index.shape
         k_len = group.kv_slots.shape[1]
@@ -203,7 +212,7 @@ def paged_attention(
             q.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        o = o.transpose(1, 2).reshape(b * q_len, num_heads, head_dim).to(query.dtype)  # [B*Q, H, D]
+        o = o.transpose(1, 2).reshape(b * q_len, num_heads, head_dim).to(out.dtype)  # [B*Q, H, D]
         if first is not None:
             out[first : first + b * q_len] = o
         else:

@@ -69,7 +69,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
         num_blocks = num_kv_blocks(loaded.model, config, self.dtype, self.device, requested_len)
         self.max_model_len = min(requested_len, num_blocks * config.block_size)
-        backend = resolve_backend_name(config.attention_backend, self.device)
+        backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
         self.runner = ModelRunner(
             loaded.model, num_blocks, config.block_size, self.device, self.dtype, backend
         )
@@ -86,7 +86,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.speculator = self._load_speculator(backend, num_blocks) if config.draft_model else None
+        self.speculator = self._load_speculator(num_blocks) if config.draft_model else None
         self.speculation_enabled = self.speculator is not None
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
@@ -102,10 +102,10 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------- set-up
-    def _load_speculator(self, backend: str, target_blocks: int) -> Speculator:
+    def _load_speculator(self, target_blocks: int) -> Speculator:
         cfg = self.config
         drafts = [
-            load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks, backend)
+            load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks)
             for index in range(len(cfg.draft_model))
         ]
         return Speculator(cfg.speculative, drafts, self.scheduler, self.vocab_size, self.device)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedtree.attention import resolve_backend_name
 from pagedtree.config import EngineConfig
 from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
@@ -245,9 +246,12 @@ class DraftWorker:
 
 
 def load_draft_worker(
-    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int, backend: str
+    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int
 ) -> DraftWorker:
     """Load ``config.draft_model[index]`` with its own KV cache and block manager.
+
+    Its attention backend is ``config.attention_backend`` resolved for the draft's own
+    dtype (a draft may run in another precision than the target).
 
     The draft must share the target's vocabulary and cover ``max_model_len``
     positions (tree nodes never go past it: the scheduler caps the budget).
@@ -269,6 +273,7 @@ def load_draft_worker(
             "lower max_model_len"
         )
     blocks = num_draft_kv_blocks(config, target_blocks)
+    backend = resolve_backend_name(config.attention_backend, device, dtype)
     runner = ModelRunner(loaded.model, blocks, config.block_size, device, dtype, backend)
     block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
     logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)

@@ -11,7 +11,7 @@ from tests.conftest import assert_no_leaks
 
 @pytest.fixture(scope="module")
 def llm(tiny_text_model):
-    return LLM(str(tiny_text_model.path), block_size=4, max_model_len=256)
+    return LLM(str(tiny_text_model.path), dtype="float32", block_size=4, max_model_len=256)
 
 
 def _greedy(llm, prompt, **kw):
@@ -54,7 +54,7 @@ def test_stop_token_ids_and_eos(llm):
 
 
 def test_eos_stops_unless_ignored(tiny_llama):
-    llm = LLM(str(tiny_llama.path))
+    llm = LLM(str(tiny_llama.path), dtype="float32")
     eos = 2
     # A random model rarely emits its EOS: declare a token it does emit an EOS id too,
     # then check generation stops right after it (and ignore_eos runs past it).
@@ -101,7 +101,7 @@ def test_top_k_one_is_greedy(llm):
 
 
 def test_repetition_penalty_changes_greedy_output_like_transformers(tiny_llama):
-    llm = LLM(str(tiny_llama.path))
+    llm = LLM(str(tiny_llama.path), dtype="float32")
     prompt = [5, 6, 7, 5, 6]
     params = SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.8, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -20,7 +20,7 @@ def model(request, tiny_llama, tiny_qwen2):
 
 
 def _run(model_path, prompts, **engine_kwargs):
-    llm = LLM(str(model_path), **engine_kwargs)
+    llm = LLM(str(model_path), dtype="float32", **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -54,7 +54,7 @@ def test_greedy_matches_transformers_under_preemption(model):
 
 def test_prefix_cache_hits_give_same_tokens(model):
     _, m, prompts, expected = model
-    llm = LLM(str(m.path), block_size=4)
+    llm = LLM(str(m.path), dtype="float32", block_size=4)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     first = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]

@@ -32,14 +32,14 @@ def draft_path(tiny_text_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def spec_server(chat_model_path, draft_path):
     live = start_server(lambda e: build_app(e, model_name="tiny"),
-                        make_engine(chat_model_path, draft_model=str(draft_path),
+                        make_engine(chat_model_path, dtype="float32", draft_model=str(draft_path),
                                     speculative={"adaptive": False}))  # a draft as big as its target never pays
     yield live
     live.stop()
 
 
 def test_speculative_server_matches_plain_greedy_and_reports_acceptance(spec_server, chat_model_path):
-    llm = LLM(str(chat_model_path), block_size=4, max_model_len=256)
+    llm = LLM(str(chat_model_path), dtype="float32", block_size=4, max_model_len=256)
     prompts = ["Hello world", "def add(a, b):", "The quick brown fox"]
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 

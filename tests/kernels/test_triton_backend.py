@@ -69,7 +69,7 @@ def test_attention_before_begin_step_is_an_error():
 
 
 def _greedy(model_path, prompts, backend, **kwargs):
-    llm = LLM(str(model_path), attention_backend=backend, **kwargs)
+    llm = LLM(str(model_path), dtype="float32", attention_backend=backend, **kwargs)
     assert llm.engine.runner.attention.name == backend
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -96,7 +96,7 @@ def test_tree_speculation_triton_equals_torch(tiny_llama, tmp_path):
     spec = SpeculativeConfig(tree="static", expansion=(2, 2, 1), max_nodes=8, adaptive=False)
     runs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(tiny_llama.path), device="cpu", block_size=4, attention_backend=backend,
+        llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, attention_backend=backend,
                   draft_model=str(draft.path), speculative=spec)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

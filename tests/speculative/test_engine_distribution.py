@@ -105,8 +105,7 @@ def _pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
 
 
 def _llm(target, drafts, max_num_seqs: int = 256, **spec) -> LLM:
-    return LLM(
-        str(target.path), device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, 4 * max_num_seqs),
+    return LLM(str(target.path), dtype="float32", device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, 4 * max_num_seqs),
         seed=1, draft_model=[str(d.path) for d in drafts], speculative=SpeculativeConfig(adaptive=False, **spec),
     )
 
@@ -238,7 +237,7 @@ def test_seeded_requests_draw_the_plain_tokens_with_speculation(tiny_vocab_pair,
     coupled verification draws the same token at every tree node: with speculation
     the tokens are exactly plain decoding's, which follow the target's distribution."""
     target, draft = tiny_vocab_pair
-    plain = LLM(str(target.path), device="cpu", max_num_seqs=256, max_num_batched_tokens=8192)
+    plain = LLM(str(target.path), dtype="float32", device="cpu", max_num_seqs=256, max_num_batched_tokens=8192)
     spec_llm = _llm(target, [draft], **spec)
     counts, plain_tokens = _sampled_joint(plain, seeded=True, draws=2000)
     _, spec_tokens = _sampled_joint(spec_llm, seeded=True, draws=2000)
@@ -251,6 +250,6 @@ def test_seeded_requests_draw_the_plain_tokens_with_speculation(tiny_vocab_pair,
 def test_seeded_sampling_follows_the_target_distribution(tiny_vocab_pair):
     """The seeded (Gumbel-max) sampler on its own, at another temperature."""
     target, _ = tiny_vocab_pair
-    plain = LLM(str(target.path), device="cpu", max_num_seqs=256, max_num_batched_tokens=8192)
+    plain = LLM(str(target.path), dtype="float32", device="cpu", max_num_seqs=256, max_num_batched_tokens=8192)
     counts, _ = _sampled_joint(plain, seeded=True, draws=DRAWS, temperature=1.3)
     assert _pvalue(counts, _exact_joint(target.hf_model, temperature=1.3)) > P_MIN

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedtree import LLM, SamplingParams
+from pagedtree import config as config_module
 from pagedtree.config import EngineConfig
 from pagedtree.worker.models.linear import Linear
 from tests.conftest import assert_no_leaks, random_prompts
@@ -14,9 +15,14 @@ from tests.conftest import assert_no_leaks, random_prompts
 SPEC = {"tree": "static", "expansion": (2, 1, 1), "max_nodes": 6, "adaptive": False}
 
 
-def test_dtype_and_quantization_resolution(tiny_llama):
+def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
     path = str(tiny_llama.path)
-    assert EngineConfig(model=path, device="cpu").resolve_dtype() == torch.float32
+    # "auto" on CPU: bf16 where the CPU has native bf16, fp32 elsewhere; "float32" forces fp32.
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda native=native: native)
+        assert EngineConfig(model=path, device="cpu").resolve_dtype() == expected
+        assert EngineConfig(model=path, device="cpu", draft_model=path).resolve_draft_dtype() == expected
+    assert EngineConfig(model=path, device="cpu", dtype="float32").resolve_dtype() == torch.float32
     assert EngineConfig(model=path, device="cpu", quantization="int4").resolve_dtype() == torch.bfloat16
     cfg = EngineConfig(model=path, device="cpu", quantization="int8", draft_model=path)
     assert cfg.resolve_draft_quantization() == "int8" and cfg.resolve_draft_dtype() == torch.bfloat16

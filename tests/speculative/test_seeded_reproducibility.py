@@ -39,7 +39,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def plain_tokens(tiny_llama, prompts):
     """What plain decoding draws for each (prompt, seed), one request at a time."""
-    llm = LLM(str(tiny_llama.path), device="cpu")
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu")
     return [
         llm.generate([{"prompt_token_ids": p}], _params(s), use_tqdm=False)[0].outputs[0].token_ids
         for p, s in zip(prompts, SEEDS)
@@ -59,7 +59,7 @@ def _batch(llm: LLM, prompts, with_neighbours: bool) -> list[list[int]]:
 
 
 def test_plain_seeded_sampling_is_batch_independent(tiny_llama, prompts, plain_tokens):
-    llm = LLM(str(tiny_llama.path), device="cpu", max_num_seqs=4)
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", max_num_seqs=4)
     assert _batch(llm, prompts, with_neighbours=True) == plain_tokens
     # Different seeds draw different continuations (the noise really is per seed).
     assert len({tuple(t) for t in plain_tokens}) == len(plain_tokens)
@@ -67,7 +67,7 @@ def test_plain_seeded_sampling_is_batch_independent(tiny_llama, prompts, plain_t
 
 @pytest.mark.parametrize("tree", sorted(TREES))
 def test_seeded_requests_repeat_with_speculation(tiny_llama, tiny_llama_draft, prompts, plain_tokens, tree):
-    llm = LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES[tree])
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES[tree])
     alone = [
         llm.generate([{"prompt_token_ids": p}], _params(s), use_tqdm=False)[0].outputs[0].token_ids
         for p, s in zip(prompts, SEEDS)
@@ -88,8 +88,7 @@ def test_seeded_requests_repeat_under_preemption_and_shrinking_trees(
     tiny_llama, tiny_llama_draft, prompts, plain_tokens, tree
 ):
     """A cache this small preempts requests and shrinks their trees: same tokens."""
-    llm = LLM(
-        str(tiny_llama.path), device="cpu", block_size=4, num_kv_blocks=22, max_num_seqs=6,
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=22, max_num_seqs=6,
         draft_model=str(tiny_llama_draft.path), num_draft_kv_blocks=40, speculative=TREES[tree],
     )
     scheduler = llm.engine.scheduler
@@ -112,8 +111,7 @@ def test_seeded_requests_repeat_under_preemption_and_shrinking_trees(
 
 
 def test_seeded_requests_repeat_with_two_drafts(tiny_llama, tiny_llama_draft, tiny_llama_draft2, prompts, plain_tokens):
-    llm = LLM(
-        str(tiny_llama.path), device="cpu", draft_model=[str(tiny_llama_draft.path), str(tiny_llama_draft2.path)],
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=[str(tiny_llama_draft.path), str(tiny_llama_draft2.path)],
         speculative=TREES["static"],
     )
     assert _batch(llm, prompts, with_neighbours=True) == plain_tokens

@@ -48,8 +48,7 @@ def _assert_all_free(llm: LLM) -> None:
 def test_greedy_tree_speculation_matches_transformers(
     tiny_llama, tiny_llama_draft, prompts, reference, tree, block_size, max_num_seqs
 ):
-    llm = LLM(
-        str(tiny_llama.path), device="cpu", block_size=block_size, max_num_seqs=max_num_seqs,
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=block_size, max_num_seqs=max_num_seqs,
         draft_model=str(tiny_llama_draft.path), speculative=TREES[tree],
     )
     assert _generate(llm, prompts) == reference
@@ -66,8 +65,7 @@ def test_greedy_tree_speculation_matches_transformers(
 
 
 def test_greedy_speculation_under_preemption(tiny_llama, tiny_llama_draft, prompts, reference):
-    llm = LLM(
-        str(tiny_llama.path), device="cpu", block_size=4, num_kv_blocks=24, max_num_seqs=8,
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=24, max_num_seqs=8,
         draft_model=str(tiny_llama_draft.path), num_draft_kv_blocks=30, speculative=TREES["static"],
     )
     assert _generate(llm, prompts) == reference
@@ -76,8 +74,7 @@ def test_greedy_speculation_under_preemption(tiny_llama, tiny_llama_draft, promp
 
 
 def test_merged_trees_of_two_drafts(tiny_llama, tiny_llama_draft, tiny_llama_draft2, prompts, reference):
-    llm = LLM(
-        str(tiny_llama.path), device="cpu", block_size=4,
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4,
         draft_model=[str(tiny_llama_draft.path), str(tiny_llama_draft2.path)], speculative=TREES["static"],
     )
     assert _generate(llm, prompts) == reference
@@ -86,7 +83,7 @@ def test_merged_trees_of_two_drafts(tiny_llama, tiny_llama_draft, tiny_llama_dra
 
 
 def test_metrics_and_per_request_figures(tiny_llama, tiny_llama_draft, prompts):
-    llm = LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["chain"])
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["chain"])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)
     stats = llm.stats()
@@ -105,8 +102,8 @@ def test_metrics_and_per_request_figures(tiny_llama, tiny_llama_draft, prompts):
 def test_stops_inside_an_accepted_path_cut_exactly(tiny_llama, tiny_llama_draft, prompts, reference):
     """A stop token or max_tokens in the middle of an accepted path ends the output
     exactly where plain decoding would."""
-    plain = LLM(str(tiny_llama.path), device="cpu")
-    spec = LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["chain"])
+    plain = LLM(str(tiny_llama.path), dtype="float32", device="cpu")
+    spec = LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["chain"])
     for prompt, ref in zip(prompts, reference):
         stop = ref[7]
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], ignore_eos=True)
@@ -122,7 +119,7 @@ def test_stops_inside_an_accepted_path_cut_exactly(tiny_llama, tiny_llama_draft,
 
 
 def test_speculation_can_be_switched_off(tiny_llama, tiny_llama_draft, prompts, reference):
-    llm = LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["static"])
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["static"])
     llm.engine.set_speculation(False)
     assert _generate(llm, prompts) == reference
     assert llm.stats()["num_drafts"] == 0
@@ -137,9 +134,9 @@ def test_bad_speculative_settings_are_clear_errors(tiny_llama, tiny_qwen2):
     with pytest.raises(ValueError, match="expansion"):
         SpeculativeConfig(expansion=(2, 0))
     with pytest.raises(ValueError, match="no draft_model"):
-        LLM(str(tiny_llama.path), device="cpu", speculative=SpeculativeConfig())
+        LLM(str(tiny_llama.path), dtype="float32", device="cpu", speculative=SpeculativeConfig())
     with pytest.raises(ValueError, match="speculative: "):
-        LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama.path), speculative={"bogus": 1})
+        LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(tiny_llama.path), speculative={"bogus": 1})
 
 
 def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
@@ -147,7 +144,7 @@ def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
 
     other = save_tiny_model(tmp_path / "other", "llama", seed=3, with_tokenizer=False, vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM(str(tiny_llama.path), device="cpu", draft_model=str(other.path))
+        LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(other.path))
 
 
 def test_a_draft_failure_costs_only_the_failing_request(tiny_llama, tiny_llama_draft, prompts, reference, caplog, monkeypatch):
@@ -164,7 +161,7 @@ def test_a_draft_failure_costs_only_the_failing_request(tiny_llama, tiny_llama_d
         return real(self, jobs)
 
     monkeypatch.setattr(DraftWorker, "propose", flaky)
-    llm = LLM(str(tiny_llama.path), device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["static"])
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", draft_model=str(tiny_llama_draft.path), speculative=TREES["static"])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with caplog.at_level("WARNING", logger="pagedtree"):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

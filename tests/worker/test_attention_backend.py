@@ -21,10 +21,12 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_auto_is_torch_on_cpu():
-    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
-    cache = torch.zeros(2, 4, 1, 16)
-    assert make_backend("auto", [(cache, cache.clone())], 1.0).name == "torch"
+def test_auto_on_cpu_is_the_in_place_kernel_for_fp32_and_bf16_and_torch_otherwise():
+    pytest.importorskip("numba")
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+    for dtype, name in ((torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float16, "torch")):
+        cache = torch.zeros(2, 4, 1, 16, dtype=dtype)
+        assert make_backend("auto", [(cache, cache.clone())], 1.0).name == name
 
 
 def test_unknown_backend_is_rejected():
@@ -75,5 +77,22 @@ def test_missing_triton_is_an_import_error_and_a_clear_value_error():
     )
     result = _run(code, dict(os.environ))
     assert result.returncode == 0, result.stderr
-    assert "IMPORT-ERROR" in result.stdout and "AUTO torch" in result.stdout
+    assert "IMPORT-ERROR" in result.stdout and "AUTO cpu" in result.stdout
     assert "ERR" in result.stdout and "pip install triton" in result.stdout
+
+
+def test_missing_numba_falls_back_to_torch_and_names_the_package():
+    code = (
+        "import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError
+        "import torch\n"
+        "from pagedtree.attention import resolve_backend_name\n"
+        "print('AUTO', resolve_backend_name('auto', torch.device('cpu')))\n"
+        "try:\n"
+        "    resolve_backend_name('cpu', torch.device('cpu'))\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    result = _run(code, dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    assert "AUTO torch" in result.stdout
+    assert "ERR" in result.stdout and "pip install numba" in result.stdout

@@ -1,0 +1,166 @@
+"""The CPU attention backend: the numba kernel reads KV blocks in place.
+
+Requests with at most ``SMALL_QUERY_LEN`` new tokens (decodes, token trees, short
+chunks) go to ``kernels.cpu_attention.paged_attention_kernel``, one call per layer for all of
+them; longer prefill chunks go to the torch path (gather + SDPA), where the work is
+dominated by the attention products that SDPA's vectorised kernels do best and the
+gather is a small part. Same interface and cache layout as ``TorchPagedAttention``,
+whose block and slot copies it inherits.
+
+Supported cache dtypes: fp32 and bf16 (``supports_dtype``); ``make_backend`` falls
+back to the torch backend for others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedtree.attention.metadata import AttentionMetadata
+from pagedtree.kernels.cpu_attention import paged_attention_kernel
+from pagedtree.attention.torch_backend import (
+    SMALL_QUERY_LEN,
+    ReferencePlan,
+    TorchPagedAttention,
+    ancestor_mask,
+    build_reference_plan,
+    paged_attention,
+    store_kv,
+)
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernel handles a KV cache of ``dtype``."""
+    return dtype in SUPPORTED_DTYPES
+
+
+@dataclass(slots=True)
+class CpuKernelPlan:
+    """One step's validated kernel arguments, shared by every layer."""
+
+    members: np.ndarray  # [M] int64 requests served by the kernel
+    query_start_loc: np.ndarray  # [B + 1] int64
+    context_lens: np.ndarray  # [B] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32 (rows of non-members unused)
+    tree_mask_offset: np.ndarray  # [B] int64, -1 = causal
+    tree_masks: np.ndarray  # flat uint8 ancestor masks of the members' trees
+    large: ReferencePlan  # SDPA groups of the long chunks
+    num_tokens: int
+
+
+def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
+    """Validate ``meta`` and pack it for the kernel (raises ``ValueError`` on bad metadata).
+
+    The kernel indexes without bounds checks, so every block id it can read is checked
+    against ``num_blocks`` here, and every table must cover its request's context.
+    """
+    num_requests = len(meta.context_lens)
+    query_start_loc = np.asarray(meta.query_start_loc, dtype=np.int64)
+    context_lens = np.asarray(meta.context_lens, dtype=np.int64)
+    if query_start_loc.shape != (num_requests + 1,):
+        raise ValueError("query_start_loc must have one more entry than context_lens")
+    if len(meta.block_tables) != num_requests or len(meta.tree_parents) != num_requests:
+        raise ValueError("block_tables and tree_parents need one entry per request")
+    query_lens = np.diff(query_start_loc)
+    if num_requests and (query_start_loc[0] != 0 or (query_lens < 1).any()):
+        raise ValueError("query_start_loc must start at 0 and give every request at least one token")
+    short = np.nonzero(context_lens < query_lens)[0]
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"request {i}: context_len {context_lens[i]} shorter than its {query_lens[i]} queries")
+    members = np.nonzero(query_lens <= SMALL_QUERY_LEN)[0].astype(np.int64)
+    block_size = meta.block_size
+    needed = -(-context_lens // block_size)
+    max_blocks = int(needed[members].max()) if members.size else 1
+    block_tables = np.zeros((num_requests, max_blocks), dtype=np.int32)
+    tree_mask_offset = np.full(num_requests, -1, dtype=np.int64)
+    masks: list[np.ndarray] = []
+    mask_size = 0
+    for i in members.tolist():
+        table = meta.block_tables[i]
+        if len(table) < needed[i]:
+            raise ValueError(f"request {i}: block table too short for context_len {context_lens[i]}")
+        block_tables[i, : needed[i]] = table[: needed[i]]
+        parents = meta.tree_parents[i]
+        if parents is not None:
+            if len(parents) != query_lens[i]:
+                raise ValueError(f"request {i}: {len(parents)} tree parents for {query_lens[i]} tokens")
+            mask = ancestor_mask(parents).numpy().astype(np.uint8).ravel()
+            tree_mask_offset[i] = mask_size
+            masks.append(mask)
+            mask_size += mask.size
+    if members.size and (block_tables.min() < 0 or block_tables.max() >= num_blocks):
+        raise ValueError(f"block table entries must lie in [0, {num_blocks})")
+    return CpuKernelPlan(
+        members=members,
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        tree_mask_offset=tree_mask_offset,
+        tree_masks=np.concatenate(masks) if masks else np.zeros(1, dtype=np.uint8),
+        large=build_reference_plan(meta, small_queries=False),
+        num_tokens=int(query_start_loc[-1]) if num_requests else 0,
+    )
+
+
+def _kernel_view(cache: torch.Tensor) -> np.ndarray:
+    """The cache as the kernel reads it: fp32 as is, bf16 as its 16-bit patterns (no copy)."""
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy()
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Paged (tree) attention on CPU that reads the cache in place (numba kernel)."""
+
+    name = "cpu"
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+        super().__init__(kv_caches, scale)
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        first = kv_caches[0][0]
+        if first.device.type != "cpu" or not supports_dtype(first.dtype):
+            raise ValueError(f"the cpu attention backend needs fp32 or bf16 CPU caches, got {first.dtype} on {first.device}")
+        for key_cache, value_cache in kv_caches:
+            if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+                raise ValueError("KV caches must be contiguous")
+        self.num_blocks = first.shape[0]
+        self.block_size = first.shape[1]
+        self._bf16 = first.dtype == torch.bfloat16
+        self._views = [(_kernel_view(k), _kernel_view(v)) for k, v in kv_caches]
+        self._cpu_plan: CpuKernelPlan | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Validate and pack the step's metadata once for every layer."""
+        if meta.block_size != self.block_size:
+            raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
+        self._meta = meta
+        self._cpu_plan = build_cpu_plan(meta, self.num_blocks)
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``key``/``value`` ``[T, H_kv, D]`` and return attention of ``query`` ``[T, H, D]``."""
+        plan = self._cpu_plan
+        assert plan is not None and self._meta is not None, "begin_step first"
+        if query.shape[0] != plan.num_tokens:
+            raise ValueError(f"{query.shape[0]} query tokens for a step of {plan.num_tokens}")
+        key_cache, value_cache = self.kv_caches[layer_index]
+        store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)
+        query32 = query.to(torch.float32).contiguous()
+        out = torch.empty_like(query32)
+        if plan.members.size:
+            key_view, value_view = self._views[layer_index]
+            paged_attention_kernel(
+                query32.numpy(), key_view, value_view, out.numpy(), plan.members, plan.query_start_loc,
+                plan.context_lens, plan.block_tables, self.block_size, plan.tree_mask_offset, plan.tree_masks,
+                self.scale, self._bf16,
+            )
+        if plan.large.groups:
+            paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out)
+        return out.to(query.dtype)

@@ -1,0 +1,144 @@
+"""numba kernel: paged attention that reads the KV cache in place on CPU.
+
+One kernel call per layer serves every decode and token-tree request of a step. Work
+is split over (request, KV head) pairs (``prange``); a pair covers all of the
+request's new tokens times the query heads that share the KV head (GQA), so each key
+and value row of the request is read once per step and layer, whatever the tree's
+size, straight from its cache block (no gather). Keys are walked in tiles with an
+online softmax in fp32, so scratch memory stays bounded by the tile.
+
+Masks: keys of the prefix (before the request's new tokens) are visible to every
+query; among the new tokens a query sees causally (``key <= query``) or, for a token
+tree, the nodes its ancestor mask row marks.
+
+bf16 caches are passed as their raw 16-bit patterns (numba has no bf16): a row is
+widened to fp32 exactly by shifting its bits into the high half of a float32.
+
+Every index the kernel uses is validated on the host first (``cpu_backend``):
+numba does not bound-check, so a bad block id would read outside the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+# Keys per online-softmax tile: scores for a tile stay in L1/L2 while the value rows
+# of the same tile are read.
+KEY_TILE = 64
+
+
+@njit(inline="always")
+def _load_row(cache, block: int, slot: int, head: int, row_f32, row_bits, bf16: bool) -> None:
+    """Widen one cache row ``cache[block, slot, head, :]`` into ``row_f32``.
+
+    ``row_bits`` is ``row_f32`` viewed as uint32; a bf16 value is the high half of the
+    float32 with the same bits, so the widening is exact.
+    """
+    if bf16:
+        for d in range(row_f32.shape[0]):
+            row_bits[d] = np.uint32(cache[block, slot, head, d]) << np.uint32(16)
+    else:
+        for d in range(row_f32.shape[0]):
+            row_f32[d] = cache[block, slot, head, d]
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def paged_attention_kernel(
+    query,  # [T, H, D] float32
+    key_cache,  # [num_blocks, block_size, H_kv, D] float32, or uint16 bf16 bits
+    value_cache,
+    out,  # [T, H, D] float32; rows of the member requests are written
+    members,  # [M] int64 requests this call serves
+    query_start_loc,  # [B + 1] int64
+    context_lens,  # [B] int64
+    block_tables,  # [B, max_blocks] int32
+    block_size: int,
+    tree_mask_offset,  # [B] int64: start of the request's [Q, Q] ancestor mask, -1 = causal
+    tree_masks,  # flat uint8, 1 = may attend
+    scale: float,
+    bf16: bool,
+) -> None:
+    """Attention of the member requests' queries over their paged keys and values."""
+    num_heads = query.shape[1]
+    head_dim = query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale32 = np.float32(scale)
+    neg_inf = np.float32(-np.inf)
+    for work in prange(members.shape[0] * num_kv_heads):
+        request = members[work // num_kv_heads]
+        kv_head = work % num_kv_heads
+        first_query = query_start_loc[request]
+        num_queries = query_start_loc[request + 1] - first_query
+        context = context_lens[request]
+        prefix = context - num_queries
+        mask_offset = tree_mask_offset[request]
+        rows = num_queries * group  # row r = query (r // group), head kv_head * group + r % group
+        running_max = np.full(rows, neg_inf, dtype=np.float32)
+        running_sum = np.zeros(rows, dtype=np.float32)
+        acc = np.zeros((rows, head_dim), dtype=np.float32)
+        scores = np.empty((rows, KEY_TILE), dtype=np.float32)
+        row_f32 = np.empty(head_dim, dtype=np.float32)
+        row_bits = row_f32.view(np.uint32)
+        for tile_start in range(0, context, KEY_TILE):
+            tile_end = min(context, tile_start + KEY_TILE)
+            # Scores of the tile: each key row is loaded once for every query row.
+            for key in range(tile_start, tile_end):
+                block = block_tables[request, key // block_size]
+                _load_row(key_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
+                new_index = key - prefix
+                for q in range(num_queries):
+                    if new_index < 0:
+                        visible = True
+                    elif mask_offset < 0:
+                        visible = new_index <= q
+                    else:
+                        visible = tree_masks[mask_offset + q * num_queries + new_index] != 0
+                    for h in range(group):
+                        r = q * group + h
+                        if visible:
+                            dot = np.float32(0.0)
+                            head = kv_head * group + h
+                            for d in range(head_dim):
+                                dot += query[first_query + q, head, d] * row_f32[d]
+                            scores[r, key - tile_start] = dot * scale32
+                        else:
+                            scores[r, key - tile_start] = neg_inf
+            # Online softmax: rescale what came before to the new running maximum.
+            for r in range(rows):
+                tile_max = neg_inf
+                for j in range(tile_end - tile_start):
+                    if scores[r, j] > tile_max:
+                        tile_max = scores[r, j]
+                if tile_max == neg_inf:
+                    for j in range(tile_end - tile_start):
+                        scores[r, j] = 0.0
+                    continue
+                new_max = max(running_max[r], tile_max)
+                correction = np.float32(math.exp(running_max[r] - new_max))
+                running_sum[r] *= correction
+                for d in range(head_dim):
+                    acc[r, d] *= correction
+                running_max[r] = new_max
+                for j in range(tile_end - tile_start):
+                    weight = np.float32(math.exp(scores[r, j] - new_max))
+                    scores[r, j] = weight
+                    running_sum[r] += weight
+            # Values of the tile, each row loaded once.
+            for key in range(tile_start, tile_end):
+                block = block_tables[request, key // block_size]
+                _load_row(value_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
+                for r in range(rows):
+                    weight = scores[r, key - tile_start]
+                    if weight != 0.0:
+                        for d in range(head_dim):
+                            acc[r, d] += weight * row_f32[d]
+        for r in range(rows):
+            q = r // group
+            head = kv_head * group + r % group
+            inv = np.float32(1.0) / running_sum[r]
+            for d in range(head_dim):
+                out[first_query + q, head, d] = acc[r, d] * inv

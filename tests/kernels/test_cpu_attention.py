@@ -1,0 +1,154 @@
+"""The numba CPU kernel (``attention/cpu_backend``) equals dense attention, reads the
+cache in place for decodes and trees, and refuses metadata that would read outside it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from pagedtree.attention import make_backend, resolve_backend_name  # noqa: E402
+from pagedtree.attention.cpu_backend import CpuPagedAttention, build_cpu_plan  # noqa: E402
+from pagedtree.attention.metadata import AttentionMetadata  # noqa: E402
+
+
+def _dense(q, k, v, mask, scale):
+    """Naive attention per request in float64: q [Q,H,D], k/v [K,Hkv,D], mask [Q,K]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    scores = scores.masked_fill(~mask[None], -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
+
+
+def _batch(rng, block_size, num_blocks, kinds):
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # non-contiguous block tables
+    qsl, ctx, tables, parents = [0], [], [], []
+    for kind, n, prefix in kinds:
+        total = prefix + n
+        tables.append([free.pop() for _ in range(-(-total // block_size))])
+        ctx.append(total)
+        qsl.append(qsl[-1] + n)
+        if kind in ("prefill", "chunk", "decode"):
+            parents.append(None)
+        elif kind == "chain":
+            parents.append(list(range(-1, n - 1)))
+        elif kind == "star":
+            parents.append([-1] + [0] * (n - 1))
+        else:
+            parents.append([-1] + [rng.randrange(-1, j) for j in range(1, n)])
+    return qsl, ctx, tables, parents
+
+
+def _expected_mask(n, total, parents):
+    prefix = total - n
+    mask = torch.zeros(n, total, dtype=torch.bool)
+    mask[:, :prefix] = True
+    if parents is None:
+        mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        for j in range(n):
+            node = j
+            while node != -1:
+                mask[j, prefix + node] = True
+                node = parents[node]
+    return mask
+
+
+# A long prefill (served by SDPA), short causal chunks, decodes at block boundaries, a
+# chain, a star and random trees (the kernel); prefixes longer than one key tile (64).
+KINDS = [("prefill", 70, 0), ("chunk", 12, 0), ("chunk", 64, 90), ("decode", 1, 5), ("decode", 1, 32),
+         ("decode", 1, 150),
+         ("chain", 6, 3), ("star", 5, 16), ("tree", 9, 0), ("tree", 17, 11), ("tree", 64, 70)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 32), (3, 3, 8)])
+def test_kernel_matches_dense(dtype, block_size, heads, kv_heads, dim):
+    rng = random.Random(block_size * 100 + heads)
+    torch.manual_seed(block_size + heads)
+    num_blocks = 600 // block_size + 40
+    qsl, ctx, tables, parents = _batch(rng, block_size, num_blocks, KINDS)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    q = torch.randn(qsl[-1], heads, dim).to(dtype)
+    # The new tokens' keys/values are stored by the backend itself: write what is
+    # already in their slots, so the cache stays as built.
+    slots = []
+    for i, (_, n, prefix) in enumerate(KINDS):
+        for pos in range(prefix, prefix + n):
+            slots.append(tables[i][pos // block_size] * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots)
+    new_k = k_cache.view(-1, kv_heads, dim)[slot_mapping].clone()
+    new_v = v_cache.view(-1, kv_heads, dim)[slot_mapping].clone()
+
+    backend = CpuPagedAttention([(k_cache, v_cache)], scale=dim**-0.5)
+    backend.begin_step(AttentionMetadata(block_size, slot_mapping, qsl, ctx, tables, parents))
+    out = backend(0, q, new_k, new_v)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for i, (_, n, prefix) in enumerate(KINDS):
+        pos = torch.arange(ctx[i])
+        rows = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
+        k = k_cache.view(-1, kv_heads, dim)[rows].float()
+        v = v_cache.view(-1, kv_heads, dim)[rows].float()
+        expected = _dense(q[qsl[i]:qsl[i + 1]].float(), k, v, _expected_mask(n, ctx[i], parents[i]), dim**-0.5)
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), expected.to(dtype).double(), atol=tol, rtol=tol)
+
+
+def test_kernel_equals_torch_backend_on_a_decode_batch():
+    """Same answer as the reference backend (fp32 rounding apart) on a plain decode batch."""
+    torch.manual_seed(0)
+    block_size, kv_heads, heads, dim = 16, 2, 8, 64
+    caches = [(torch.randn(64, block_size, kv_heads, dim), torch.randn(64, block_size, kv_heads, dim))]
+    tables = [[3, 9, 1], [7], [20, 21]]
+    ctx = [40, 16, 17]
+    meta = AttentionMetadata(block_size, torch.tensor([39 % 16 + 16, 7 * 16 + 15, 21 * 16]), [0, 1, 2, 3], ctx,
+                             tables, [None] * 3)
+    meta.slot_mapping = torch.tensor([1 * 16 + 7, 7 * 16 + 15, 21 * 16])
+    q, k, v = torch.randn(3, heads, dim), torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
+    results = []
+    for name in ("torch", "cpu"):
+        copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
+        backend = make_backend(name, copies, dim**-0.5)
+        backend.begin_step(meta)
+        results.append(backend(0, q, k, v))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["block_out_of_range", "negative_block", "table_too_short", "context_short",
+                                 "parents_after_child", "parents_length"])
+def test_bad_metadata_is_refused_before_any_read(bad):
+    block_size = 4
+    tables, ctx, parents, qsl = [[0, 1]], [6], [[-1, 0]], [0, 2]
+    if bad == "block_out_of_range":
+        tables = [[0, 8]]
+    elif bad == "negative_block":
+        tables = [[-1, 0]]
+    elif bad == "table_too_short":
+        tables = [[0]]
+    elif bad == "context_short":
+        ctx = [1]
+    elif bad == "parents_after_child":
+        parents = [[1, -1]]
+    elif bad == "parents_length":
+        parents = [[-1]]
+    meta = AttentionMetadata(block_size, torch.tensor([4, 5]), qsl, ctx, tables, parents)
+    with pytest.raises(ValueError):
+        build_cpu_plan(meta, num_blocks=8)
+
+
+def test_auto_picks_the_kernel_for_fp32_and_bf16_cpu_caches():
+    cpu = torch.device("cpu")
+    assert resolve_backend_name("auto", cpu, torch.float32) == "cpu"
+    assert resolve_backend_name("auto", cpu, torch.bfloat16) == "cpu"
+    assert resolve_backend_name("auto", cpu, torch.float16) == "torch"
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        resolve_backend_name("cpu", cpu, torch.float16)
