@@ -354,7 +354,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def serve_command(engine: str, args: argparse.Namespace, model: Path, port: int, max_len: int) -> tuple[list[str], dict]:
     """The command line that starts ``engine``'s OpenAI-compatible server."""
-    dtype = "float32" if args.dtype == "auto" else args.dtype
+    dtype = args.dtype
     if engine == "pagedtree":
         cli = Path(sys.executable).parent / "pagedtree"
         cmd = [str(cli), "serve", "--model", str(model), "--port", str(port), "--dtype", dtype,
@@ -619,7 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="time every cell this many times in the same process and report the median")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto = float32 (pagedtree's CPU default) for every engine")
+                        help="one dtype for every engine; auto = pagedtree's CPU default here (bfloat16 on "
+                             "CPUs with native bf16, else float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep pagedtree's and vLLM's prefix caches on in the offline part (off by default: "
@@ -649,6 +650,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be >= 1")
     if args.llamacpp_threads is not None and args.llamacpp_threads < 1:
         parser.error("--llamacpp-threads must be >= 1")
+    if args.dtype == "auto":
+        # Resolved once here so every engine (not only pagedtree) runs the same dtype.
+        from pagedtree.config import cpu_has_native_bf16
+
+        args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     return args
 
 
@@ -690,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Model {args.model}" + (f", draft {args.draft_model}" if args.draft_model else "") +
               f"; {len(prompts)} {args.dataset} prompts, {args.output_len} new tokens each (EOS ignored); "
               + (f"every cell timed {args.repeats} times, median shown; " if args.repeats > 1 else "") +
-              f"prefix caching {'on' if args.prefix_caching else 'off'}; dtype {'float32' if args.dtype == 'auto' else args.dtype}; {platform.machine()}, "
+              f"prefix caching {'on' if args.prefix_caching else 'off'}; dtype {args.dtype}; {platform.machine()}, "
               f"{os.cpu_count()} CPUs; " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) +
               f".\nCommand: `python benchmarks/compare.py {shlex.join(sys.argv[1:] if argv is None else argv)}`")
     table = markdown_tables(args, runs, notes, serving, header)
