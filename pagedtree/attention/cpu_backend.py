@@ -134,6 +134,20 @@ class CpuPagedAttention(TorchPagedAttention):
         self._bf16 = first.dtype == torch.bfloat16
         self._views = [(_kernel_view(k), _kernel_view(v)) for k, v in kv_caches]
         self._cpu_plan: CpuKernelPlan | None = None
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the kernel for this cache dtype (or load it from numba's disk cache)
+        now, at load time: compiling holds the GIL for seconds, which inside a serving
+        step would stall the event loop. One query over slot 0 of block 0."""
+        key_view, value_view = self._views[0]
+        num_kv_heads, head_dim = key_view.shape[2], key_view.shape[3]
+        query = np.zeros((1, num_kv_heads, head_dim), dtype=np.float32)
+        paged_attention_kernel(
+            query, key_view, value_view, np.empty_like(query), np.zeros(1, dtype=np.int64),
+            np.array([0, 1], dtype=np.int64), np.ones(1, dtype=np.int64), np.zeros((1, 1), dtype=np.int32),
+            self.block_size, np.full(1, -1, dtype=np.int64), np.zeros(1, dtype=np.uint8), self.scale, self._bf16,
+        )
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Validate and pack the step's metadata once for every layer."""
