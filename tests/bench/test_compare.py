@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,20 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def compare_run(tiny_text_model, tmp_path_factory):
-    compare = _load("compare")
+    compare = load_benchmark("compare")
     out = tmp_path_factory.mktemp("compare")
     folder = str(tiny_text_model.path)
     argv = ["--model", folder, "--draft-model", folder,

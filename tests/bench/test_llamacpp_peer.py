@@ -4,7 +4,6 @@ skip notes, the runner's command line, and the runner's token loop on a stand-in
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
@@ -13,21 +12,14 @@ from pathlib import Path
 import pytest
 
 from pagedtree.loading import packaged_models as pm
+from tests.bench.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def compare():
-    return _load("compare")
+    return load_benchmark("compare")
 
 
 def _gguf(path: Path, file_type: int) -> Path:
@@ -138,7 +130,7 @@ class _FakeLlama:
 
 
 def test_llamacpp_runner_ignores_eos_and_runs_batch_1_only(tmp_path, monkeypatch):
-    runner = _load("engine_runner")
+    runner = load_benchmark("engine_runner")
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama, __version__="0.0-test"))
     _FakeLlama.instances.clear()
     prompts = [[1, 5, 6], [1, 7]]

@@ -3,7 +3,6 @@ cache in place for decodes and trees, and refuses metadata that would read outsi
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -14,51 +13,7 @@ pytest.importorskip("numba")
 from pagedtree.attention import make_backend, resolve_backend_name  # noqa: E402
 from pagedtree.attention.cpu_backend import CpuPagedAttention, build_cpu_plan  # noqa: E402
 from pagedtree.attention.metadata import AttentionMetadata  # noqa: E402
-
-
-def _dense(q, k, v, mask, scale):
-    """Naive attention per request in float64: q [Q,H,D], k/v [K,Hkv,D], mask [Q,K]."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    scores = scores.masked_fill(~mask[None], -math.inf)
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
-
-
-def _batch(rng, block_size, num_blocks, kinds):
-    free = list(range(num_blocks))
-    rng.shuffle(free)  # non-contiguous block tables
-    qsl, ctx, tables, parents = [0], [], [], []
-    for kind, n, prefix in kinds:
-        total = prefix + n
-        tables.append([free.pop() for _ in range(-(-total // block_size))])
-        ctx.append(total)
-        qsl.append(qsl[-1] + n)
-        if kind in ("prefill", "chunk", "decode"):
-            parents.append(None)
-        elif kind == "chain":
-            parents.append(list(range(-1, n - 1)))
-        elif kind == "star":
-            parents.append([-1] + [0] * (n - 1))
-        else:
-            parents.append([-1] + [rng.randrange(-1, j) for j in range(1, n)])
-    return qsl, ctx, tables, parents
-
-
-def _expected_mask(n, total, parents):
-    prefix = total - n
-    mask = torch.zeros(n, total, dtype=torch.bool)
-    mask[:, :prefix] = True
-    if parents is None:
-        mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
-    else:
-        for j in range(n):
-            node = j
-            while node != -1:
-                mask[j, prefix + node] = True
-                node = parents[node]
-    return mask
+from tests.kernels.dense_attention import batch_layout, dense_attention, sequence_rows, visibility_mask  # noqa: E402
 
 
 # A long prefill (served by SDPA), short causal chunks, decodes at block boundaries, a
@@ -75,7 +30,7 @@ def test_kernel_matches_dense(dtype, block_size, heads, kv_heads, dim):
     rng = random.Random(block_size * 100 + heads)
     torch.manual_seed(block_size + heads)
     num_blocks = 600 // block_size + 40
-    qsl, ctx, tables, parents = _batch(rng, block_size, num_blocks, KINDS)
+    qsl, ctx, tables, parents = batch_layout(rng, block_size, num_blocks, KINDS)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
     q = torch.randn(qsl[-1], heads, dim).to(dtype)
@@ -95,11 +50,10 @@ def test_kernel_matches_dense(dtype, block_size, heads, kv_heads, dim):
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for i, (_, n, prefix) in enumerate(KINDS):
-        pos = torch.arange(ctx[i])
-        rows = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
-        k = k_cache.view(-1, kv_heads, dim)[rows].float()
-        v = v_cache.view(-1, kv_heads, dim)[rows].float()
-        expected = _dense(q[qsl[i]:qsl[i + 1]].float(), k, v, _expected_mask(n, ctx[i], parents[i]), dim**-0.5)
+        k = sequence_rows(k_cache, tables[i], ctx[i], block_size).float()
+        v = sequence_rows(v_cache, tables[i], ctx[i], block_size).float()
+        mask = visibility_mask(n, ctx[i], parents[i])
+        expected = dense_attention(q[qsl[i]:qsl[i + 1]].float(), k, v, mask, dim**-0.5)
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), expected.to(dtype).double(), atol=tol, rtol=tol)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -10,20 +9,7 @@ import torch
 
 from pagedtree.attention import torch_backend as reference
 from pagedtree.attention.metadata import AttentionMetadata
-
-
-def _dense(q, k, v, mask, scale):
-    """Naive attention per request: q [Q,H,D], k/v [K,Hkv,D], mask [Q,K]."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    scores = scores.masked_fill(~mask[None], -math.inf)
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
-
-
-def _random_parents(n, rng):
-    return [-1] + [rng.randrange(-1, j) for j in range(1, n)]
+from tests.kernels.dense_attention import batch_layout, dense_attention, sequence_rows, visibility_mask
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -39,43 +25,16 @@ def test_mixed_batch_matches_dense(block_size, seed):
     # including 0 and exact block boundaries.
     kinds = [("prefill", 70, 0), ("decode", 1, 5), ("decode", 1, block_size * 2),
              ("chain", 6, 3), ("star", 5, block_size), ("tree", 9, 0), ("tree", 17, 11)]
-    free_blocks = list(range(num_blocks))
-    rng.shuffle(free_blocks)  # non-contiguous block tables
-    qsl, ctx, tables, parents = [0], [], [], []
-    for kind, n, prefix in kinds:
-        total = prefix + n
-        need = -(-total // block_size)
-        tables.append([free_blocks.pop() for _ in range(need)])
-        ctx.append(total)
-        qsl.append(qsl[-1] + n)
-        if kind in ("prefill", "decode"):
-            parents.append(None)
-        elif kind == "chain":
-            parents.append(list(range(-1, n - 1)))
-        elif kind == "star":
-            parents.append([-1] + [0] * (n - 1))
-        else:
-            parents.append(_random_parents(n, rng))
+    qsl, ctx, tables, parents = batch_layout(rng, block_size, num_blocks, kinds)
     q = torch.randn(qsl[-1], heads, dim)
     slots = torch.zeros(qsl[-1], dtype=torch.long)
     plan = reference.build_reference_plan(AttentionMetadata(block_size, slots, qsl, ctx, tables, parents))
     out = reference.paged_attention(q, k_cache, v_cache, plan, scale=dim**-0.5)
     for i, (kind, n, prefix) in enumerate(kinds):
-        pos = torch.arange(ctx[i])
-        slots = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
-        k = k_cache.view(-1, kv_heads, dim)[slots]
-        v = v_cache.view(-1, kv_heads, dim)[slots]
-        mask = torch.zeros(n, ctx[i], dtype=torch.bool)
-        mask[:, :prefix] = True
-        if parents[i] is None:
-            mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
-        else:
-            for j in range(n):  # walk up the tree
-                node = j
-                while node != -1:
-                    mask[j, prefix + node] = True
-                    node = parents[i][node]
-        expected = _dense(q[qsl[i]:qsl[i + 1]], k, v, mask, dim**-0.5)
+        k = sequence_rows(k_cache, tables[i], ctx[i], block_size)
+        v = sequence_rows(v_cache, tables[i], ctx[i], block_size)
+        mask = visibility_mask(n, ctx[i], parents[i])
+        expected = dense_attention(q[qsl[i]:qsl[i + 1]], k, v, mask, dim**-0.5).float()
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], expected, atol=1e-4, rtol=1e-4)
 
 
