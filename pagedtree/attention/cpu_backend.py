@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from pagedtree.attention.metadata import AttentionMetadata
-from pagedtree.kernels.cpu_attention import paged_attention_kernel
 from pagedtree.attention.torch_backend import (
     SMALL_QUERY_LEN,
     ReferencePlan,
@@ -29,6 +28,7 @@ from pagedtree.attention.torch_backend import (
     paged_attention,
     store_kv,
 )
+from pagedtree.kernels.cpu_attention import paged_attention_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
