@@ -119,6 +119,11 @@ class EngineConfig:
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
 
+    ``enforce_eager=True`` runs every op eagerly in torch; by default fp32/bf16
+    models on CPU fuse each layer's residual adds, RMSNorms and rotary embedding into
+    numba kernels (``worker/models/cpu_fused.py``), as vLLM's flag switches off its
+    compiled graphs.
+
     ``quantization`` ("int8" or "int4") stores linear weights weight-only quantized
     (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16). The draft
     models take the target's dtype and quantization unless ``draft_dtype`` /
@@ -140,6 +145,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     max_logprobs: int = 20
     quantization: str | None = None
     draft_model: str | list[str] | None = None
@@ -162,6 +168,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or one of {allowed}, got {value!r}")
         if self.quantization == "none":
             self.quantization = None
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

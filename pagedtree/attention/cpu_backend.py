@@ -48,6 +48,7 @@ class CpuKernelPlan:
     block_tables: np.ndarray  # [B, max_blocks] int32 (rows of non-members unused)
     tree_mask_offset: np.ndarray  # [B] int64, -1 = causal
     tree_masks: np.ndarray  # flat uint8 ancestor masks of the members' trees
+    slot_mapping: np.ndarray  # [T] int64 cache slot of every new token
     large: ReferencePlan  # SDPA groups of the long chunks
     num_tokens: int
 
@@ -95,6 +96,12 @@ def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
             mask_size += mask.size
     if members.size and (block_tables.min() < 0 or block_tables.max() >= num_blocks):
         raise ValueError(f"block table entries must lie in [0, {num_blocks})")
+    num_tokens = int(query_start_loc[-1]) if num_requests else 0
+    slot_mapping = meta.slot_mapping.numpy().astype(np.int64, copy=False)
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens and (slot_mapping.min() < 0 or slot_mapping.max() >= num_blocks * block_size):
+        raise ValueError(f"slot_mapping entries must lie in [0, {num_blocks * block_size})")
     return CpuKernelPlan(
         members=members,
         query_start_loc=query_start_loc,
@@ -102,16 +109,18 @@ def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
         block_tables=block_tables,
         tree_mask_offset=tree_mask_offset,
         tree_masks=np.concatenate(masks) if masks else np.zeros(1, dtype=np.uint8),
+        slot_mapping=slot_mapping,
         large=build_reference_plan(meta, small_queries=False),
-        num_tokens=int(query_start_loc[-1]) if num_requests else 0,
+        num_tokens=num_tokens,
     )
 
 
-def _kernel_view(cache: torch.Tensor) -> np.ndarray:
-    """The cache as the kernel reads it: fp32 as is, bf16 as its 16-bit patterns (no copy)."""
-    if cache.dtype == torch.bfloat16:
-        return cache.view(torch.int16).numpy().view(np.uint16)
-    return cache.numpy()
+def _kernel_view(tensor: torch.Tensor) -> np.ndarray:
+    """A cache (or new keys/values) as the kernel reads it: fp32 as is, bf16 as its
+    16-bit patterns (no copy)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -139,14 +148,19 @@ class CpuPagedAttention(TorchPagedAttention):
     def _warm_up(self) -> None:
         """Compile the kernel for this cache dtype (or load it from numba's disk cache)
         now, at load time: compiling holds the GIL for seconds, which inside a serving
-        step would stall the event loop. One query over slot 0 of block 0."""
-        key_view, value_view = self._views[0]
+        step would stall the event loop. One query over a scratch one-block cache of
+        the same type (the kernel writes the new rows it gets, and the real cache must
+        stay untouched)."""
+        key_view = self._views[0][0]
         num_kv_heads, head_dim = key_view.shape[2], key_view.shape[3]
+        scratch = np.zeros((1, *key_view.shape[1:]), dtype=key_view.dtype)
         query = np.zeros((1, num_kv_heads, head_dim), dtype=np.float32)
+        new_rows = np.zeros((1, num_kv_heads, head_dim), dtype=key_view.dtype)
         paged_attention_kernel(
-            query, key_view, value_view, np.empty_like(query), np.zeros(1, dtype=np.int64),
+            query, scratch, scratch.copy(), np.empty_like(query), np.zeros(1, dtype=np.int64),
             np.array([0, 1], dtype=np.int64), np.ones(1, dtype=np.int64), np.zeros((1, 1), dtype=np.int32),
             self.block_size, np.full(1, -1, dtype=np.int64), np.zeros(1, dtype=np.uint8), self.scale, self._bf16,
+            new_rows, new_rows, np.zeros(1, dtype=np.int64),
         )
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -165,15 +179,19 @@ class CpuPagedAttention(TorchPagedAttention):
         if query.shape[0] != plan.num_tokens:
             raise ValueError(f"{query.shape[0]} query tokens for a step of {plan.num_tokens}")
         key_cache, value_cache = self.kv_caches[layer_index]
-        store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)
+        if plan.large.groups:  # the kernel stores only the rows of the requests it serves
+            store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)
         query32 = query.to(torch.float32).contiguous()
         out = torch.empty_like(query32)
         if plan.members.size:
             key_view, value_view = self._views[layer_index]
+            # One layout (contiguous) for the new rows, so the kernel has one specialisation.
+            new_keys = key.to(key_cache.dtype).contiguous()
+            new_values = value.to(value_cache.dtype).contiguous()
             paged_attention_kernel(
                 query32.numpy(), key_view, value_view, out.numpy(), plan.members, plan.query_start_loc,
                 plan.context_lens, plan.block_tables, self.block_size, plan.tree_mask_offset, plan.tree_masks,
-                self.scale, self._bf16,
+                self.scale, self._bf16, _kernel_view(new_keys), _kernel_view(new_values), plan.slot_mapping,
             )
         if plan.large.groups:
             paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out)

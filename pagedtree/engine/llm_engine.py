@@ -71,7 +71,8 @@ class LLMEngine:
         self.max_model_len = min(requested_len, num_blocks * config.block_size)
         backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
         self.runner = ModelRunner(
-            loaded.model, num_blocks, config.block_size, self.device, self.dtype, backend
+            loaded.model, num_blocks, config.block_size, self.device, self.dtype, backend,
+            fused_cpu_ops=not config.enforce_eager,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens

@@ -19,7 +19,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length limit")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB on CPU (default 2)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="eager torch ops only: no numba-fused element-wise kernels on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantized linear layers (bf16 activations)")
@@ -44,6 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         quantization=args.quantization,
     )

@@ -14,6 +14,10 @@ tree, the nodes its ancestor mask row marks.
 bf16 caches are passed as their raw 16-bit patterns (numba has no bf16): a row is
 widened to fp32 exactly by shifting its bits into the high half of a float32.
 
+The kernel also stores the step's new keys and values of the requests it serves in
+their cache slots (each work item writes its own request's rows for its KV head
+before reading them), so a layer's attention is one call.
+
 Every index the kernel uses is validated on the host first (``cpu_backend``):
 numba does not bound-check, so a bad block id would read outside the cache.
 """
@@ -60,8 +64,12 @@ def paged_attention_kernel(
     tree_masks,  # flat uint8, 1 = may attend
     scale: float,
     bf16: bool,
+    new_keys,  # [T, H_kv, D] the step's keys, same dtype as the cache (bf16 as uint16 bits)
+    new_values,  # [T, H_kv, D]
+    slot_mapping,  # [T] int64 cache slot of each new token
 ) -> None:
-    """Attention of the member requests' queries over their paged keys and values."""
+    """Store the member requests' new keys/values, then their queries' attention over
+    their paged keys and values."""
     num_heads = query.shape[1]
     head_dim = query.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -76,6 +84,11 @@ def paged_attention_kernel(
         context = context_lens[request]
         prefix = context - num_queries
         mask_offset = tree_mask_offset[request]
+        for q in range(num_queries):
+            slot = slot_mapping[first_query + q]
+            for d in range(head_dim):
+                key_cache[slot // block_size, slot % block_size, kv_head, d] = new_keys[first_query + q, kv_head, d]
+                value_cache[slot // block_size, slot % block_size, kv_head, d] = new_values[first_query + q, kv_head, d]
         rows = num_queries * group  # row r = query (r // group), head kv_head * group + r % group
         running_max = np.full(rows, neg_inf, dtype=np.float32)
         running_sum = np.zeros(rows, dtype=np.float32)

@@ -274,7 +274,8 @@ def load_draft_worker(
         )
     blocks = num_draft_kv_blocks(config, target_blocks)
     backend = resolve_backend_name(config.attention_backend, device, dtype)
-    runner = ModelRunner(loaded.model, blocks, config.block_size, device, dtype, backend)
+    runner = ModelRunner(loaded.model, blocks, config.block_size, device, dtype, backend,
+                         fused_cpu_ops=not config.enforce_eager)
     block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
     logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
     return DraftWorker(runner, block_manager, name=f"draft{index}", index=index)

@@ -75,6 +75,7 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         attention_backend: str,
+        fused_cpu_ops: bool = False,
     ):
         self.model = model
         self.device = device
@@ -86,6 +87,9 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.attention = make_backend(attention_backend, self.kv_caches, model.head_dim**-0.5)
+        # The decoder's residual adds, norms and rotary in numba kernels (fp32/bf16 on
+        # CPU; a no-op elsewhere or without numba).
+        self.fused_cpu_ops = fused_cpu_ops and model.enable_fused_cpu_ops()
         self._generators: dict[str, torch.Generator] = {}
         self.num_forward_passes = 0
 

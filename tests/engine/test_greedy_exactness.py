@@ -43,6 +43,17 @@ def test_greedy_matches_transformers(model, block_size, chunked, max_num_seqs):
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
+def test_greedy_matches_transformers_with_eager_ops(model, attention_backend):
+    """``enforce_eager``: every op in torch (no fused CPU kernels), still exact."""
+    _, m, prompts, expected = model
+    llm, got = _run(m.path, prompts, block_size=4, max_num_seqs=5, enforce_eager=True,
+                    attention_backend=attention_backend, max_num_batched_tokens=24)
+    assert llm.engine.runner.model.fused_forward is None
+    assert got == expected
+    assert_no_leaks(llm)
+
+
 def test_greedy_matches_transformers_under_preemption(model):
     _, m, prompts, expected = model
     # 30 blocks of 4 tokens cannot hold 16 sequences of up to 82 tokens at once.

@@ -68,17 +68,22 @@ def test_kernel_equals_torch_backend_on_a_decode_batch():
                              tables, [None] * 3)
     meta.slot_mapping = torch.tensor([1 * 16 + 7, 7 * 16 + 15, 21 * 16])
     q, k, v = torch.randn(3, heads, dim), torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
-    results = []
+    results, stored = [], []
     for name in ("torch", "cpu"):
         copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
         backend = make_backend(name, copies, dim**-0.5)
         backend.begin_step(meta)
         results.append(backend(0, q, k, v))
+        stored.append(copies[0])
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+    # The kernel stores the new keys and values itself: the caches end up identical.
+    assert torch.equal(stored[1][0], stored[0][0]) and torch.equal(stored[1][1], stored[0][1])
+    assert not torch.equal(stored[1][0], caches[0][0])
 
 
 @pytest.mark.parametrize("bad", ["block_out_of_range", "negative_block", "table_too_short", "context_short",
-                                 "parents_after_child", "parents_length"])
+                                 "parents_after_child", "parents_length", "slot_out_of_range", "negative_slot",
+                                 "slot_count"])
 def test_bad_metadata_is_refused_before_any_read(bad):
     block_size = 4
     tables, ctx, parents, qsl = [[0, 1]], [6], [[-1, 0]], [0, 2]
@@ -94,7 +99,14 @@ def test_bad_metadata_is_refused_before_any_read(bad):
         parents = [[1, -1]]
     elif bad == "parents_length":
         parents = [[-1]]
-    meta = AttentionMetadata(block_size, torch.tensor([4, 5]), qsl, ctx, tables, parents)
+    slots = torch.tensor([4, 5])
+    if bad == "slot_out_of_range":
+        slots = torch.tensor([4, 8 * block_size])
+    elif bad == "negative_slot":
+        slots = torch.tensor([-1, 5])
+    elif bad == "slot_count":
+        slots = torch.tensor([4])
+    meta = AttentionMetadata(block_size, slots, qsl, ctx, tables, parents)
     with pytest.raises(ValueError):
         build_cpu_plan(meta, num_blocks=8)
 

@@ -202,6 +202,8 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
+        # Set by ``enable_fused_cpu_ops``: the forward with fused element-wise work.
+        self.fused_forward = None
 
     def checkpoint_target(self, name: str) -> tuple[str, slice | None]:
         """Where checkpoint tensor ``name`` (Hugging Face naming) goes in this model.
@@ -224,11 +226,28 @@ class DecoderForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for flat ``input_ids [T]``."""
+        if self.fused_forward is not None:
+            return self.fused_forward.forward(input_ids, positions, attention)
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, attention)
         return self.model.norm(hidden)
+
+    def enable_fused_cpu_ops(self) -> bool:
+        """Run the forward with numba-fused element-wise ops (``cpu_fused``) from now on.
+
+        Returns whether it could: an fp32 or bf16 model on CPU with numba installed.
+        """
+        weight = self.model.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        try:
+            from pagedtree.worker.models.cpu_fused import FusedCpuForward
+        except ImportError:  # numba is optional
+            return False
+        self.fused_forward = FusedCpuForward(self)
+        return True
 
     def quantize_weights(self, mode: str) -> int:
         """Weight-only ``mode`` ("int8"/"int4") for every linear layer; returns how many.

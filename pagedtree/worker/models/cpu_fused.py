@@ -1,0 +1,97 @@
+"""The decoder's forward on CPU with its element-wise work fused (numba kernels).
+
+Same model, same weights, same linear layers and attention as
+``DecoderForCausalLM.forward``; what changes is the glue between them. Each layer's
+two residual adds + RMSNorms become two ``add_rms_norm_kernel`` calls that keep the
+residual stream in one buffer updated in place (as vLLM's fused add-norm does), and
+the rotary embedding of every query and key head is one ``rotary_kernel`` call in
+place in the q/k/v projection's output. That replaces about 30 eager ops per layer
+with 3 calls (benchmarks/RESULTS.md, "Fused element-wise ops on CPU").
+
+Used for fp32 and bf16 models on CPU unless ``EngineConfig.enforce_eager`` is set;
+quantized models run their activations in these dtypes too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, rotary_kernel
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as the kernels read it: fp32 as is, bf16 as 16-bit patterns."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def _norm_weight(norm) -> np.ndarray:
+    """An RMSNorm's weight widened to fp32 (exact for bf16)."""
+    return norm.weight.detach().float().contiguous().numpy()
+
+
+class FusedCpuForward:
+    """``model.forward`` with fused add + RMSNorm and in-place rotary (see module docstring)."""
+
+    def __init__(self, model):
+        body = model.model
+        dtype = body.embed_tokens.weight.dtype
+        if dtype not in SUPPORTED_DTYPES or body.embed_tokens.weight.device.type != "cpu":
+            raise ValueError(f"fused CPU ops need an fp32 or bf16 model on CPU, got {dtype}")
+        self.model = model
+        self.bf16 = dtype == torch.bfloat16
+        self.eps = float(body.norm.eps)
+        self.layer_weights = [
+            (_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm))
+            for layer in body.layers
+        ]
+        self.final_weight = _norm_weight(body.norm)
+        self._warm_up(dtype)
+
+    def _warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the kernels for this dtype (or load them from numba's disk cache) at
+        load time rather than inside the first step."""
+        attn = self.model.model.layers[0].self_attn
+        hidden = self.final_weight.shape[0]
+        residual = torch.zeros(1, hidden, dtype=dtype)
+        self._add_rms_norm(residual.clone(), residual, self.final_weight)
+        qkv = torch.zeros(1, sum(attn.qkv_sizes), dtype=dtype)
+        table = np.zeros((1, attn.head_dim), dtype=np.float32)
+        rotary_kernel(_array(qkv), table, table, attn.num_heads + attn.num_kv_heads, attn.head_dim, self.bf16)
+
+    def _add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
+        """``residual += x`` in place (unless ``x`` is None); returns the normed residual."""
+        out = torch.empty_like(residual)
+        x_array = _array(x.contiguous()) if x is not None else _array(residual)
+        add_rms_norm_kernel(x_array, _array(residual), weight, _array(out), self.eps, x is not None, self.bf16)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, as ``DecoderForCausalLM.forward``."""
+        model = self.model
+        residual = model.model.embed_tokens(input_ids).contiguous()  # a fresh buffer, updated in place
+        cos, sin = model.rotary.cos_sin(positions, residual.dtype)
+        cos32 = cos.float().contiguous().numpy()
+        sin32 = sin.float().contiguous().numpy()
+        x: torch.Tensor | None = None
+        for layer, (input_weight, post_weight) in zip(model.model.layers, self.layer_weights):
+            normed = self._add_rms_norm(x, residual, input_weight)
+            attn = layer.self_attn
+            num_tokens = normed.shape[0]
+            qkv = attn.qkv_proj(normed).contiguous()
+            rotary_kernel(_array(qkv), cos32, sin32, attn.num_heads + attn.num_kv_heads, attn.head_dim, self.bf16)
+            q, k, v = qkv.split(attn.qkv_sizes, dim=-1)
+            out = attention(
+                attn.layer_index,
+                q.view(num_tokens, attn.num_heads, attn.head_dim),
+                k.view(num_tokens, attn.num_kv_heads, attn.head_dim),
+                v.view(num_tokens, attn.num_kv_heads, attn.head_dim),
+            )
+            x = attn.o_proj(out.reshape(num_tokens, attn.num_heads * attn.head_dim))
+            normed = self._add_rms_norm(x, residual, post_weight)
+            x = layer.mlp(normed)
+        return self._add_rms_norm(x, residual, self.final_weight)
