@@ -436,6 +436,10 @@ def markdown_tables(args: argparse.Namespace, runs: list[EngineRun], notes: list
                 length = acceptance_length(cell)
                 lines.append(f"| {run.spec.label} | {batch} | {temperature:g} | {tps:.2f} | {ratios[0]} | "
                              f"{ratios[1]} | {ratios[2]} | {f'{length:.2f}' if length else ''} |")
+    memory = [(r.spec.label, r.result["info"]) for r in runs if r.result and r.result["info"].get("peak_rss_mib")]
+    if memory:
+        lines += ["", "| engine | peak RSS (MiB, process and children) | load seconds |", "|---|---:|---:|"]
+        lines += [f"| {label} | {info['peak_rss_mib']:.0f} | {info['load_seconds']:.1f} |" for label, info in memory]
     for run in runs:
         if run.error:
             done = f"; the {len(run.cells)} cells it finished are shown" if run.cells else ""

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -67,6 +68,66 @@ class RunInfo:
     versions: dict[str, str] = field(default_factory=dict)
     load_seconds: float = 0.0
     threads: int = 0
+    peak_rss_mib: float = 0.0  # the most resident memory of this process and its children, sampled
+
+
+class PeakRss:
+    """Samples the resident memory of this process plus all its descendants (vLLM runs
+    its engine core in a child process) from /proc every ``interval`` seconds and keeps
+    the peak. Linux only; elsewhere the peak stays 0."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="peak-rss", daemon=True)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        """Add up the RSS of the process tree now and keep the maximum."""
+        total, pending, seen = 0, [os.getpid()], set()
+        while pending:
+            pid = pending.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            total += _rss_bytes(pid)
+            pending.extend(_children(pid))
+        self.peak_bytes = max(self.peak_bytes, total)
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # gone, or no /proc
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass
+    return found
 
 
 # --------------------------------------------------------------------------------------
@@ -263,6 +324,7 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
     output_len = int(workload["output_len"])
     max_batch = max(int(c["batch_size"]) for c in cells)
     max_prompt = max(len(p) for c in cells for p in c["prompts"])
+    rss = PeakRss().__enter__()
     info, run = LOADERS[args.engine](args, max_batch, max_prompt + output_len + 16)
     # torch only where the engine uses it (llama.cpp's venv has none); the llama.cpp
     # loader reports its own thread count.
@@ -304,12 +366,16 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
         except NotImplementedError as exc:
             result = CellResult(batch, temperature, 0, 0, 0.0, skipped=str(exc))
         results.append(result)
+        rss.sample()
+        info.peak_rss_mib = round(rss.peak_bytes / 2**20, 1)
         status = result.skipped or f"{result.tokens_per_s:.2f} tokens/s"
         if result.repeat_tokens_per_s:
             status += f" (median of {result.repeat_tokens_per_s})"
         print(f"[{info.label}] batch {batch} temperature {temperature}: {status}", file=sys.stderr, flush=True)
         if on_cell is not None:
             on_cell(_result_json(info, results))
+    rss.__exit__(None, None, None)
+    info.peak_rss_mib = round(rss.peak_bytes / 2**20, 1)
     return _result_json(info, results)
 
 

@@ -92,3 +92,23 @@ def test_help(script):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def test_peak_rss_counts_child_processes():
+    """The engine runner's memory figure includes children (vLLM's engine core runs in one)."""
+    import subprocess
+    import sys
+    import time
+
+    runner = load_benchmark("engine_runner")
+    with runner.PeakRss(interval=0.02) as alone:
+        time.sleep(0.1)
+    # A child that holds 200 MiB for a moment.
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 * 2**20); time.sleep(1.5)"])
+    try:
+        with runner.PeakRss(interval=0.02) as with_child:
+            time.sleep(1.0)
+    finally:
+        child.wait()
+    assert alone.peak_bytes > 0
+    assert with_child.peak_bytes >= alone.peak_bytes + 150 * 2**20
