@@ -11,6 +11,7 @@ from pagedtree.attention import AttentionMetadata, make_backend
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedtree.sampling import SampleResult, SamplingRow, sample
 from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
+from pagedtree.worker.host_allocator import tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 
 
@@ -77,6 +78,8 @@ class ModelRunner:
         attention_backend: str,
         fused_cpu_ops: bool = False,
     ):
+        if device.type == "cpu":
+            tune_host_allocator()  # before the cache and the first step allocate
         self.model = model
         self.device = device
         self.block_size = block_size
