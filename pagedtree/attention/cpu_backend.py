@@ -186,8 +186,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if plan.members.size:
             key_view, value_view = self._views[layer_index]
             # One layout (contiguous) for the new rows, so the kernel has one specialisation.
-            new_keys = key.to(key_cache.dtype).contiguous()
-            new_values = value.to(value_cache.dtype).contiguous()
+            new_keys = (key if key.dtype == key_cache.dtype else key.to(key_cache.dtype)).contiguous()
+            new_values = (value if value.dtype == value_cache.dtype else value.to(value_cache.dtype)).contiguous()
             paged_attention_kernel(
                 query32.numpy(), key_view, value_view, out.numpy(), plan.members, plan.query_start_loc,
                 plan.context_lens, plan.block_tables, self.block_size, plan.tree_mask_offset, plan.tree_masks,
@@ -195,4 +195,4 @@ class CpuPagedAttention(TorchPagedAttention):
             )
         if plan.large.groups:
             paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out)
-        return out.to(query.dtype)
+        return out if query.dtype == torch.float32 else out.to(query.dtype)

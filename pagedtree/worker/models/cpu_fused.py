@@ -17,6 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+from typing import Callable
+
 from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, rotary_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -34,6 +37,26 @@ def _norm_weight(norm) -> np.ndarray:
     return norm.weight.detach().float().contiguous().numpy()
 
 
+@dataclass(slots=True, frozen=True)
+class _LayerParts:
+    """One decoder layer as the fused forward calls it: its linear layers' and the
+    activation's ``forward`` bound once (no ``nn.Module.__call__`` or attribute
+    lookups per step; pagedtree registers no hooks), and its shapes."""
+
+    layer_index: int
+    input_norm: np.ndarray
+    post_norm: np.ndarray
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    qkv_sizes: tuple[int, int, int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class FusedCpuForward:
     """``model.forward`` with fused add + RMSNorm and in-place rotary (see module docstring)."""
 
@@ -45,8 +68,21 @@ class FusedCpuForward:
         self.model = model
         self.bf16 = dtype == torch.bfloat16
         self.eps = float(body.norm.eps)
-        self.layer_weights = [
-            (_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm))
+        self.layers = [
+            _LayerParts(
+                layer_index=layer.self_attn.layer_index,
+                input_norm=_norm_weight(layer.input_layernorm),
+                post_norm=_norm_weight(layer.post_attention_layernorm),
+                qkv=layer.self_attn.qkv_proj.forward,
+                o=layer.self_attn.o_proj.forward,
+                gate_up=layer.mlp.gate_up_proj.forward,
+                down=layer.mlp.down_proj.forward,
+                act=layer.mlp.act.forward,
+                qkv_sizes=tuple(layer.self_attn.qkv_sizes),
+                num_heads=layer.self_attn.num_heads,
+                num_kv_heads=layer.self_attn.num_kv_heads,
+                head_dim=layer.self_attn.head_dim,
+            )
             for layer in body.layers
         ]
         self.final_weight = _norm_weight(body.norm)
@@ -78,20 +114,20 @@ class FusedCpuForward:
         cos32 = cos.float().contiguous().numpy()
         sin32 = sin.float().contiguous().numpy()
         x: torch.Tensor | None = None
-        for layer, (input_weight, post_weight) in zip(model.model.layers, self.layer_weights):
-            normed = self._add_rms_norm(x, residual, input_weight)
-            attn = layer.self_attn
+        for part in self.layers:
+            normed = self._add_rms_norm(x, residual, part.input_norm)
             num_tokens = normed.shape[0]
-            qkv = attn.qkv_proj(normed).contiguous()
-            rotary_kernel(_array(qkv), cos32, sin32, attn.num_heads + attn.num_kv_heads, attn.head_dim, self.bf16)
-            q, k, v = qkv.split(attn.qkv_sizes, dim=-1)
+            qkv = part.qkv(normed).contiguous()
+            rotary_kernel(_array(qkv), cos32, sin32, part.num_heads + part.num_kv_heads, part.head_dim, self.bf16)
+            q, k, v = qkv.split(part.qkv_sizes, dim=-1)
             out = attention(
-                attn.layer_index,
-                q.view(num_tokens, attn.num_heads, attn.head_dim),
-                k.view(num_tokens, attn.num_kv_heads, attn.head_dim),
-                v.view(num_tokens, attn.num_kv_heads, attn.head_dim),
+                part.layer_index,
+                q.view(num_tokens, part.num_heads, part.head_dim),
+                k.view(num_tokens, part.num_kv_heads, part.head_dim),
+                v.view(num_tokens, part.num_kv_heads, part.head_dim),
             )
-            x = attn.o_proj(out.reshape(num_tokens, attn.num_heads * attn.head_dim))
-            normed = self._add_rms_norm(x, residual, post_weight)
-            x = layer.mlp(normed)
+            x = part.o(out.reshape(num_tokens, part.num_heads * part.head_dim))
+            normed = self._add_rms_norm(x, residual, part.post_norm)
+            gate, up = part.gate_up(normed).chunk(2, dim=-1)
+            x = part.down(part.act(gate) * up)
         return self._add_rms_norm(x, residual, self.final_weight)

@@ -129,6 +129,8 @@ class Linear(nn.Linear):
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2:  # the model's flat [tokens, features] rows: no reshapes to dispatch
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
