@@ -6,6 +6,8 @@ the same token-id prompts and exactly ``--output-len`` new tokens per request (E
 ignored). Engines:
 
 - ``pagedtree``               plain decoding
+- ``pagedtree-eager``         plain decoding with every op eager (``enforce_eager``: no
+                              fused CPU element-wise kernels), for the A/B
 - ``pagedtree-spec:PRESET``   tree speculation with a preset of
                               ``pagedtree.speculative.presets`` (chain-5, dynamic-16, ...)
 - ``transformers``            Hugging Face ``generate`` (left-padded batches)
@@ -81,6 +83,7 @@ class EngineSpec:
     quantization: str | None = None  # pagedtree's weight-only int8/int4
     model: str | None = None  # the runner's --model when not the HF folder (llamacpp: the GGUF file)
     threads: int | None = None  # llamacpp's n_threads (None: every core)
+    eager: bool = False  # pagedtree with enforce_eager (no fused CPU kernels)
 
 
 @dataclass
@@ -148,6 +151,8 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
     for name in args.engines:
         if name == "pagedtree":
             specs.append(EngineSpec("pagedtree", "pagedtree", own))
+        elif name == "pagedtree-eager":
+            specs.append(EngineSpec(name, "pagedtree", own, eager=True))
         elif name in ("pagedtree-int8", "pagedtree-int4"):
             specs.append(EngineSpec(name, "pagedtree", own, quantization=name.rsplit("-", 1)[1]))
         elif name == "pagedtree-spec":
@@ -286,6 +291,8 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--quantization", spec.quantization]
     if spec.threads is not None:
         cmd += ["--threads", str(spec.threads)]
+    if spec.eager:
+        cmd.append("--enforce-eager")
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
     started = time.perf_counter()
     run = EngineRun(spec)

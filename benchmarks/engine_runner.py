@@ -145,7 +145,8 @@ def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tu
     from pagedtree import LLM, SamplingParams
 
     kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed,
-                                  enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
+                                  enable_prefix_caching=args.prefix_caching, quantization=args.quantization,
+                                  enforce_eager=args.enforce_eager)
     if args.draft_model:
         kwargs["draft_model"] = args.draft_model
         kwargs["speculative"] = json.loads(args.spec or "{}")
@@ -421,6 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="pagedtree: weight-only")
+    parser.add_argument("--enforce-eager", action="store_true", help="pagedtree: every op eager (no fused CPU kernels)")
     parser.add_argument("--threads", type=int, default=None,
                         help="llamacpp: n_threads and n_threads_batch (default: every core, os.cpu_count())")
     parser.add_argument("--prefix-caching", action="store_true",

@@ -85,6 +85,8 @@ def test_acceptance_length_and_missing_draft_error(compare_run):
         compare.engine_specs(compare.parse_args(["--engines", "pagedtree-spec", "--draft-model", ""]))
     with pytest.raises(SystemExit):
         compare.parse_args(["--repeats", "0"])
+    specs, _ = compare.engine_specs(compare.parse_args(["--engines", "pagedtree,pagedtree-eager", "--draft-model", ""]))
+    assert [(s.label, s.eager) for s in specs] == [("pagedtree", False), ("pagedtree-eager", True)]
 
 
 @pytest.mark.parametrize("script", ["compare.py", "engine_runner.py"])
