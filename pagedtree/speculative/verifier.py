@@ -17,7 +17,7 @@ from pagedtree.sampling import (
     VERIFY_STREAM,
     SamplingRow,
     apply_penalties,
-    coupled_tokens,
+    coupled_draws,
     stream_seed,
     target_probs,
     top_logprobs,
@@ -67,7 +67,7 @@ class Verifier:
             # same noise plain decoding uses there.
             first = len(request.output_token_ids)
             noise = torch.stack([self.noise.get(request.sampling_seed, first + d) for d in [0] + tree.depths])
-            result = verify_greedy(tree, coupled_tokens(target_probs(processed, params), noise).tolist())
+            result = verify_greedy(tree, coupled_draws(processed, params, noise).tolist())
             self.noise.drop(request.sampling_seed)
         else:
             result = verify_stochastic(tree, target_probs(processed, params), self._generator(request))

@@ -64,3 +64,21 @@ def test_gumbel_max_draws_follow_the_distribution():
     assert counts[5] == 0  # probability zero is never drawn
     expected = probs[:5].double() * 6000
     assert stats.chisquare(counts[:5].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.05}])
+def test_coupled_draws_are_gumbel_max_of_the_target_distribution(filters):
+    """The softmax-free shortcut (no filters) and the general path pick the same tokens
+    as argmax(log target_probs + noise), row by row and batched alike."""
+    from pagedtree.sampling import coupled_draws, target_probs
+    from pagedtree.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=0.7, **filters)
+    logits = torch.randn(64, 500) * 4
+    noise = gumbel_noise_rows([(seed, 1) for seed in range(64)], 500)
+    expected = coupled_tokens(target_probs(logits, params), noise)
+    batched = coupled_draws(logits, params, noise)
+    alone = torch.stack([coupled_draws(logits[i : i + 1], params, noise[i : i + 1])[0] for i in range(64)])
+    assert torch.equal(batched, expected)
+    assert torch.equal(alone, expected)
