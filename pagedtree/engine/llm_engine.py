@@ -89,6 +89,10 @@ class LLMEngine:
         )
         self.speculator = self._load_speculator(num_blocks) if config.draft_model else None
         self.speculation_enabled = self.speculator is not None
+        if self.speculator is not None:
+            # A token's logits must not depend on whether a tree pass or a one-token
+            # decode computed them (greedy with speculation == without, in any dtype).
+            loaded.model.make_rows_consistent()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}

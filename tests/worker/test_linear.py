@@ -71,3 +71,29 @@ def test_int4_needs_whole_groups_and_known_modes():
     with pytest.raises(ValueError, match="dense weight"):
         layer.quantize("int4")
     assert layer.weight_bytes == 8 * 32 + 8 * 2
+
+
+def test_rows_consistent_layers_give_a_row_the_same_bits_alone_and_in_a_batch():
+    """oneDNN's one-row kernel rounds differently from its multi-row one for some shapes
+    (4864 x 896 is the 0.5B's down projection); with ``pad_single_rows`` a row computed
+    alone equals the same row inside a multi-row product, bit for bit."""
+    torch.manual_seed(0)
+    layer = Linear(4864, 896, bias=False).to(torch.bfloat16)
+    if not layer.pack_for_cpu():
+        pytest.skip("no oneDNN packing here")
+    x = torch.randn(6, 4864).to(torch.bfloat16)
+    with torch.inference_mode():
+        batch = layer(x)
+        layer.pad_single_rows = True
+        for i in range(6):
+            assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
+
+
+def test_speculating_engines_make_the_target_rows_consistent(tiny_llama):
+    from pagedtree import LLM
+
+    plain = LLM(str(tiny_llama.path), dtype="float32").engine.runner.model
+    spec = LLM(str(tiny_llama.path), dtype="float32", draft_model=str(tiny_llama.path)).engine.runner.model
+    packed = lambda model: [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    assert packed(spec) and all(m.pad_single_rows for m in packed(spec))
+    assert not any(m.pad_single_rows for m in packed(plain))

@@ -249,6 +249,16 @@ class DecoderForCausalLM(nn.Module):
         self.fused_forward = FusedCpuForward(self)
         return True
 
+    def make_rows_consistent(self) -> int:
+        """Make every token's result independent of how many tokens share its forward:
+        one-row products of the oneDNN-packed layers run as two rows
+        (``Linear.pad_single_rows``). Tree speculation needs it for greedy outputs equal
+        to plain decoding in every dtype; returns how many layers it switched."""
+        layers = [m for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+        for layer in layers:
+            layer.pad_single_rows = True
+        return len(layers)
+
     def quantize_weights(self, mode: str) -> int:
         """Weight-only ``mode`` ("int8"/"int4") for every linear layer; returns how many.
 

@@ -69,6 +69,9 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can drop its dense weight for a faster CPU form (see module docstring)."""
 
     packed_weight: torch.Tensor | None = None
+    # Compute one-row products as two rows (see ``forward``); set by
+    # ``DecoderForCausalLM.make_rows_consistent`` for engines that verify trees.
+    pad_single_rows: bool = False
     # Weight-only quantization: "int8" or "int4", its codes and its scales.
     quantization: str | None = None
     qweight: torch.Tensor | None = None
@@ -130,6 +133,14 @@ class Linear(nn.Linear):
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         if x.dim() == 2:  # the model's flat [tokens, features] rows: no reshapes to dispatch
+            if self.pad_single_rows and x.shape[0] == 1:
+                # oneDNN's one-row kernel accumulates in another order than its multi-row
+                # one (1-ulp differences in bf16 on the Qwen 1.5B's layers), so a token
+                # decoded alone would not get the logits it gets inside a verified tree;
+                # as two rows it takes the multi-row kernel, whose rows are independent.
+                both = torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed_weight,
+                                                          self.bias, "none", [], "")
+                return both[:1]
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
