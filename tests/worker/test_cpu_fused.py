@@ -10,7 +10,7 @@ pytest.importorskip("numba")
 
 from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, rotary_kernel  # noqa: E402
 from pagedtree.loading.loader import load_model  # noqa: E402
-from pagedtree.worker.models.cpu_fused import _array  # noqa: E402
+from pagedtree.kernels.numba_arrays import as_kernel_array as _array  # noqa: E402
 from pagedtree.worker.models.decoder import RMSNorm, apply_rotary  # noqa: E402
 
 

@@ -14,22 +14,16 @@ quantized models run their activations in these dtypes too.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+import torch
+
 from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, rotary_kernel
+from pagedtree.kernels.numba_arrays import as_kernel_array
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as the kernels read it: fp32 as is, bf16 as 16-bit patterns."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
 
 
 def _norm_weight(norm) -> np.ndarray:
@@ -97,13 +91,15 @@ class FusedCpuForward:
         self._add_rms_norm(residual.clone(), residual, self.final_weight)
         qkv = torch.zeros(1, sum(attn.qkv_sizes), dtype=dtype)
         table = np.zeros((1, attn.head_dim), dtype=np.float32)
-        rotary_kernel(_array(qkv), table, table, attn.num_heads + attn.num_kv_heads, attn.head_dim, self.bf16)
+        rotary_kernel(as_kernel_array(qkv), table, table, attn.num_heads + attn.num_kv_heads, attn.head_dim,
+                      self.bf16)
 
     def _add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
         """``residual += x`` in place (unless ``x`` is None); returns the normed residual."""
         out = torch.empty_like(residual)
-        x_array = _array(x.contiguous()) if x is not None else _array(residual)
-        add_rms_norm_kernel(x_array, _array(residual), weight, _array(out), self.eps, x is not None, self.bf16)
+        x_array = as_kernel_array(x.contiguous()) if x is not None else as_kernel_array(residual)
+        add_rms_norm_kernel(x_array, as_kernel_array(residual), weight, as_kernel_array(out), self.eps,
+                            x is not None, self.bf16)
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -118,7 +114,8 @@ class FusedCpuForward:
             normed = self._add_rms_norm(x, residual, part.input_norm)
             num_tokens = normed.shape[0]
             qkv = part.qkv(normed).contiguous()
-            rotary_kernel(_array(qkv), cos32, sin32, part.num_heads + part.num_kv_heads, part.head_dim, self.bf16)
+            rotary_kernel(as_kernel_array(qkv), cos32, sin32, part.num_heads + part.num_kv_heads, part.head_dim,
+                          self.bf16)
             q, k, v = qkv.split(part.qkv_sizes, dim=-1)
             out = attention(
                 part.layer_index,

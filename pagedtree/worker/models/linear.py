@@ -133,15 +133,14 @@ class Linear(nn.Linear):
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         if x.dim() == 2:  # the model's flat [tokens, features] rows: no reshapes to dispatch
-            if self.pad_single_rows and x.shape[0] == 1:
-                # oneDNN's one-row kernel accumulates in another order than its multi-row
-                # one (1-ulp differences in bf16 on the Qwen 1.5B's layers), so a token
-                # decoded alone would not get the logits it gets inside a verified tree;
-                # as two rows it takes the multi-row kernel, whose rows are independent.
-                both = torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed_weight,
-                                                          self.bias, "none", [], "")
-                return both[:1]
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+            # oneDNN's one-row kernel accumulates in another order than its multi-row one
+            # (1-ulp differences in bf16 on the Qwen 1.5B's layers), so a token decoded
+            # alone would not get the logits it gets inside a verified tree; as two rows
+            # it takes the multi-row kernel, whose rows are independent.
+            pad = self.pad_single_rows and x.shape[0] == 1
+            rows = (x.expand(2, -1) if pad else x).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+            return out[:1] if pad else out
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
