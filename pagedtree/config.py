@@ -37,6 +37,8 @@ QUANTIZATIONS = ("int8", "int4")  # weight-only, see pagedtree.worker.models.lin
 
 TREE_KINDS = ("static", "chain", "dynamic", "sequoia")
 DRAFT_SAMPLING_RULES = ("without_replacement", "iid", "topk")
+# Where draft trees come from: draft models, the model-free suffix drafter, or both.
+DRAFTERS = ("model", "suffix", "model+suffix")
 
 
 @dataclass(slots=True)
@@ -60,6 +62,15 @@ class SpeculativeConfig:
     step. ``adaptive`` shrinks that budget as the batch grows and turns speculation off
     for a step when the measured draft and target costs say it would not pay.
 
+    ``drafter`` says where trees come from: ``"model"`` (the draft models),
+    ``"suffix"`` (the model-free suffix-tree drafter of SuffixDecoding: the most
+    frequent continuations of the longest suffix of the request's tokens seen in its
+    own tokens or in recent outputs; no draft model needed) or ``"model+suffix"``
+    (both trees, merged). The suffix drafter proposes ``suffix_alpha`` nodes per
+    matched token (at most ``max_nodes``), matches suffixes of up to
+    ``suffix_max_match`` tokens, leaves out continuations rarer than
+    ``suffix_min_prob`` and remembers the last ``suffix_global_tokens`` output tokens.
+
     ``draft_sampling`` is how children are drawn for requests that sample
     (temperature > 0) in static/chain/sequoia trees: ``"without_replacement"``,
     ``"iid"`` or ``"topk"`` (deterministic); verification uses the matching rule.
@@ -78,6 +89,11 @@ class SpeculativeConfig:
     acceptance_rates: tuple[float, ...] | None = None
     draft_sampling: str = "without_replacement"
     adaptive: bool = True
+    drafter: str = "model"
+    suffix_max_match: int = 8
+    suffix_alpha: float = 2.0
+    suffix_min_prob: float = 0.1
+    suffix_global_tokens: int = 16384
 
     def __post_init__(self) -> None:
         if self.tree not in TREE_KINDS:
@@ -86,6 +102,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"draft_sampling must be one of {DRAFT_SAMPLING_RULES}, got {self.draft_sampling!r}"
             )
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"speculative drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if not isinstance(self.suffix_max_match, int) or not 1 <= self.suffix_max_match <= 32:
+            raise ValueError(f"suffix_max_match must be an integer in [1, 32], got {self.suffix_max_match!r}")
+        if not isinstance(self.suffix_global_tokens, int) or not 0 <= self.suffix_global_tokens <= 1 << 20:
+            raise ValueError(f"suffix_global_tokens must be an integer in [0, 2**20], got {self.suffix_global_tokens!r}")
+        if not isinstance(self.suffix_alpha, (int, float)) or not 0 < self.suffix_alpha <= 64:
+            raise ValueError(f"suffix_alpha must be in (0, 64], got {self.suffix_alpha!r}")
+        if not isinstance(self.suffix_min_prob, (int, float)) or not 0 <= self.suffix_min_prob <= 1:
+            raise ValueError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob!r}")
         self.expansion = tuple(self.expansion)
         if not self.expansion or any(not isinstance(k, int) or k < 1 for k in self.expansion):
             raise ValueError(f"expansion must be a non-empty list of positive integers, got {self.expansion}")
@@ -112,7 +138,7 @@ class EngineConfig:
     on CUDA; ``num_kv_blocks`` overrides both (tests use it to force preemption).
 
     Tree speculation is on when ``draft_model`` names one draft model or a list of
-    them (their trees are merged); ``speculative`` (a ``SpeculativeConfig`` or a dict
+    them (their trees are merged), or when ``speculative`` picks the suffix drafter; ``speculative`` (a ``SpeculativeConfig`` or a dict
     of its fields) shapes the trees. Each draft keeps its own KV cache with as many
     blocks as the target's plus room for every request's tree branches
     (``num_draft_kv_blocks`` overrides it).
@@ -193,8 +219,11 @@ class EngineConfig:
                 raise ValueError(f"speculative: {exc}") from exc
         elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or a dict, got {type(self.speculative).__name__}")
-        if self.speculative is not None and self.draft_model is None:
-            raise ValueError("speculative is set but no draft_model was given")
+        if self.speculative is not None and self.draft_model is None and self.speculative.drafter != "suffix":
+            raise ValueError("speculative is set but no draft_model was given "
+                             "(drafter='suffix' speculates without one)")
+        if self.speculative is not None and self.draft_model is not None and self.speculative.drafter == "suffix":
+            raise ValueError("drafter='suffix' uses no draft model; pass drafter='model+suffix' to use both")
         if self.draft_model is not None and self.speculative is None:
             self.speculative = SpeculativeConfig()
         if self.num_draft_kv_blocks is not None and self.num_draft_kv_blocks < 1:
@@ -203,6 +232,11 @@ class EngineConfig:
         self.resolve_dtype()
         if self.draft_dtype is not None:
             self.resolve_draft_dtype()
+
+    @property
+    def speculation_enabled(self) -> bool:
+        """Whether the engine speculates (a draft model, or the suffix drafter)."""
+        return self.speculative is not None and (bool(self.draft_model) or self.speculative.drafter != "model")
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on ("auto": CUDA when present, else CPU)."""

@@ -87,7 +87,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.speculator = self._load_speculator(num_blocks) if config.draft_model else None
+        self.speculator = self._load_speculator(num_blocks) if config.speculation_enabled else None
         self.speculation_enabled = self.speculator is not None
         if self.speculator is not None:
             # A token's logits must not depend on whether a tree pass or a one-token
@@ -111,7 +111,7 @@ class LLMEngine:
         cfg = self.config
         drafts = [
             load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks)
-            for index in range(len(cfg.draft_model))
+            for index in range(len(cfg.draft_model or ()))
         ]
         return Speculator(cfg.speculative, drafts, self.scheduler, self.vocab_size, self.device)
 
@@ -303,7 +303,7 @@ class LLMEngine:
         """Turn tree speculation on or off for the following steps (benchmarks use it
         to measure plain decoding with the same engine in the same run)."""
         if enabled and self.speculator is None:
-            raise ValueError("this engine has no draft model")
+            raise ValueError("this engine has no draft model or drafter")
         self.speculation_enabled = enabled
 
     def _execute(self, plan: StepPlan) -> StepOutput:
@@ -340,7 +340,7 @@ class LLMEngine:
         self.runner.release([request.request_id])
         self.output_processor.release(request.request_id)
         if self.speculator is not None:
-            self.speculator.release(request.request_id)
+            self.speculator.finish(request)
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
         finished = parent.finished

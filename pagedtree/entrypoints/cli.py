@@ -25,8 +25,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantized linear layers (bf16 activations)")
-    spec = parser.add_argument_group("tree speculative decoding (on when --draft-model is given)")
+    spec = parser.add_argument_group("tree speculative decoding (on with --draft-model or --spec-drafter suffix)")
     spec.add_argument("--draft-model", nargs="+", default=None, help="draft model(s); several drafts' trees are merged")
+    spec.add_argument("--spec-drafter", default=None, choices=["model", "suffix", "model+suffix"],
+                      help="where trees come from: draft models, the model-free suffix drafter, or both "
+                           "(default: model with --draft-model)")
     spec.add_argument("--spec-tree", default=None, choices=["static", "chain", "dynamic", "sequoia"], help="tree kind (default: chain)")
     spec.add_argument("--spec-expansion", default=None, help="static expansion k1,...,kd (e.g. 2,2,1,1,1,1)")
     spec.add_argument("--spec-depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
@@ -52,11 +55,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
-    if args.draft_model:
-        kwargs["draft_model"] = args.draft_model
-        kwargs["draft_dtype"] = args.draft_dtype
-        kwargs["draft_quantization"] = args.draft_quantization
+    drafter = getattr(args, "spec_drafter", None)
+    if args.draft_model or drafter in ("suffix", "model+suffix"):
+        if args.draft_model:
+            kwargs["draft_model"] = args.draft_model
+            kwargs["draft_dtype"] = args.draft_dtype
+            kwargs["draft_quantization"] = args.draft_quantization
         spec: dict = {"adaptive": not args.no_spec_adaptive}
+        if drafter:
+            spec["drafter"] = drafter
         if args.spec_tree:
             spec["tree"] = args.spec_tree
         if args.spec_expansion:

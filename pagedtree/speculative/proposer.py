@@ -3,7 +3,7 @@
 ``TreeProposer`` decides, per request, how children are proposed (which fixes how
 they are verified), how the node budget is shared between draft models, and keeps a
 draft failure to the requests it hits. A new kind of drafter (a model-free one, say)
-is one more source here.
+is one more source here: the suffix drafter (``suffix_drafter``) is one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pagedtree.config import SpeculativeConfig
 from pagedtree.speculative.draft_worker import DraftJob, DraftWorker
 from pagedtree.speculative.merge import merge_trees
 from pagedtree.speculative.noise import NoiseCache
+from pagedtree.speculative.suffix_drafter import SuffixDrafter
 from pagedtree.speculative.tree import DETERMINISTIC_RULES, RANDOM_RULES, TokenTree
 
 logger = logging.getLogger("pagedtree")
@@ -44,12 +45,15 @@ def proposal_rule(request: Request, config: SpeculativeConfig) -> str:
 
 
 class TreeProposer:
-    """Grows and merges the trees of every draft model for one step."""
+    """Grows and merges the trees of every draft model (and of the suffix drafter)
+    for one step."""
 
-    def __init__(self, drafts: Sequence[DraftWorker], budget: BudgetPolicy, noise: NoiseCache):
-        if not drafts:
-            raise ValueError("speculation needs at least one draft model")
+    def __init__(self, drafts: Sequence[DraftWorker], budget: BudgetPolicy, noise: NoiseCache,
+                 suffix: SuffixDrafter | None = None):
+        if not drafts and suffix is None:
+            raise ValueError("speculation needs a draft model or the suffix drafter")
         self.drafts = list(drafts)
+        self.suffix = suffix
         self.budget = budget
         self.noise = noise
         for draft in self.drafts:
@@ -62,14 +66,15 @@ class TreeProposer:
         return self.budget.config
 
     def shares(self, request: Request, budget: int) -> list[int]:
-        """Each draft model's node budget for one request.
+        """Each source's node budget for one request: the draft models', then the
+        suffix drafter's if there is one.
 
-        Deterministic proposals can be pruned after merging, so every draft builds a
+        Deterministic proposals can be pruned after merging, so every source builds a
         full tree and the merge keeps the best nodes. Random draws cannot be pruned
         (that would bias them), so the budget is split and the merged tree fits by
-        construction; a draft with a share of 0 sits this step out for the request.
+        construction; a source with a share of 0 sits this step out for the request.
         """
-        n = len(self.drafts)
+        n = len(self.drafts) + (self.suffix is not None)
         if n == 1 or proposal_rule(request, self.config) in DETERMINISTIC_RULES:
             return [budget] * n
         base, extra = divmod(budget, n)
@@ -86,6 +91,9 @@ class TreeProposer:
         for index, draft in enumerate(self.drafts):
             wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
             per_draft.append(self._propose_isolated(draft, [(r, s) for r, s in wanted if s > 0]))
+        if self.suffix is not None:
+            index = len(self.drafts)
+            per_draft.append(self._propose_suffix([(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]))
         trees: dict[str, TokenTree] = {}
         for request, budget in requests_and_budgets:
             rid = request.request_id
@@ -130,6 +138,18 @@ class TreeProposer:
                 draft.release(request.request_id)
         return trees
 
+    def _propose_suffix(self, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """The suffix drafter's trees; a failure costs only the request it hits."""
+        trees: dict[str, TokenTree] = {}
+        for request, share in wanted:
+            try:
+                trees.update(self.suffix.propose([(request, share)]))
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("the suffix drafter failed for request %s (%s: %s); it decodes without its "
+                               "proposals this step", request.request_id, type(exc).__name__, exc)
+                self.suffix.release(request.request_id)
+        return trees
+
     def _builder(self, request: Request, budget: int, draft: DraftWorker) -> TreeBuilder:
         cfg = self.config
         params = request.params
@@ -160,9 +180,11 @@ class TreeProposer:
             draft.cache_blocks(request.request_id, tokens)
 
     def release(self, request_id: str) -> None:
-        """Free a request's draft KV everywhere."""
+        """Free a request's draft KV (and suffix tree) everywhere."""
         for draft in self.drafts:
             draft.release(request_id)
+        if self.suffix is not None:
+            self.suffix.release(request_id)
 
 
 def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:

@@ -29,6 +29,7 @@ from pagedtree.speculative.draft_worker import DraftWorker
 from pagedtree.speculative.metrics import SpecMetrics
 from pagedtree.speculative.noise import NoiseCache
 from pagedtree.speculative.proposer import TreeProposer, proposal_rule
+from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.speculative.verifier import Verifier
 
@@ -61,7 +62,14 @@ class Speculator:
         self.scheduler = scheduler
         self.budget = BudgetPolicy(config)
         noise = NoiseCache(vocab_size, device)
-        self.proposer = TreeProposer(drafts, self.budget, noise)
+        suffix = None
+        if config.drafter in ("suffix", "model+suffix"):
+            suffix = SuffixDrafter(SuffixConfig(
+                max_depth=2 * config.suffix_max_match, max_match=config.suffix_max_match,
+                alpha=config.suffix_alpha, min_prob=config.suffix_min_prob,
+                global_tokens=config.suffix_global_tokens,
+            ))
+        self.proposer = TreeProposer(drafts, self.budget, noise, suffix)
         self.verifier = Verifier(noise, device)
         self.metrics = SpecMetrics()
         self._noise = noise
@@ -169,6 +177,14 @@ class Speculator:
             self.budget.observe_step_rate(len(plan.chunks), budget if committed else 0, appended, step_seconds)
         self._trees = {}
 
+    def finish(self, request: Request) -> None:
+        """A request ended: the suffix drafter remembers a completed output, then
+        everything speculation holds for the request is freed."""
+        suffix = self.proposer.suffix
+        if suffix is not None and request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            suffix.remember(request)
+        self.release(request.request_id)
+
     def release(self, request_id: str) -> None:
         """Free everything speculation holds for a request (finished, preempted, failed)."""
         self.proposer.release(request_id)
@@ -177,7 +193,8 @@ class Speculator:
     def stats(self) -> dict[str, object]:
         """Speculation counters for ``LLM.stats()``."""
         bms = [d.block_manager for d in self.drafts]
-        return self.metrics.stats() | {
+        suffix = self.proposer.suffix.stats() if self.proposer.suffix is not None else {}
+        return self.metrics.stats() | suffix | {
             "num_draft_forward_passes": sum(d.num_forward_passes for d in self.drafts),
             "num_steps_speculation_off": self.budget.num_steps_speculation_off,
             "last_tree_budget": self.budget.last_budget,

@@ -1,0 +1,180 @@
+"""A model-free tree drafter: suffix trees over the request and over recent outputs.
+
+SuffixDecoding (Oliaro et al., arXiv 2411.04975): each request keeps a suffix tree
+of its own tokens (prompt and output so far), and one global tree holds the outputs
+of recent requests (at most ``global_tokens`` tokens, the oldest outputs evicted).
+Every step the longest suffix of the request's tokens that either tree has seen
+continued is matched, and the most frequent continuations become a token tree whose
+size grows with the match length (``alpha`` nodes per matched token, within the
+step's budget). Drafting costs no model forward; the two trees' proposals are merged
+like the trees of several draft models.
+
+Proposals are deterministic (``topk`` draws ordered by frequency), so every
+verification rule accepts them exactly: greedy and coupled requests follow the
+target's token, others accept each proposal with the target's probability
+(``verify.verify_stochastic``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedtree.request import Request
+from pagedtree.speculative.merge import merge_trees
+from pagedtree.speculative.suffix_tree import ROOT as TRIE_ROOT
+from pagedtree.speculative.suffix_tree import SuffixTree
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
+
+
+@dataclass(slots=True)
+class SuffixConfig:
+    """Sizes of the suffix drafter (``SpeculativeConfig.suffix_*`` fields)."""
+
+    max_depth: int = 16  # longest substring a tree counts
+    max_match: int = 8  # longest suffix matched (leaves max_depth - max_match to propose)
+    alpha: float = 2.0  # proposed nodes per matched token
+    min_prob: float = 0.1  # continuations less frequent than this are not proposed
+    global_tokens: int = 16384  # output tokens the global tree keeps
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A request's own suffix tree and how far it has been fed."""
+
+    tree: SuffixTree
+    open_suffixes: list[int] = field(default_factory=list)
+    num_inserted: int = 0
+
+
+class GlobalSuffixCache:
+    """The suffix tree of recent requests' outputs, bounded in tokens (oldest out first)."""
+
+    def __init__(self, max_depth: int, max_tokens: int):
+        self.tree = SuffixTree(max_depth)
+        self.max_tokens = max_tokens
+        self._streams: deque[list[int]] = deque()
+        self.num_tokens = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Insert one output (its last ``max_tokens`` tokens), evicting the oldest."""
+        tokens = list(tokens[-self.max_tokens:]) if self.max_tokens > 0 else []
+        if not tokens:
+            return
+        while self._streams and self.num_tokens + len(tokens) > self.max_tokens:
+            old = self._streams.popleft()
+            self.tree.remove(old)
+            self.num_tokens -= len(old)
+        self.tree.insert(tokens)
+        self._streams.append(tokens)
+        self.num_tokens += len(tokens)
+
+    @property
+    def num_streams(self) -> int:
+        """Outputs held."""
+        return len(self._streams)
+
+
+class SuffixDrafter:
+    """Proposes token trees from suffix matches (see module docstring)."""
+
+    name = "suffix"
+
+    def __init__(self, config: SuffixConfig | None = None):
+        self.config = config or SuffixConfig()
+        self.global_cache = GlobalSuffixCache(self.config.max_depth, self.config.global_tokens)
+        self._streams: dict[str, _Stream] = {}
+        self.num_proposals = 0
+        self.last_match_lengths: dict[str, int] = {}
+
+    def _stream(self, request: Request) -> _Stream:
+        """The request's tree, fed up to its newest token."""
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            stream = self._streams[request.request_id] = _Stream(SuffixTree(self.config.max_depth))
+        tokens = request.all_token_ids
+        if len(tokens) < stream.num_inserted:  # cannot happen: tokens are only appended
+            raise ValueError(f"request {request.request_id} lost tokens")
+        tree, open_suffixes = stream.tree, stream.open_suffixes
+        for token in tokens[stream.num_inserted:]:
+            open_suffixes = tree.append(open_suffixes, token)
+        stream.open_suffixes, stream.num_inserted = open_suffixes, len(tokens)
+        return stream
+
+    def propose_one(self, request: Request, budget: int) -> TokenTree | None:
+        """The request's tree (rooted at its newest token) within ``budget`` nodes, or
+        None when neither suffix tree has seen its recent tokens continued."""
+        cfg = self.config
+        stream = self._stream(request)
+        tokens = request.all_token_ids
+        found: list[TokenTree] = []
+        longest = 0
+        own_node, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
+        global_node, global_len = self.global_cache.tree.match(tokens, cfg.max_match)
+        for tree, node, length in ((stream.tree, own_node, own_len),
+                                   (self.global_cache.tree, global_node, global_len)):
+            if length == 0 or node == TRIE_ROOT:
+                continue
+            longest = max(longest, length)
+            size = min(budget, max(1, int(cfg.alpha * length)))
+            proposal = _token_tree(tokens[-1], tree, node, size, cfg.min_prob)
+            if proposal.num_nodes:
+                found.append(proposal)
+        self.last_match_lengths[request.request_id] = longest
+        if not found:
+            return None
+        self.num_proposals += 1
+        return found[0] if len(found) == 1 and found[0].num_nodes <= budget else merge_trees(found, budget)
+
+    def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """Trees for every request with a match (the others get none)."""
+        out = {}
+        for request, budget in requests_and_budgets:
+            if budget <= 0:
+                continue
+            tree = self.propose_one(request, budget)
+            if tree is not None:
+                out[request.request_id] = tree
+        return out
+
+    def remember(self, request: Request) -> None:
+        """A request finished: its output joins the global tree."""
+        if request.output_token_ids:
+            self.global_cache.add(request.output_token_ids)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's own tree (finished, preempted or failed)."""
+        self._streams.pop(request_id, None)
+        self.last_match_lengths.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests with a tree of their own."""
+        return len(self._streams)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes for ``LLM.stats()``."""
+        return {
+            "suffix_num_proposals": self.num_proposals,
+            "suffix_global_tokens": self.global_cache.num_tokens,
+            "suffix_global_nodes": self.global_cache.tree.num_nodes,
+            "suffix_num_requests": self.num_requests,
+        }
+
+
+def _token_tree(root_token: int, tree: SuffixTree, node: int, max_nodes: int, min_prob: float) -> TokenTree:
+    """The continuations of ``node`` as a ``TokenTree`` with one deterministic draw per
+    parent, siblings in order of frequency."""
+    out = TokenTree(root_token)
+    draws: dict[int, ChildDraw] = {}
+    index: list[int] = []  # continuation index -> tree node
+    for cont in tree.continuations(node, max_nodes, min_prob):
+        parent = ROOT if cont.parent < 0 else index[cont.parent]
+        index.append(out.add(parent, cont.token, cont.logprob))
+        draw = draws.get(parent)
+        if draw is None:
+            draw = draws[parent] = ChildDraw("topk", parent)
+            out.draws.append(draw)
+        draw.tokens.append(cont.token)
+    return out
