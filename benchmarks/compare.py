@@ -63,7 +63,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedtree.bench.datasets import CODING_PROMPTS
+from pagedtree.bench.datasets import PROMPT_SETS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -103,7 +103,8 @@ class EngineRun:
 
 
 def build_prompts(args: argparse.Namespace, folder: Path) -> list[list[int]]:
-    """Token ids of the prompts: chat-templated coding tasks, or random tokens."""
+    """Token ids of the prompts: a chat-templated prompt set (coding, prose, edit), or
+    random tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -114,14 +115,14 @@ def build_prompts(args: argparse.Namespace, folder: Path) -> list[list[int]]:
         hi = min(len(tokenizer), 30000)
         return [[rng.randrange(100, hi) for _ in range(args.input_len)] for _ in range(max(args.batch_sizes))]
     prompts = []
-    for text in CODING_PROMPTS:
+    for chat in PROMPT_SETS[args.dataset]:
         if tokenizer.chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
+            messages = [{"role": role, "content": text} for role, text in chat]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
         else:
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode("\n\n".join(text for _, text in chat))
         prompts.append([int(t) for t in ids])
     return prompts
 
@@ -157,8 +158,10 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
             specs.append(EngineSpec(name, "pagedtree", own, quantization=name.rsplit("-", 1)[1]))
         elif name == "pagedtree-spec":
             for preset in args.spec_presets:
-                specs.append(EngineSpec(f"pagedtree-spec:{preset}", "pagedtree", own, draft=True,
-                                        spec=tree_preset(preset), baseline="pagedtree"))
+                config = tree_preset(preset)
+                specs.append(EngineSpec(f"pagedtree-spec:{preset}", "pagedtree", own,
+                                        draft=config.get("drafter", "model") != "suffix",
+                                        spec=config, baseline="pagedtree"))
         elif name == "transformers":
             specs.append(EngineSpec("transformers", "transformers", own))
         elif name == "transformers-assisted":
@@ -362,10 +365,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 def serve_command(engine: str, args: argparse.Namespace, model: Path, port: int, max_len: int) -> tuple[list[str], dict]:
     """The command line that starts ``engine``'s OpenAI-compatible server."""
     dtype = args.dtype
-    if engine == "pagedtree":
+    if engine == "pagedtree" or engine.startswith("pagedtree-spec:"):
         cli = Path(sys.executable).parent / "pagedtree"
         cmd = [str(cli), "serve", "--model", str(model), "--port", str(port), "--dtype", dtype,
                "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes))]
+        if engine != "pagedtree":
+            preset = engine.split(":", 1)[1]
+            cmd += ["--spec-preset", preset]
+            if tree_preset(preset).get("drafter", "model") != "suffix":
+                cmd += ["--draft-model", str(args.draft_model)]
         return cmd, dict(os.environ)
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes)),
@@ -622,8 +630,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-spec-tokens", type=int, default=4, help="vLLM draft tokens per step")
     parser.add_argument("--batch-sizes", type=_csv(int), default="1,8")
     parser.add_argument("--temperatures", type=_csv(float), default="0")
-    parser.add_argument("--dataset", choices=["coding", "random"], default="coding",
-                        help="coding: eight chat-templated coding tasks; random: --input-len random tokens")
+    parser.add_argument("--dataset", choices=["coding", "prose", "edit", "random"], default="coding",
+                        help="coding: eight chat-templated coding tasks; prose: eight prose/chat requests; "
+                             "edit: rewrites with a small change and multi-turn chats that repeat earlier "
+                             "answers; random: --input-len random tokens")
     parser.add_argument("--input-len", type=int, default=32, help="random prompts' length (and serving prompts')")
     parser.add_argument("--output-len", type=int, default=32, help="new tokens per request (EOS ignored)")
     parser.add_argument("--rounds-batch1", type=int, default=2, help="prompts timed one after another at batch 1")

@@ -152,8 +152,10 @@ def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tu
     kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed,
                                   enable_prefix_caching=args.prefix_caching, quantization=args.quantization,
                                   enforce_eager=args.enforce_eager)
+    speculating = bool(args.draft_model or args.spec)
     if args.draft_model:
         kwargs["draft_model"] = args.draft_model
+    if speculating:
         kwargs["speculative"] = json.loads(args.spec or "{}")
     started = time.perf_counter()
     llm = LLM(args.model, **kwargs)
@@ -166,7 +168,7 @@ def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tu
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         after = llm.stats()
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        if not args.draft_model:
+        if not speculating:
             return tokens, None
         counters: Counters = {k: int(after[k] - before[k]) for k in keys}
         per_pos_after = list(after["accepted_tokens_per_position"])
@@ -253,7 +255,7 @@ def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[R
         before = counters() if args.draft_model else {}
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        if not args.draft_model:
+        if not speculating:
             return tokens, None
         after = counters()
         delta: Counters = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}

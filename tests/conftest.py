@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Cost calibrations of the tests' throw-away models go to a throw-away folder.
+if "PAGEDTREE_CALIBRATION_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PAGEDTREE_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="pagedtree-calibration-")
+
 # Keep the 2-core CI machine from oversubscribing when pytest runs alongside torch.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

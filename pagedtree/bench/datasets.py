@@ -29,6 +29,79 @@ CODING_PROMPTS = [
     "Write a Python function that counts word frequencies in a text.",
     "Write a JavaScript function that debounces another function.",
 ]
+# Prose and chat: where a coding-tuned draft agrees less and nothing repeats.
+PROSE_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a ten-year-old why the sky is blue.",
+    "Write a polite email declining an invitation to a wedding.",
+    "What are the pros and cons of working from home? Answer in a paragraph.",
+    "Describe the city of Lisbon to someone who has never been there.",
+    "Give me three tips for sleeping better, with a sentence on each.",
+    "Write a haiku sequence about autumn rain, then explain the imagery.",
+    "Summarise the plot of Romeo and Juliet in a few sentences.",
+]
+
+_EDIT_CODE = """def parse_config(path):
+    settings = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def merge_configs(base, override):
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = value
+    return merged
+"""
+_EDIT_TEXT = ("Our team meets every Monday at ten in the small conference room. The meeting lasts "
+              "thirty minutes. Each person gives a short update on their work from the previous week "
+              "and names one thing that blocks them. Notes are posted in the shared folder by noon.")
+_STACK_ANSWER = """class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1]
+"""
+
+# Rewrites with a small change, and multi-turn chats whose answers repeat earlier
+# ones: the output copies long spans of the input (where suffix drafting shines).
+# Each entry is a chat: a list of (role, content).
+EDIT_CHATS = [
+    [("user", "Rename the function parse_config to load_settings and return the whole code:\n\n" + _EDIT_CODE)],
+    [("user", "Add type hints to every function below and return the whole code:\n\n" + _EDIT_CODE)],
+    [("user", "Replace 'settings' with 'options' everywhere in this code and return all of it:\n\n" + _EDIT_CODE)],
+    [("user", "Rewrite this text with 'Monday' changed to 'Tuesday'; keep everything else:\n\n" + _EDIT_TEXT)],
+    [("user", "Fix the grammar, if any, and repeat the paragraph in full:\n\n" + _EDIT_TEXT)],
+    [("user", "Write a Python class for a stack with push, pop and peek."),
+     ("assistant", _STACK_ANSWER),
+     ("user", "Add a method is_empty and give me the whole class again.")],
+    [("user", "Write a Python class for a stack with push, pop and peek."),
+     ("assistant", _STACK_ANSWER),
+     ("user", "Make pop and peek raise IndexError with a message on an empty stack; show the full class.")],
+    [("user", "Summarise this in one sentence:\n\n" + _EDIT_TEXT),
+     ("assistant", "The team meets weekly on Monday mornings for short status updates, with notes shared by noon."),
+     ("user", "Now give me the original paragraph again, word for word, followed by your summary.")],
+]
+
+# Prompt sets of the offline benchmarks (``--dataset``), each prompt a chat.
+PROMPT_SETS: dict[str, list[list[tuple[str, str]]]] = {
+    "coding": [[("user", p)] for p in CODING_PROMPTS],
+    "prose": [[("user", p)] for p in PROSE_PROMPTS],
+    "edit": EDIT_CHATS,
+}
 DEFAULT_INPUT_LEN = 256
 DEFAULT_OUTPUT_LEN = 128
 _HUMAN_ROLES = ("human", "user")

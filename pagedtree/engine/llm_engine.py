@@ -20,7 +20,10 @@ from pagedtree.attention import resolve_backend_name
 from pagedtree.loading.loader import load_model, load_tokenizer, resolve_model_path
 from pagedtree.scheduler.plan import StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.loading import packaged_models as pm
+from pagedtree.speculative.cost_calibration import calibrate_speculation
 from pagedtree.speculative.draft_worker import load_draft_worker
+from pagedtree.speculative.presets import acceptance_prior
 from pagedtree.speculative.speculator import Committed, Speculator
 from pagedtree.worker.model_runner import ModelRunner, StepOutput, num_kv_blocks
 
@@ -93,6 +96,8 @@ class LLMEngine:
             # A token's logits must not depend on whether a tree pass or a one-token
             # decode computed them (greedy with speculation == without, in any dtype).
             loaded.model.make_rows_consistent()
+            if config.speculative.adaptive:
+                calibrate_speculation(self.speculator, config, self.runner, loaded.path, self.dtype)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
@@ -113,7 +118,8 @@ class LLMEngine:
             load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks)
             for index in range(len(cfg.draft_model or ()))
         ]
-        return Speculator(cfg.speculative, drafts, self.scheduler, self.vocab_size, self.device)
+        prior = acceptance_prior(cfg.model or pm.DEFAULT_MODEL, cfg.draft_model, cfg.speculative.drafter)
+        return Speculator(cfg.speculative, drafts, self.scheduler, self.vocab_size, self.device, prior)
 
     # ------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

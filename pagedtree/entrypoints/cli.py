@@ -9,6 +9,7 @@ import time
 
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
+from pagedtree.speculative.presets import TREE_PRESETS, tree_preset
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-drafter", default=None, choices=["model", "suffix", "model+suffix"],
                       help="where trees come from: draft models, the model-free suffix drafter, or both "
                            "(default: model with --draft-model)")
+    spec.add_argument("--spec-preset", default=None, choices=sorted(TREE_PRESETS),
+                      help="a named configuration of pagedtree.speculative.presets (chain-5, suffix, "
+                           "adaptive-chain-5+suffix, ...); the options below override it")
     spec.add_argument("--spec-tree", default=None, choices=["static", "chain", "dynamic", "sequoia"], help="tree kind (default: chain)")
     spec.add_argument("--spec-expansion", default=None, help="static expansion k1,...,kd (e.g. 2,2,1,1,1,1)")
     spec.add_argument("--spec-depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
@@ -55,13 +59,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
-    drafter = getattr(args, "spec_drafter", None)
+    preset = tree_preset(args.spec_preset) if getattr(args, "spec_preset", None) else {}
+    drafter = getattr(args, "spec_drafter", None) or preset.get("drafter")
     if args.draft_model or drafter in ("suffix", "model+suffix"):
         if args.draft_model:
             kwargs["draft_model"] = args.draft_model
             kwargs["draft_dtype"] = args.draft_dtype
             kwargs["draft_quantization"] = args.draft_quantization
-        spec: dict = {"adaptive": not args.no_spec_adaptive}
+        spec: dict = dict(preset)
+        if args.no_spec_adaptive:
+            spec["adaptive"] = False
         if drafter:
             spec["drafter"] = drafter
         if args.spec_tree:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedtree.request import Request, RequestStatus
@@ -63,12 +63,12 @@ class Scheduler:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
-    def pending_load(self) -> tuple[int, int]:
+    def pending_load(self) -> tuple[list[Request], int]:
         """``(decoding requests, other tokens)`` the next step will see: requests with
         one token to compute (they may speculate) and prefill work, capped by the
-        token budget. The speculation budget is chosen from these."""
-        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.output_token_ids)
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - decoding
+        token budget. The speculation budgets are chosen from these."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.output_token_ids]
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decoding)
         pending += sum(r.num_tokens for r in self.waiting)
         return decoding, min(pending, self.config.max_num_batched_tokens)
 
@@ -87,13 +87,14 @@ class Scheduler:
         request.status = status
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self, tree_budget: int = 0) -> StepPlan:
+    def schedule(self, tree_budget: int | Mapping[str, int] = 0) -> StepPlan:
         """Plan one step within the token budget; reserve the KV slots it writes.
 
-        With ``tree_budget > 0`` every decoding request goes into the DRAFT phase with
-        up to that many extra slots reserved for its token tree (fewer near its
-        length limits or when blocks are short — a smaller tree is better than
-        preempting someone). Tree nodes count against the token budget.
+        ``tree_budget`` is a node budget for every decoding request, or one per
+        request id (missing ids: 0). A decoding request with a budget > 0 goes into
+        the DRAFT phase with up to that many extra slots reserved for its token tree
+        (fewer near its length limits or when blocks are short — a smaller tree is
+        better than preempting someone). Tree nodes count against the token budget.
         """
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
@@ -103,7 +104,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            nodes = self._tree_budget(request, tree_budget, budget - num_new) if num_new == 1 else 0
+            wanted = tree_budget.get(request.request_id, 0) if isinstance(tree_budget, Mapping) else tree_budget
+            nodes = self._tree_budget(request, wanted, budget - num_new) if num_new == 1 else 0
             # Slots up to the computed tokens exist; a decode step needs one for the
             # newest token (plus its tree's).
             needed = request.num_computed_tokens + num_new + nodes - bm.num_tokens(request.request_id)

@@ -1,47 +1,67 @@
-"""Choosing each step's tree budget from measured costs and acceptance rates.
+"""Choosing each step's tree budgets from calibrated costs and acceptance rates.
 
-Speculation pays when the extra tokens it commits outweigh what drafting and the
-wider verify pass cost. Both sides are measured while the engine runs:
+Speculation pays when the extra tokens it commits outweigh what drafting, the wider
+verify pass and the extra host work cost. The pieces:
 
-- ``CostModel``: seconds of one forward as a function of the tokens in it, per
-  model (piecewise-linear over log-spaced buckets of observed steps). On a CPU the
+- ``CostModel``: seconds of one forward against the tokens in it, per model. Seeded
+  at load from a calibration (``worker.calibration``: measured once per model,
+  device and dtype, cached on disk), refined by the run's own timings. On a CPU the
   curve is flat while the weights' memory traffic dominates and linear once the
   matmuls are compute bound, which is why trees must shrink as the batch grows.
-- ``RankAcceptance``: how often the rank-``r`` child is accepted when it is tried,
-  the per-rank rates of Sequoia (they also size Sequoia shapes).
+- ``HostOverhead``: host seconds per request and step outside the forwards, for
+  plain decoding and the extra for a speculating request (tree building,
+  verification), measured online.
+- ``RankAcceptance``: per-rank acceptance pooled over depths (it sizes Sequoia shapes).
 
-- ``BudgetOutcome``: what speculating with each candidate budget delivered —
-  committed tokens, tree nodes, draft levels and fed tokens per request and step.
-
-``choose_budget`` predicts committed tokens per second of every candidate budget at
-the current batch, 0 (plain decoding) included, and takes the best; a budget never
-tried is tried once if its prediction is not hopeless.
+``plan_budgets`` predicts committed tokens per second of the whole step for plain
+decoding and for letting the ``k`` requests most likely to gain speculate with a
+budget ``b``, for every ``k`` and candidate ``b``, and takes the best, plain
+decoding unless speculating is predicted to be at least ``SPECULATE_MARGIN`` faster.
+There is no exploration: the prediction is sane from the first step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedtree.speculative.sequoia import expected_accepted
+import numpy as np
+
 from pagedtree.speculative.tree import TreeShape
 
 _EMA = 0.2
+# Speculate only where predicted at least this much faster than plain decoding:
+# the prediction's errors must not make speculation lose.
+SPECULATE_MARGIN = 1.05
 
 
 @dataclass(slots=True)
 class CostModel:
-    """Measured forward time (seconds) against tokens per forward."""
+    """Forward time (seconds) against tokens per forward (half-octave buckets)."""
 
     prior_seconds_per_forward: float = 0.05
     buckets: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean n, mean s)
+
+    @staticmethod
+    def _bucket(num_tokens: float) -> int:
+        return int(math.log2(num_tokens) * 2)
+
+    def seed(self, seconds: Mapping[int, float]) -> None:
+        """Start from a calibration (``{tokens: seconds}``), replacing what was known.
+
+        A forward never gets cheaper with more tokens, so timing noise that says
+        otherwise is averaged out first (isotonic regression).
+        """
+        points = [(float(n), float(s)) for n, s in sorted(seconds.items()) if n > 0 and s > 0]
+        smoothed = _non_decreasing([s for _, s in points])
+        self.buckets = {self._bucket(n): (n, s) for (n, _), s in zip(points, smoothed)}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one forward of ``num_tokens`` tokens that took ``seconds``."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        b = int(math.log2(num_tokens) * 2)  # half-octave buckets
+        b = self._bucket(num_tokens)
         if b in self.buckets:
             n0, s0 = self.buckets[b]
             self.buckets[b] = (n0 + _EMA * (num_tokens - n0), s0 + _EMA * (seconds - s0))
@@ -50,29 +70,72 @@ class CostModel:
 
     @property
     def has_data(self) -> bool:
-        """Whether any forward was observed."""
+        """Whether any forward was observed or calibrated."""
         return bool(self.buckets)
 
     def estimate(self, num_tokens: int) -> float:
         """Predicted seconds of a forward of ``num_tokens`` tokens."""
-        if num_tokens <= 0:
-            return 0.0
+        return float(self.estimate_many(np.asarray([num_tokens], dtype=np.float64))[0])
+
+    def estimate_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """``estimate`` of every entry (0 for entries <= 0)."""
+        n = np.asarray(num_tokens, dtype=np.float64)
         points = sorted(self.buckets.values())
         if not points:
-            return self.prior_seconds_per_forward * max(1.0, num_tokens / 64)
-        if num_tokens <= points[0][0]:
-            return points[0][1]
-        for (n0, s0), (n1, s1) in zip(points, points[1:]):
-            if num_tokens <= n1:
-                return s0 + (s1 - s0) * (num_tokens - n0) / (n1 - n0)
-        n_last, s_last = points[-1]
-        # Beyond what was seen: assume compute bound (proportional), never cheaper.
-        return s_last * max(1.0, num_tokens / n_last)
+            out = self.prior_seconds_per_forward * np.maximum(1.0, n / 64)
+        else:
+            xs = np.asarray([p[0] for p in points])
+            ys = np.asarray([p[1] for p in points])
+            out = np.interp(n, xs, ys)
+            # Beyond what was seen: assume compute bound (proportional), never cheaper.
+            beyond = n > xs[-1]
+            out[beyond] = ys[-1] * n[beyond] / xs[-1]
+        return np.where(n > 0, out, 0.0)
+
+
+def _non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out.extend([total / count] * int(count))
+    return out
+
+
+@dataclass(slots=True)
+class HostOverhead:
+    """Host seconds per request and step outside the forwards (EMAs).
+
+    ``plain``: every decoding request (sampling, output processing); ``speculating``:
+    the extra of a request that drafts and verifies a tree. The prior for the latter
+    is deliberately not zero so that the first steps do not over-speculate.
+    """
+
+    plain: float = 0.0
+    speculating: float = 0.002
+    count: int = 0
+
+    def observe(self, host_seconds: float, num_requests: int, num_speculating: int) -> None:
+        """Fold in one decode-only step's host time."""
+        if num_requests <= 0 or host_seconds < 0:
+            return
+        if num_speculating == 0:
+            self.plain += _EMA * (host_seconds / num_requests - self.plain)
+        else:
+            extra = max(0.0, host_seconds - self.plain * num_requests) / num_speculating
+            self.speculating += _EMA * (extra - self.speculating)
+        self.count += 1
 
 
 @dataclass(slots=True)
 class RankAcceptance:
-    """Per-rank acceptance counts, with a weak prior so early estimates are sane."""
+    """Per-rank acceptance counts pooled over depths, with a weak prior."""
 
     tried: list[float] = field(default_factory=lambda: [4.0, 4.0, 4.0, 4.0])
     accepted: list[float] = field(default_factory=lambda: [2.4, 0.8, 0.4, 0.2])
@@ -92,79 +155,80 @@ class RankAcceptance:
 
 
 @dataclass(slots=True)
-class BudgetOutcome:
-    """What speculating with one budget has delivered, per request and step (EMAs).
+class StepCosts:
+    """What the planner needs to price a step."""
 
-    Acceptance does not depend on the batch size, so what a budget delivered at any
-    batch size predicts what it delivers at another; only the costs change.
-    """
-
-    committed: float  # tokens committed per request-step (accepted + the target's own)
-    nodes: float  # tree nodes per request
-    levels: float  # draft forwards per step
-    fed: float  # tokens the draft feeds per request and step, all levels together
-    count: int = 0
-
-    def observe(self, committed: float, nodes: float, levels: float, fed: float) -> None:
-        """Fold in one step's averages."""
-        if self.count == 0:
-            self.committed, self.nodes, self.levels, self.fed = committed, nodes, levels, fed
-        else:
-            self.committed += _EMA * (committed - self.committed)
-            self.nodes += _EMA * (nodes - self.nodes)
-            self.levels += _EMA * (levels - self.levels)
-            self.fed += _EMA * (fed - self.fed)
-        self.count += 1
-
-    @classmethod
-    def prior(cls, shape: TreeShape, rates: Sequence[float]) -> BudgetOutcome:
-        """Before any measurement: Sequoia's estimate for the shape (pessimistic on
-        predictable text, where acceptances along a path are correlated)."""
-        fed = _fed_per_level(shape)
-        return cls(1.0 + expected_accepted(shape, rates), float(shape.num_nodes), float(len(fed)), float(sum(fed)))
+    target: CostModel
+    draft: CostModel
+    overhead: HostOverhead
+    # Budget -> nodes the drafts feed per level for one request (empty: no draft model).
+    draft_levels: Mapping[int, Sequence[int]]
 
 
 @dataclass(slots=True)
-class BudgetChoice:
-    """The budget picked for a step and the predicted rates that decided it."""
+class BudgetPlan:
+    """The budgets chosen for a step and the predictions behind them."""
 
-    budget: int
-    expected_tokens_per_second: dict[int, float]
+    budgets: dict[str, int]
+    plain_rate: float  # predicted committed tokens per second without speculation
+    best_rate: float  # ... with the chosen budgets
+
+    @property
+    def num_speculating(self) -> int:
+        """Requests given a tree."""
+        return sum(1 for b in self.budgets.values() if b > 0)
 
 
-# A budget never tried is explored when its predicted rate is within this factor of
-# the best prediction: cheap to learn at small batches, skipped where clearly hopeless.
-EXPLORE_WITHIN = 0.6
-
-
-def choose_budget(
-    num_decoding: int,
+def plan_budgets(
+    expected: Mapping[str, Mapping[int, float]],
     other_tokens: int,
-    outcomes: dict[int, BudgetOutcome],
-    target_cost: CostModel,
-    draft_cost: CostModel,
-) -> BudgetChoice:
-    """The per-request node budget (0 = plain decoding) with the best predicted rate.
+    costs: StepCosts,
+    margin: float = SPECULATE_MARGIN,
+) -> BudgetPlan:
+    """Per-request budgets (0 = plain decoding) that maximise the step's predicted
+    committed tokens per second (see module docstring).
 
-    ``outcomes`` maps every candidate budget to what it delivered (or its prior).
-    ``other_tokens`` (prefill chunks) ride along in the target pass either way.
+    ``expected[request][b]`` is the request's expected accepted tokens with a tree of
+    budget ``b``; ``other_tokens`` (prefill chunks) ride along in the target pass:
+    rates are of the decoding requests alone, with trees priced at what they add to
+    the loaded pass.
     """
-    r = num_decoding
-    rates: dict[int, float] = {0: r / max(target_cost.estimate(r + other_tokens), 1e-9)}
-    for budget, out in outcomes.items():
-        seconds = target_cost.estimate(int(r * (1 + out.nodes)) + other_tokens)
-        if out.levels > 0:
-            seconds += out.levels * draft_cost.estimate(max(1, int(r * out.fed / out.levels)))
-        rates[budget] = r * out.committed / max(seconds, 1e-9)
-    best = max(rates, key=lambda b: (rates[b], -b))
-    untried = [b for b, out in outcomes.items() if out.count == 0 and rates[b] >= EXPLORE_WITHIN * rates[best]]
-    if untried:
-        best = max(untried)
-    return BudgetChoice(best, rates)
+    ids = list(expected)
+    r = len(ids)
+    # Prefill chunks ride along either way; what speculation must beat is decoding's
+    # own rate, and what it costs is the pass's growth at the step's actual load.
+    plain_seconds = float(costs.target.estimate(r)) + costs.overhead.plain * r
+    loaded = float(costs.target.estimate(r + other_tokens))
+    plain_rate = r / max(plain_seconds, 1e-9)
+    best = (plain_rate * margin, 0, 0)  # (rate to beat, budget, k)
+    candidates = sorted({b for e in expected.values() for b in e if b > 0})
+    ks = np.arange(1, r + 1, dtype=np.float64)
+    for b in candidates:
+        gains = np.sort(np.asarray([expected[i].get(b, 0.0) for i in ids]))[::-1]
+        gained = np.cumsum(gains)
+        seconds = plain_seconds + costs.target.estimate_many(other_tokens + r + ks * b) - loaded
+        levels = costs.draft_levels.get(b, ())
+        for level, fed in enumerate(levels):
+            # The first level also feeds the tokens accepted last step (catch-up).
+            per_request = fed + (gained / ks if level == 0 else 0.0)
+            seconds = seconds + costs.draft.estimate_many(ks * per_request)
+        seconds = seconds + costs.overhead.speculating * ks
+        rates = (r + gained) / np.maximum(seconds, 1e-9)
+        k = int(np.argmax(rates))
+        if rates[k] > best[0]:
+            best = (float(rates[k]), b, k + 1)
+    _, budget, k = best
+    order = sorted(ids, key=lambda i: -expected[i].get(budget, 0.0)) if budget else []
+    chosen = set(order[:k])
+    budgets = {i: (budget if i in chosen else 0) for i in ids}
+    best_rate = best[0] if budget else plain_rate
+    return BudgetPlan(budgets, plain_rate, best_rate)
 
 
-def _fed_per_level(shape: TreeShape) -> list[int]:
-    """Nodes the draft feeds per level: the root, then every node with children."""
+def fed_per_level(shape: TreeShape) -> list[int]:
+    """Nodes a draft model feeds per level: the root, then every node with children."""
+    if shape.num_nodes == 0:
+        return []
     depth = [0] * shape.num_nodes
     has_children = [False] * shape.num_nodes
     for i, p in enumerate(shape.parents):
@@ -178,36 +242,3 @@ def _fed_per_level(shape: TreeShape) -> list[int]:
                 levels.append(0)
             levels[depth[i]] += 1
     return levels
-
-
-@dataclass(slots=True)
-class RealizedRates:
-    """Measured committed tokens per second of whole decode-only steps, per batch-size
-    bucket and budget: the final word on whether speculation pays at a batch size."""
-
-    rates: dict[tuple[int, int], float] = field(default_factory=dict)
-
-    @staticmethod
-    def bucket(num_decoding: int) -> int:
-        """Exact up to 4 requests, then half-octaves."""
-        return num_decoding if num_decoding <= 4 else 4 + int(math.log2(num_decoding / 4) * 2)
-
-    def observe(self, num_decoding: int, budget: int, tokens_per_second: float) -> None:
-        """Fold in one step."""
-        key = (self.bucket(num_decoding), budget)
-        old = self.rates.get(key)
-        self.rates[key] = tokens_per_second if old is None else old + 0.3 * (tokens_per_second - old)
-
-    def best(self, num_decoding: int, predicted: dict[int, float], fallback: int) -> int:
-        """The budget with the best rate, measured where measured, else predicted.
-
-        Only budgets measured at this bucket, or the model's own pick, compete, so a
-        budget the model rates highly but that measured slow loses to plain decoding.
-        """
-        b = self.bucket(num_decoding)
-        measured = {budget: r for (bk, budget), r in self.rates.items() if bk == b}
-        if not measured or fallback not in measured:
-            return fallback
-        if 0 not in measured:
-            measured[0] = predicted.get(0, 0.0)
-        return max(measured, key=lambda k: (measured[k], -k))

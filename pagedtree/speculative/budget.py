@@ -1,45 +1,73 @@
-"""The per-step tree budget: static from the config, or adaptive from measurements.
+"""The per-request tree budgets of each step: static from the config, or adaptive.
 
-``BudgetPolicy`` owns what the adaptive mode measures (forward costs of the target
-and of the drafts, per-rank acceptance, what each budget delivered, whole-step
-rates) and the static shapes each budget stands for; the math is in ``adaptive``.
+``BudgetPolicy`` owns what the adaptive mode knows: the forward-cost curves of the
+target and the drafts (calibrated at load, refined online), the host overhead, the
+acceptance tables per request class (from a prior, refined online), each request's
+own evidence, and the static shapes each budget stands for. The planning math is in
+``adaptive``; acceptance in ``acceptance``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from pagedtree.speculative.adaptive import BudgetOutcome, CostModel, RankAcceptance, RealizedRates, choose_budget
 from pagedtree.config import SpeculativeConfig
+from pagedtree.request import Request
+from pagedtree.speculative.acceptance import (
+    REQUEST_CLASSES,
+    AcceptanceTable,
+    RequestEvidence,
+    request_class,
+)
+from pagedtree.speculative.adaptive import (
+    BudgetPlan,
+    CostModel,
+    HostOverhead,
+    RankAcceptance,
+    StepCosts,
+    fed_per_level,
+    plan_budgets,
+)
+from pagedtree.speculative.presets import AcceptancePrior
 from pagedtree.speculative.sequoia import optimal_shape
 from pagedtree.speculative.tree import TreeShape
 
 # Re-derive Sequoia shapes from the measured rates after this many verifications.
 _SEQUOIA_REFRESH = 64
 
+# request -> how many nodes the suffix drafter would propose for it now (its matched
+# suffix times alpha; 0 when nothing matched).
+SuffixReach = Callable[[Request], int]
+
 
 class BudgetPolicy:
     """Chooses each step's node budget per request (0 = plain decoding)."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, prior: AcceptancePrior, num_drafts: int = 1):
         self.config = config
+        self.num_drafts = num_drafts
         self.target_cost = CostModel()
         self.draft_cost = CostModel()
+        self.overhead = HostOverhead()
         self.rank_acceptance = RankAcceptance()
+        self.prior = prior
+        self.tables = {c: AcceptanceTable(prior[c]) for c in REQUEST_CLASSES}
+        self.evidence: dict[str, RequestEvidence] = {}
+        self.suffix_reach: SuffixReach | None = None
         self._shapes: dict[int, TreeShape] = {}
-        self._outcomes: dict[int, BudgetOutcome] = {}
-        self._realized = RealizedRates()
         self._verifications_since_refresh = 0
         self.num_steps_speculation_off = 0
         self.last_budget = config.max_nodes
+        self.last_plan: BudgetPlan | None = None
 
     def reconfigure(self, config: SpeculativeConfig) -> None:
-        """New tree settings: forget shapes and what budgets delivered (costs stay)."""
+        """New tree settings: forget shapes and what was learnt about acceptance (costs stay)."""
         self.config = config
         self._shapes.clear()
-        self._outcomes.clear()
-        self._realized = RealizedRates()
+        self.tables = {c: AcceptanceTable(self.prior[c]) for c in REQUEST_CLASSES}
+        self.evidence.clear()
 
+    # ---------------------------------------------------------------- shapes
     def shape_for(self, budget: int) -> TreeShape:
         """The static shape used for a per-request budget (an estimate for dynamic trees)."""
         cfg = self.config
@@ -58,51 +86,86 @@ class BudgetPolicy:
         return self.config.acceptance_rates or self.rank_acceptance.rates()
 
     def candidate_budgets(self) -> list[int]:
-        """The budgets the adaptive mode chooses among (besides 0): halvings of max_nodes."""
+        """The budgets the adaptive mode chooses among (besides 0)."""
         top = self.config.max_nodes
-        return sorted({top, max(1, top // 2), max(1, top // 4)})
+        return sorted({top, max(1, round(top * 0.6)), max(1, round(top * 0.4)), max(1, round(top * 0.2))})
 
-    def choose(self, num_decoding: int, other_tokens: int) -> int:
-        """Node budget per request for the next step (0 = decode without speculation)."""
+    # ---------------------------------------------------------------- choose
+    def choose(self, requests: Sequence[Request], other_tokens: int) -> dict[str, int]:
+        """Node budget per decoding request for the next step (0 = no speculation)."""
         cfg = self.config
-        if num_decoding == 0 or not cfg.adaptive:
-            budget = cfg.max_nodes
-        else:
-            outcomes = {
-                b: self._outcomes.get(b) or BudgetOutcome.prior(self.shape_for(b), self._rates())
-                for b in self.candidate_budgets()
-            }
-            choice = choose_budget(num_decoding, other_tokens, outcomes, self.target_cost, self.draft_cost)
-            budget = choice.budget
-            if other_tokens == 0:
-                # Where whole steps were timed at this batch size, believe them over the
-                # model: it misses per-step overheads (verification, tree building).
-                budget = self._realized.best(num_decoding, choice.expected_tokens_per_second, budget)
-        if budget == 0 and num_decoding:
+        if not requests:
+            return {}
+        if not cfg.adaptive:
+            self.last_budget = cfg.max_nodes
+            return {r.request_id: cfg.max_nodes for r in requests}
+        candidates = self.candidate_budgets()
+        expected = {r.request_id: self._expected(r, candidates) for r in requests}
+        model_levels = {b: [self.num_drafts * f for f in fed_per_level(self.shape_for(b))] for b in candidates} \
+            if self.num_drafts else {}
+        plan = plan_budgets(expected, other_tokens,
+                            StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels))
+        self.last_plan = plan
+        if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
-        self.last_budget = budget
-        return budget
+        self.last_budget = max(plan.budgets.values(), default=0)
+        return plan.budgets
 
-    def observe_step(self, budget: int, committed: Sequence[int], nodes: Sequence[int], levels: int, fed: int) -> None:
-        """Record what one speculative step delivered for its budget (adaptive mode)."""
-        if budget <= 0 or not committed:
-            return
-        n = len(committed)
-        outcome = self._outcomes.get(budget)
-        if outcome is None:
-            outcome = self._outcomes[budget] = BudgetOutcome(0.0, 0.0, 0.0, 0.0)
-        outcome.observe(sum(committed) / n, sum(nodes) / n, float(levels), fed / n)
+    def _expected(self, request: Request, candidates: Sequence[int]) -> dict[int, float]:
+        """Expected accepted tokens of the request's tree at every candidate budget."""
+        table = self.tables[request_class(request.params)]
+        evidence = self.evidence.get(request.request_id)
+        scale = evidence.factor if evidence is not None else 1.0
+        out: dict[int, float] = {}
+        if self.num_drafts:
+            for b in candidates:
+                out[b] = table.expected_accepted(self.shape_for(b), scale)
+            return out
+        # Model-free: the suffix drafter proposes only where a suffix matched, and
+        # about alpha nodes per matched token; mostly one branch.
+        reach = self.suffix_reach(request) if self.suffix_reach is not None else 0
+        for b in candidates:
+            n = min(b, reach)
+            out[b] = table.expected_accepted(TreeShape.chain(n), scale) if n > 0 else 0.0
+        return out
 
-    def observe_step_rate(self, num_decoding: int, budget: int, tokens: int, seconds: float) -> None:
-        """Record a whole decode-only step: tokens committed and wall time."""
-        if num_decoding > 0 and seconds > 0:
-            self._realized.observe(num_decoding, budget, tokens / seconds)
-
-    def observe_trials(self, rank_trials: Sequence[tuple[int, bool]]) -> None:
-        """Per-rank acceptance of one verification; measured Sequoia shapes follow it."""
-        self.rank_acceptance.observe(rank_trials)
+    # -------------------------------------------------------------- observe
+    def observe_verification(self, request: Request, trials: Sequence[tuple[int, int, bool]]) -> None:
+        """One verified tree: the class's table and the request's evidence learn from it."""
+        table = self.tables[request_class(request.params)]
+        expected = sum(table.rate(depth, rank) for depth, rank, _ in trials)
+        hits = sum(1 for _, _, hit in trials if hit)
+        table.observe(trials)
+        evidence = self.evidence.get(request.request_id)
+        if evidence is None:
+            evidence = self.evidence[request.request_id] = RequestEvidence()
+        evidence.observe(hits, expected)
+        self.rank_acceptance.observe([(rank, hit) for _, rank, hit in trials])
         if self.config.tree in ("sequoia", "dynamic") and self.config.acceptance_rates is None:
             self._verifications_since_refresh += 1
             if self._verifications_since_refresh >= _SEQUOIA_REFRESH:
                 self._verifications_since_refresh = 0
                 self._shapes.clear()
+
+    def observe_no_verification(self, request_ids: Sequence[str]) -> None:
+        """Requests that decoded without a tree this step: their old evidence fades,
+        so a request that stopped speculating is re-tried in time."""
+        for rid in request_ids:
+            evidence = self.evidence.get(rid)
+            if evidence is not None:
+                evidence.fade()
+
+    def observe_host(self, host_seconds: float, num_requests: int, num_speculating: int) -> None:
+        """Host time of a decode-only step outside its forwards."""
+        self.overhead.observe(host_seconds, num_requests, num_speculating)
+
+    def seed_costs(self, target: Mapping[int, float] | None, draft: Mapping[int, float] | None) -> None:
+        """Start the cost curves from calibrations."""
+        if target:
+            self.target_cost.seed(target)
+        if draft:
+            self.draft_cost.seed(draft)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's evidence."""
+        self.evidence.pop(request_id, None)

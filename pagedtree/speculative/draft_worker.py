@@ -55,8 +55,10 @@ class _Branches:
 class DraftWorker:
     """Owns one draft model, its KV cache and block manager (see module docstring)."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, name: str = "draft", index: int = 0):
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, name: str = "draft", index: int = 0,
+                 model_path: str | None = None):
         self.runner = runner
+        self.model_path = model_path  # where its weights came from (keys its cost calibration)
         self.block_manager = block_manager
         self.name = name
         self.index = index  # among the engine's draft models: keys this draft's random stream
@@ -278,4 +280,4 @@ def load_draft_worker(
                          fused_cpu_ops=not config.enforce_eager)
     block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
     logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
-    return DraftWorker(runner, block_manager, name=f"draft{index}", index=index)
+    return DraftWorker(runner, block_manager, name=f"draft{index}", index=index, model_path=str(loaded.path))

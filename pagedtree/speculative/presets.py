@@ -18,6 +18,10 @@ TREE_PRESETS: dict[str, dict[str, Any]] = {
     "sequoia-16": dict(tree="sequoia", depth=8, max_nodes=16, adaptive=False),
     "adaptive-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=True),
     "adaptive-chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=True),
+    # The model-free suffix drafter alone, and beside a draft model's chain.
+    "suffix": dict(drafter="suffix", max_nodes=12, adaptive=True),
+    "suffix-16-fixed": dict(drafter="suffix", max_nodes=16, adaptive=False),
+    "adaptive-chain-5+suffix": dict(drafter="model+suffix", tree="chain", depth=5, max_nodes=8, adaptive=True),
 }
 
 
@@ -26,3 +30,41 @@ def tree_preset(name: str) -> dict[str, Any]:
     if name not in TREE_PRESETS:
         raise ValueError(f"unknown speculation preset {name!r}; known: {', '.join(TREE_PRESETS)}")
     return dict(TREE_PRESETS[name])
+
+
+# Acceptance priors: conditional acceptance rates by depth (rows, 1 first) and rank
+# (columns), for greedy and for sampling requests, that the adaptive budget starts
+# from before the run has measured its own (``acceptance.AcceptanceTable``).
+# ``PAIR_PRIORS`` were measured on the packaged pairs (benchmarks/acceptance_prior.py,
+# recorded in benchmarks/RESULTS.md); ``DEFAULT_PRIORS`` are for other pairs and for
+# the suffix drafter, whose trees are only proposed where a suffix matched.
+AcceptancePrior = dict[str, list[list[float]]]
+
+DEFAULT_PRIORS: dict[str, AcceptancePrior] = {
+    "model": {
+        "greedy": [[0.7, 0.3, 0.15], [0.75, 0.3, 0.15], [0.78, 0.3, 0.15], [0.8, 0.3, 0.15]],
+        "sampling": [[0.55, 0.25, 0.12], [0.6, 0.25, 0.12], [0.62, 0.25, 0.12], [0.65, 0.25, 0.12]],
+    },
+    "suffix": {
+        "greedy": [[0.5, 0.2, 0.1], [0.65, 0.2, 0.1], [0.7, 0.2, 0.1], [0.75, 0.2, 0.1]],
+        "sampling": [[0.35, 0.15, 0.08], [0.5, 0.15, 0.08], [0.55, 0.15, 0.08], [0.6, 0.15, 0.08]],
+    },
+}
+
+PAIR_PRIORS: dict[tuple[str, str], AcceptancePrior] = {}
+
+
+def acceptance_prior(target: str | None, drafts: list[str] | None, drafter: str) -> AcceptancePrior:
+    """The prior for a target and its drafts (names or paths): the measured one of a
+    packaged pair, else the default of the drafter kind."""
+    if drafts and drafter != "suffix":
+        key = (_name(target), _name(drafts[0]))
+        if key in PAIR_PRIORS:
+            return PAIR_PRIORS[key]
+        return DEFAULT_PRIORS["model"]
+    return DEFAULT_PRIORS["suffix"]
+
+
+def _name(model: str | None) -> str:
+    """A packaged model's name from a name or a path ('.../qwen2.5-coder-0.5b-instruct')."""
+    return (model or "").rstrip("/").rsplit("/", 1)[-1].lower()

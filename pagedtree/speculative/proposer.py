@@ -57,9 +57,10 @@ class TreeProposer:
         self.budget = budget
         self.noise = noise
         for draft in self.drafts:
-            draft.on_forward = budget.draft_cost.observe
+            draft.on_forward = self._observe_draft_forward
         self.last_levels = 0  # draft forwards of the last propose
         self.last_fed = 0  # tokens they fed
+        self.last_draft_seconds = 0.0  # time they took
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -77,8 +78,12 @@ class TreeProposer:
         n = len(self.drafts) + (self.suffix is not None)
         if n == 1 or proposal_rule(request, self.config) in DETERMINISTIC_RULES:
             return [budget] * n
-        base, extra = divmod(budget, n)
-        return [base + (1 if i < extra else 0) for i in range(n)]
+        # The suffix drafter takes only what its match can fill (nothing without a
+        # match), at most half; the draft models share the rest.
+        suffix_share = min(self.suffix.reach(request), budget // 2) if self.suffix is not None else 0
+        base, extra = divmod(budget - suffix_share, len(self.drafts))
+        models = [base + (1 if i < extra else 0) for i in range(len(self.drafts))]
+        return models + ([suffix_share] if self.suffix is not None else [])
 
     def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
         """Trees for the given requests, each within its node budget.
@@ -86,6 +91,7 @@ class TreeProposer:
         A request whose drafting fails gets no tree (it decodes without speculation
         this step); the others are unaffected.
         """
+        self.last_draft_seconds = 0.0
         shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
         per_draft: list[dict[str, TokenTree]] = []
         for index, draft in enumerate(self.drafts):
@@ -111,6 +117,10 @@ class TreeProposer:
         self.last_levels = sum(d.last_levels for d in self.drafts)
         self.last_fed = sum(d.last_fed for d in self.drafts)
         return trees
+
+    def _observe_draft_forward(self, num_tokens: int, seconds: float) -> None:
+        self.budget.draft_cost.observe(num_tokens, seconds)
+        self.last_draft_seconds += seconds
 
     def _propose_isolated(self, draft: DraftWorker, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
         """``draft.propose`` for all of ``wanted`` at once; if that fails, for each

@@ -9,7 +9,8 @@
   plan), and keep the drafts' KV of that path only. Returns the committed tokens.
 - ``end_step(...)``: every measurement the adaptive budget uses.
 
-Between steps, ``choose_budget`` picks the next step's node budget (``BudgetPolicy``).
+Between steps, ``choose_budget`` picks the next step's node budget per request
+(``BudgetPolicy``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pagedtree.config import SpeculativeConfig
 from pagedtree.speculative.draft_worker import DraftWorker
 from pagedtree.speculative.metrics import SpecMetrics
 from pagedtree.speculative.noise import NoiseCache
+from pagedtree.speculative.presets import DEFAULT_PRIORS, AcceptancePrior
 from pagedtree.speculative.proposer import TreeProposer, proposal_rule
 from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
@@ -58,9 +60,12 @@ class Speculator:
         scheduler: Scheduler,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        prior: AcceptancePrior | None = None,
     ):
         self.scheduler = scheduler
-        self.budget = BudgetPolicy(config)
+        if prior is None:
+            prior = DEFAULT_PRIORS["suffix" if config.drafter == "suffix" else "model"]
+        self.budget = BudgetPolicy(config, prior, num_drafts=len(drafts))
         noise = NoiseCache(vocab_size, device)
         suffix = None
         if config.drafter in ("suffix", "model+suffix"):
@@ -70,12 +75,14 @@ class Speculator:
                 global_tokens=config.suffix_global_tokens,
             ))
         self.proposer = TreeProposer(drafts, self.budget, noise, suffix)
+        if suffix is not None and not drafts:
+            self.budget.suffix_reach = suffix.reach
         self.verifier = Verifier(noise, device)
         self.metrics = SpecMetrics()
         self._noise = noise
         self._sized_for_nodes = config.max_nodes
         self._trees: dict[str, TokenTree] = {}
-        self._step_budget: int | None = None  # set by choose_budget, used by end_step
+        self._step_budgets: dict[str, int] | None = None  # set by choose_budget, used by end_step
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -96,10 +103,11 @@ class Speculator:
             raise ValueError(f"max_nodes {config.max_nodes} > {self._sized_for_nodes} the draft caches were sized for")
         self.budget.reconfigure(config)
 
-    def choose_budget(self, num_decoding: int, other_tokens: int) -> int:
-        """Node budget per request for the next step (0 = decode without speculation)."""
-        self._step_budget = self.budget.choose(num_decoding, other_tokens)
-        return self._step_budget
+    def choose_budget(self, decoding: Sequence[Request], other_tokens: int) -> dict[str, int]:
+        """Node budget per decoding request for the next step (0 = decode without
+        speculation), given the prefill tokens that ride along."""
+        self._step_budgets = self.budget.choose(decoding, other_tokens)
+        return self._step_budgets
 
     # ----------------------------------------------------------------- step
     def draft(self, plan: StepPlan) -> None:
@@ -108,6 +116,7 @@ class Speculator:
             self.release(request.request_id)
         self._noise.clear()
         self._trees = {}
+        self.proposer.last_draft_seconds = 0.0
         drafting = [c for c in plan.chunks if c.phase == Phase.DRAFT]
         if not drafting:
             return
@@ -150,31 +159,25 @@ class Speculator:
             self.scheduler.commit_tree(plan, chunk, verified.result.accepted_nodes)
             self.proposer.commit(rid, verified.token_ids[:-1])
             self.metrics.record(request, tree, verified.result)
-            self.budget.observe_trials(verified.result.rank_trials)
+            self.budget.observe_verification(request, verified.result.trials)
             out.committed[rid] = verified.entries()
         return out
 
     def end_step(self, plan: StepPlan, committed: dict[str, list[Committed]], forward_seconds: float,
                  step_seconds: float, queue_empty: bool) -> None:
-        """Take the step's measurements (costs, what the budget delivered) and register
-        the drafts' newly full blocks for prefix reuse."""
-        budget, self._step_budget = self._step_budget, None
+        """Take the step's measurements (target cost, host overhead, requests that did
+        not verify a tree) and register the drafts' newly full blocks for prefix reuse."""
+        self._step_budgets = None
         self.budget.target_cost.observe(plan.num_tokens, forward_seconds)
-        if budget and committed:
-            self.budget.observe_step(
-                budget,
-                [len(tokens) for tokens in committed.values()],
-                [self._trees[rid].num_nodes for rid in committed],
-                self.proposer.last_levels,
-                self.proposer.last_fed,
-            )
+        plain = [c.request.request_id for c in plan.chunks if c.phase == Phase.DECODE]
+        self.budget.observe_no_verification(plain)
         for chunk in plan.chunks:
             if chunk.phase == Phase.VERIFY and chunk.request.status == RequestStatus.RUNNING:
                 self.proposer.cache_blocks(chunk.request)
         decode_only = all(c.phase in (Phase.DECODE, Phase.VERIFY) for c in plan.chunks)
-        if budget is not None and decode_only and queue_empty:
-            appended = sum(len(committed.get(c.request.request_id, [None])) for c in plan.chunks)
-            self.budget.observe_step_rate(len(plan.chunks), budget if committed else 0, appended, step_seconds)
+        if decode_only and queue_empty and plan.chunks:
+            host = step_seconds - forward_seconds - self.proposer.last_draft_seconds
+            self.budget.observe_host(host, len(plan.chunks), len(committed))
         self._trees = {}
 
     def finish(self, request: Request) -> None:
@@ -189,6 +192,7 @@ class Speculator:
         """Free everything speculation holds for a request (finished, preempted, failed)."""
         self.proposer.release(request_id)
         self.verifier.release(request_id)
+        self.budget.release(request_id)
 
     def stats(self) -> dict[str, object]:
         """Speculation counters for ``LLM.stats()``."""

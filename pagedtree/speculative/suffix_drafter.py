@@ -102,6 +102,16 @@ class SuffixDrafter:
         stream.open_suffixes, stream.num_inserted = open_suffixes, len(tokens)
         return stream
 
+    def reach(self, request: Request) -> int:
+        """How many nodes a proposal for ``request`` may have now: ``alpha`` per token
+        of the longest suffix either tree has seen continued (0: no match, no tree)."""
+        cfg = self.config
+        stream = self._stream(request)
+        _, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
+        _, global_len = self.global_cache.tree.match(request.all_token_ids, cfg.max_match)
+        longest = max(own_len, global_len)
+        return max(1, int(cfg.alpha * longest)) if longest else 0
+
     def propose_one(self, request: Request, budget: int) -> TokenTree | None:
         """The request's tree (rooted at its newest token) within ``budget`` nodes, or
         None when neither suffix tree has seen its recent tokens continued."""

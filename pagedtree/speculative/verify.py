@@ -47,13 +47,19 @@ _EPS = 1e-12
 class VerifyResult:
     """The accepted path (node indices, root's child first) and the target's next token.
 
-    ``rank_trials`` records, for every proposal tested, its rank among the proposals
-    below its node and whether it was accepted (the measurements behind Sequoia shapes).
+    ``trials`` records, for every proposal tested, its depth (1 for the root's
+    children), its rank among the proposals below its node and whether it was
+    accepted: the measurements behind Sequoia shapes and the adaptive budget.
     """
 
     accepted_nodes: list[int]
     bonus_token: int
-    rank_trials: list[tuple[int, bool]] = field(default_factory=list)
+    trials: list[tuple[int, int, bool]] = field(default_factory=list)
+
+    @property
+    def rank_trials(self) -> list[tuple[int, bool]]:
+        """``(rank, accepted)`` of every proposal tested."""
+        return [(rank, hit) for _, rank, hit in self.trials]
 
     @property
     def num_accepted(self) -> int:
@@ -81,7 +87,7 @@ def verify_greedy(tree: TokenTree, target_tokens: Sequence[int]) -> VerifyResult
         nxt = None
         for rank, child in enumerate(kids.get(node, [])):
             hit = tree.tokens[child] == want
-            result.rank_trials.append((rank, hit))
+            result.trials.append((len(result.accepted_nodes) + 1, rank, hit))
             if hit:
                 nxt = child
                 break
@@ -131,10 +137,10 @@ def verify_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: to
                 tried.append(x)
                 # A token with no mass left (rejected before) needs no coin.
                 if accept_prob > 0.0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < accept_prob:
-                    result.rank_trials.append((rank, True))
+                    result.trials.append((len(result.accepted_nodes) + 1, rank, True))
                     nxt = tree.child(node, x)
                     break
-                result.rank_trials.append((rank, False))
+                result.trials.append((len(result.accepted_nodes) + 1, rank, False))
                 rank += 1
                 if q is None:
                     residual = p.clone()

@@ -41,7 +41,8 @@ def test_fcfs_admission_within_the_token_budget_with_chunked_prefill():
     assert [(c.request.request_id, c.phase, c.num_tokens) for c in plan.chunks] == [
         ("a", Phase.DECODE, 1), ("b", Phase.PREFILL, 3)]
     # Before that step runs: a may speculate (one token to compute), b has 3 prompt tokens left.
-    assert s.pending_load() == (1, 3)
+    decoding, other = s.pending_load()
+    assert [r.request_id for r in decoding] == ["a"] and other == 3
 
 
 def test_preemption_by_recompute_frees_the_newest_request():
@@ -62,7 +63,8 @@ def test_tree_slots_are_reserved_attached_committed_and_truncated():
     r = _request("r", 5, max_tokens=4)
     s.add_request(r)
     _finish_step(s, s.schedule())  # prefill; first output token appended
-    assert s.pending_load() == (1, 0)
+    decoding, other = s.pending_load()
+    assert [x.request_id for x in decoding] == ["r"] and other == 0
     plan = s.schedule(tree_budget=8)
     chunk = plan.chunks[0]
     # The budget is capped by max_tokens: 4 - 1 generated - 1 bonus = 2 nodes.

@@ -70,7 +70,7 @@ def test_a_chain_is_drafted_verified_and_committed(tiny_llama_draft):
 def test_an_accepted_side_branch_is_moved_into_place(tiny_llama_draft):
     scheduler, spec = _setup(tiny_llama_draft.path, tree="static", expansion=(2,), max_nodes=2)
     _decoding_request(scheduler)
-    plan = scheduler.schedule(spec.choose_budget(1, 0))
+    plan = scheduler.schedule(spec.choose_budget(*scheduler.pending_load()))
     spec.draft(plan)
     chunk = plan.chunks[0]
     assert chunk.tree_parents == [-1, 0, 0]

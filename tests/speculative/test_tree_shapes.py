@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.speculative.adaptive import BudgetOutcome, CostModel, RankAcceptance, choose_budget
+from pagedtree.speculative.adaptive import CostModel, RankAcceptance
 from pagedtree.speculative.builders import ShapeTreeBuilder
 from pagedtree.speculative.merge import merge_trees
 from pagedtree.speculative.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
@@ -163,39 +163,6 @@ def test_cost_model_interpolates_and_extrapolates():
     assert cost.estimate(128) == pytest.approx(0.4)  # proportional beyond what was seen
 
 
-def _cpu_like_costs():
-    target, draft = CostModel(), CostModel()
-    # Memory-bound up to 64 tokens, then compute-bound (a CPU-like curve); draft 1/3.
-    for n in (1, 8, 16, 32, 64):
-        target.observe(n, 0.3)
-        draft.observe(n, 0.1)
-    for n in (128, 256, 512, 1024, 2048):
-        target.observe(n, 0.3 * n / 64)
-        draft.observe(n, 0.1 * n / 64)
-    return target, draft
-
-
-def test_budget_shrinks_as_the_batch_grows_and_turns_off():
-    target, draft = _cpu_like_costs()
-    measured = {
-        16: BudgetOutcome(4.5, 16, 5, 11, count=5),
-        8: BudgetOutcome(4.0, 8, 5, 8, count=5),
-        4: BudgetOutcome(3.2, 4, 4, 4, count=5),
-    }
-    budgets = [choose_budget(r, 0, measured, target, draft).budget for r in (1, 4, 16, 64)]
-    assert budgets[0] > 0 and budgets[-1] == 0
-    assert budgets == sorted(budgets, reverse=True)
-
-
-def test_untried_budgets_are_explored_only_when_promising():
-    target, draft = _cpu_like_costs()
-    tried = BudgetOutcome(3.0, 4, 4, 4, count=5)
-    untried = BudgetOutcome.prior(TreeShape.chain(8), (0.8,))
-    assert choose_budget(1, 0, {4: tried, 8: untried}, target, draft).budget == 8
-    # At a large batch the untried budget cannot pay: plain decoding, no exploration.
-    assert choose_budget(256, 0, {4: tried, 8: untried}, target, draft).budget == 0
-
-
 def test_rank_acceptance_counts():
     acc = RankAcceptance(tried=[0.0, 0.0, 0.0], accepted=[0.0, 0.0, 0.0])
     acc.observe([(0, False), (1, True)] + [(0, True)] * 3)
@@ -208,19 +175,3 @@ def test_all_shapes_enumeration_is_complete():
     # 1, 2, 5 trees of 1, 2, 3 nodes (plane trees counted by Catalan numbers).
     assert [sum(1 for _ in _all_shapes(n, n)) for n in (1, 2, 3)] == [1, 2, 5]
     assert list(itertools.islice(_all_shapes(2, 1), 5))[0].parents == [ROOT, ROOT]
-
-
-def test_measured_step_rates_overrule_the_model():
-    from pagedtree.speculative.adaptive import RealizedRates
-
-    realized = RealizedRates()
-    predicted = {0: 10.0, 5: 14.0}
-    # Nothing measured at this batch size: the model's pick stands.
-    assert realized.best(4, predicted, 5) == 5
-    realized.observe(4, 5, 8.0)  # speculating measured slower than plain is predicted
-    assert realized.best(4, predicted, 5) == 0
-    realized.observe(4, 0, 11.0)
-    assert realized.best(4, predicted, 5) == 0
-    # Another batch size keeps its own measurements.
-    assert realized.best(1, predicted, 5) == 5
-    assert RealizedRates.bucket(3) == 3 and RealizedRates.bucket(32) == RealizedRates.bucket(40)

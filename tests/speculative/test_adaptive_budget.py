@@ -1,0 +1,225 @@
+"""The adaptive budget: calibrated costs, acceptance priors per class, per-request
+budgets, re-tries on evidence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.config import SpeculativeConfig
+from pagedtree.request import Request
+from pagedtree.sampling_params import SamplingParams as Params
+from pagedtree.speculative.acceptance import AcceptanceTable, RequestEvidence
+from pagedtree.speculative.adaptive import CostModel, HostOverhead, StepCosts, fed_per_level, plan_budgets
+from pagedtree.speculative.budget import BudgetPolicy
+from pagedtree.speculative.presets import DEFAULT_PRIORS, PAIR_PRIORS, acceptance_prior
+from pagedtree.speculative.tree import ROOT, TreeShape
+from pagedtree.worker import calibration
+from tests.conftest import assert_no_leaks
+
+
+class FrozenCost(CostModel):
+    """A cost curve that the run's (tiny, fast) timings do not move."""
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
+def cpu_like_costs(draft_ratio: float = 1 / 3) -> tuple[CostModel, CostModel]:
+    """Flat (memory bound) up to 64 tokens, then proportional; the draft a fraction."""
+    target, draft = CostModel(), CostModel()
+    target.seed({n: 0.3 * max(1.0, n / 64) for n in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)})
+    draft.seed({n: 0.3 * draft_ratio * max(1.0, n / 64) for n in (1, 8, 16, 32, 64, 128, 256, 512, 1024)})
+    return target, draft
+
+
+def chain_costs(draft_ratio: float = 1 / 3, overhead: HostOverhead | None = None) -> StepCosts:
+    target, draft = cpu_like_costs(draft_ratio)
+    levels = {b: fed_per_level(TreeShape.chain(b)) for b in (1, 2, 3, 5)}
+    return StepCosts(target, draft, overhead or HostOverhead(plain=0.0, speculating=0.0), levels)
+
+
+def chain_expectations(num_requests: int, rate: float) -> dict[str, dict[int, float]]:
+    table = AcceptanceTable([[rate]])
+    return {f"r{i}": {b: table.expected_accepted(TreeShape.chain(b)) for b in (1, 2, 3, 5)}
+            for i in range(num_requests)}
+
+
+def test_cost_model_seeds_from_a_calibration():
+    cost = CostModel()
+    cost.seed({1: 0.1, 64: 0.2, 0: 5.0})
+    assert cost.estimate(1) == pytest.approx(0.1) and cost.estimate(128) == pytest.approx(0.4)
+    cost.observe(64, 0.4)  # online timings refine the seeded point
+    assert 0.2 < cost.estimate(64) < 0.4
+    cost.seed({1: 0.13, 2: 0.11, 4: 0.09, 8: 0.12, 16: 0.2})  # noise: more tokens never cost less
+    assert [cost.estimate(n) for n in (1, 2, 4, 8, 16)] == pytest.approx([0.11, 0.11, 0.11, 0.12, 0.2])
+
+
+def test_speculation_shrinks_and_turns_off_as_the_batch_grows():
+    costs = chain_costs()
+    chosen = []
+    for r in (1, 4, 16, 64, 256):
+        plan = plan_budgets(chain_expectations(r, 0.8), 0, costs)
+        budget = max(plan.budgets.values())
+        chosen.append(budget)
+        assert plan.best_rate >= plan.plain_rate
+    assert chosen[0] >= 3 and chosen[-1] == 0
+    assert chosen == sorted(chosen, reverse=True)
+
+
+def test_no_speculation_where_the_prediction_says_it_cannot_pay():
+    # A draft as costly as the target: nothing to gain at any batch size.
+    for r in (1, 8):
+        plan = plan_budgets(chain_expectations(r, 0.8), 0, chain_costs(draft_ratio=1.0))
+        assert plan.num_speculating == 0 and plan.best_rate == plan.plain_rate
+
+
+def test_only_requests_likely_to_gain_speculate():
+    expected = chain_expectations(6, 0.85)
+    for rid in ("r1", "r4"):
+        expected[rid] = {b: 0.0 for b in expected[rid]}  # e.g. no suffix match
+    plan = plan_budgets(expected, 0, chain_costs())
+    assert plan.budgets["r1"] == plan.budgets["r4"] == 0
+    assert all(plan.budgets[r] > 0 for r in ("r0", "r2", "r3", "r5"))
+
+
+def test_prefill_load_and_host_overhead_count_against_speculation():
+    expected = chain_expectations(8, 0.7)
+    alone = plan_budgets(expected, 0, chain_costs())
+    assert alone.num_speculating > 0
+    # A big prefill chunk rides along: the pass is compute bound, tree tokens cost
+    # their full price, and speculation gains less.
+    loaded = plan_budgets(expected, 1500, chain_costs())
+    assert loaded.best_rate / loaded.plain_rate < alone.best_rate / alone.plain_rate
+    slow_host = HostOverhead(plain=0.0, speculating=0.2)
+    assert plan_budgets(expected, 0, chain_costs(overhead=slow_host)).num_speculating == 0
+
+
+def test_a_marginal_gain_is_not_taken():
+    expected = {"r0": {1: 0.04}}
+    target = CostModel()
+    target.seed({1: 0.1, 2: 0.1})
+    costs = StepCosts(target, CostModel(), HostOverhead(plain=0.0, speculating=0.0), {})
+    assert plan_budgets(expected, 0, costs).num_speculating == 0  # +4% < the 5% margin
+    expected = {"r0": {1: 0.2}}
+    assert plan_budgets(expected, 0, costs).budgets == {"r0": 1}
+
+
+def test_acceptance_table_expectation_by_depth_and_rank():
+    table = AcceptanceTable([[0.5, 0.4], [0.8]], strength=10)
+    # Two root children (ranks 0, 1), the first with a child at depth 2.
+    shape = TreeShape([ROOT, ROOT, 0], [0, 1, 0])
+    assert table.expected_accepted(shape) == pytest.approx(0.5 + 0.5 * 0.4 + 0.5 * 0.8)
+    table.observe([(1, 0, False)] * 10)  # depth 1 rank 0 now 5/20
+    assert table.rate(1, 0) == pytest.approx(0.25)
+    assert table.rate(3, 0) == pytest.approx(0.8)  # deeper than the table: the deepest row
+    table.observe([(3, 0, True)])
+    assert len(table.rows()) == 3 and table.rate(3, 0) > 0.8
+
+
+def test_request_evidence_drops_and_recovers():
+    evidence = RequestEvidence()
+    assert evidence.factor == 1.0
+    for _ in range(5):
+        evidence.observe(0, 2.5)  # expected 2.5 accepted, got none
+    assert evidence.factor < 0.3
+    for _ in range(80):
+        evidence.fade()
+    assert evidence.factor > 0.9
+
+
+def _requests(n: int, temperature: float = 0.0) -> list[Request]:
+    return [Request(f"q{i}", None, [1, 2, 3], Params(temperature=temperature, max_tokens=50), 0) for i in range(n)]
+
+
+def test_a_request_that_drafts_badly_stops_and_is_retried():
+    policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+    target, draft = cpu_like_costs(0.15)
+    policy.target_cost, policy.draft_cost = target, draft
+    policy.overhead = HostOverhead(plain=0.0, speculating=0.02)
+    good, bad = _requests(2)
+    assert all(b > 0 for b in policy.choose([good, bad], 0).values())
+    for _ in range(12):
+        policy.observe_verification(good, [(1, 0, True), (2, 0, True), (3, 0, True), (4, 0, False)])
+        policy.observe_verification(bad, [(1, 0, False)])
+    budgets = policy.choose([good, bad], 0)
+    assert budgets[good.request_id] > 0 and budgets[bad.request_id] == 0
+    # It does not speculate, its bad evidence fades: it is tried again.
+    for _ in range(30):
+        policy.observe_no_verification([bad.request_id])
+        if policy.choose([good, bad], 0)[bad.request_id] > 0:
+            break
+    else:
+        pytest.fail("the request was never re-tried")
+
+
+def test_greedy_and_sampling_requests_learn_separately():
+    policy = BudgetPolicy(SpeculativeConfig(), DEFAULT_PRIORS["model"])
+    greedy, sampling = _requests(1)[0], _requests(1, temperature=0.8)[0]
+    before = policy.tables["greedy"].rate(1, 0)
+    for _ in range(50):
+        policy.observe_verification(sampling, [(1, 0, False)])
+    assert policy.tables["greedy"].rate(1, 0) == before
+    assert policy.tables["sampling"].rate(1, 0) < 0.2
+
+
+def test_priors_are_looked_up_by_pair_and_drafter():
+    assert acceptance_prior("x", None, "suffix") is DEFAULT_PRIORS["suffix"]
+    assert acceptance_prior("x", ["y"], "model") is DEFAULT_PRIORS["model"]
+    for (target, draft), prior in PAIR_PRIORS.items():
+        assert acceptance_prior(f"/some/where/{target}/", [draft], "model+suffix") is prior
+        assert set(prior) == {"greedy", "sampling"}
+
+
+# ---------------------------------------------------------------- calibration
+def test_calibration_is_cached_per_key(tiny_llama, tmp_path, monkeypatch):
+    calls = []
+    real = calibration.measure_forward_seconds
+
+    def counting(runner, counts, repeats=2):
+        calls.append(list(counts))
+        return real(runner, counts, repeats=1)
+
+    monkeypatch.setattr(calibration, "measure_forward_seconds", counting)
+    monkeypatch.setenv("PAGEDTREE_CALIBRATION_DIR", str(tmp_path))
+    kwargs = dict(dtype="float32", device="cpu", max_num_seqs=4,
+                  speculative=SpeculativeConfig(drafter="suffix", max_nodes=4))
+    llm = LLM(str(tiny_llama.path), **kwargs)
+    assert len(calls) == 1 and calls[0][0] == 1 and calls[0][-1] == 4 * 5
+    assert llm.engine.speculator.budget.target_cost.has_data
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["dtype"] == "torch.float32"
+    LLM(str(tiny_llama.path), **kwargs)  # same key: read from the cache
+    assert len(calls) == 1
+    LLM(str(tiny_llama.path), **(kwargs | {"max_num_seqs": 8}))  # another size: measured again
+    assert len(calls) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    files[0].write_text("not json")  # a damaged file is measured again, not trusted
+    LLM(str(tiny_llama.path), **kwargs)
+    assert len(calls) == 3
+
+
+def test_adaptive_suffix_speculation_speculates_only_where_a_suffix_matched(tiny_llama):
+    """With costs where speculation pays (a slow, memory-bound target), a repetitive
+    prompt gets trees and a prompt without repeats gets none until its own output
+    repeats; every output equals plain decoding."""
+    repetitive, plain_prompt = [5, 6, 7, 8, 9, 10] * 4, list(range(20, 44))
+    prompts = [{"prompt_token_ids": p} for p in (repetitive, plain_prompt)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(str(tiny_llama.path), dtype="float32", device="cpu")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu",
+              speculative=SpeculativeConfig(drafter="suffix", max_nodes=8))
+    budget = llm.engine.speculator.budget
+    budget.target_cost = FrozenCost()
+    budget.target_cost.seed({1: 0.5, 512: 0.5})
+    budget.overhead = HostOverhead(plain=0.0, speculating=0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    first_output = want[1][0]
+    drafts = [o.metrics["spec_num_drafts"] for o in outs]
+    assert drafts[0] > 0
+    if first_output not in plain_prompt:  # nothing to match until the output repeats
+        assert drafts[1] < drafts[0]
+    assert_no_leaks(llm)
