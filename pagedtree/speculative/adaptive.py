@@ -184,6 +184,7 @@ def plan_budgets(
     other_tokens: int,
     costs: StepCosts,
     margin: float = SPECULATE_MARGIN,
+    catch_up: Mapping[str, float] | None = None,
 ) -> BudgetPlan:
     """Per-request budgets (0 = plain decoding) that maximise the step's predicted
     committed tokens per second (see module docstring).
@@ -191,7 +192,9 @@ def plan_budgets(
     ``expected[request][b]`` is the request's expected accepted tokens with a tree of
     budget ``b``; ``other_tokens`` (prefill chunks) ride along in the target pass:
     rates are of the decoding requests alone, with trees priced at what they add to
-    the loaded pass.
+    the loaded pass. ``catch_up[request]`` are tokens the drafts must feed before
+    they can draft for it (a prompt, or what was decoded while it did not
+    speculate), as amortised by the caller.
     """
     ids = list(expected)
     r = len(ids)
@@ -204,13 +207,14 @@ def plan_budgets(
     candidates = sorted({b for e in expected.values() for b in e if b > 0})
     ks = np.arange(1, r + 1, dtype=np.float64)
     for b in candidates:
-        gains = np.sort(np.asarray([expected[i].get(b, 0.0) for i in ids]))[::-1]
-        gained = np.cumsum(gains)
+        order = sorted(ids, key=lambda i: -expected[i].get(b, 0.0))
+        gained = np.cumsum([expected[i].get(b, 0.0) for i in order])
+        backlog = np.cumsum([catch_up.get(i, 0.0) for i in order]) if catch_up else np.zeros(r)
         seconds = plain_seconds + costs.target.estimate_many(other_tokens + r + ks * b) - loaded
         levels = costs.draft_levels.get(b, ())
         for level, fed in enumerate(levels):
-            # The first level also feeds the tokens accepted last step (catch-up).
-            per_request = fed + (gained / ks if level == 0 else 0.0)
+            # The first level also feeds the tokens accepted last step and any backlog.
+            per_request = fed + ((gained + backlog) / ks if level == 0 else 0.0)
             seconds = seconds + costs.draft.estimate_many(ks * per_request)
         seconds = seconds + costs.overhead.speculating * ks
         rates = (r + gained) / np.maximum(seconds, 1e-9)

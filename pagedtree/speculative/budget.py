@@ -38,6 +38,8 @@ _SEQUOIA_REFRESH = 64
 # request -> how many nodes the suffix drafter would propose for it now (its matched
 # suffix times alpha; 0 when nothing matched).
 SuffixReach = Callable[[Request], int]
+# request -> tokens the draft models have yet to feed before drafting for it.
+DraftBacklog = Callable[[Request], int]
 
 
 class BudgetPolicy:
@@ -54,6 +56,7 @@ class BudgetPolicy:
         self.tables = {c: AcceptanceTable(prior[c]) for c in REQUEST_CLASSES}
         self.evidence: dict[str, RequestEvidence] = {}
         self.suffix_reach: SuffixReach | None = None
+        self.draft_backlog: DraftBacklog | None = None
         self._shapes: dict[int, TreeShape] = {}
         self._verifications_since_refresh = 0
         self.num_steps_speculation_off = 0
@@ -103,13 +106,27 @@ class BudgetPolicy:
         expected = {r.request_id: self._expected(r, candidates) for r in requests}
         model_levels = {b: [self.num_drafts * f for f in fed_per_level(self.shape_for(b))] for b in candidates} \
             if self.num_drafts else {}
+        catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
+            if self.draft_backlog is not None else None
         plan = plan_budgets(expected, other_tokens,
-                            StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels))
+                            StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels),
+                            catch_up=catch_up)
         self.last_plan = plan
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
         return plan.budgets
+
+    def _amortised_backlog(self, request: Request, expected: Mapping[int, float]) -> float:
+        """The draft's backlog for a request, spread over the speculative steps it
+        enables (the request's remaining tokens at the best expected rate)."""
+        backlog = self.draft_backlog(request)
+        if backlog <= 0:
+            return 0.0
+        max_tokens = request.params.max_tokens or 256
+        remaining = max(1, max_tokens - len(request.output_token_ids))
+        steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))
+        return backlog / steps
 
     def _expected(self, request: Request, candidates: Sequence[int]) -> dict[int, float]:
         """Expected accepted tokens of the request's tree at every candidate budget."""

@@ -241,6 +241,11 @@ class DraftWorker:
         self._computed.pop(request_id, None)
         self.runner.release([request_id])
 
+    def backlog(self, request: Request) -> int:
+        """Tokens of ``request`` this draft has not computed yet, the newest (the next
+        tree's root) not counted."""
+        return max(0, request.num_tokens - 1 - self._computed.get(request.request_id, 0))
+
     @property
     def num_requests(self) -> int:
         """Requests whose KV the draft holds."""

@@ -9,6 +9,7 @@ is one more source here: the suffix drafter (``suffix_drafter``) is one.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -24,6 +25,10 @@ from pagedtree.speculative.suffix_drafter import SuffixDrafter
 from pagedtree.speculative.tree import DETERMINISTIC_RULES, RANDOM_RULES, TokenTree
 
 logger = logging.getLogger("pagedtree")
+
+# A suffix tree expected (by its own counts) to get this many tokens accepted is
+# verified alone: the draft models skip the request that step.
+SUFFIX_ALONE_MIN_EXPECTED = 2.0
 
 
 def proposal_rule(request: Request, config: SpeculativeConfig) -> str:
@@ -93,13 +98,26 @@ class TreeProposer:
         """
         self.last_draft_seconds = 0.0
         shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
+        suffix_trees: dict[str, TokenTree] = {}
+        if self.suffix is not None:
+            # Suffix trees first, at the full budget: where one alone is expected to
+            # be accepted far enough, the draft models sit out for that request (its
+            # drafting costs nothing); elsewhere it is cut to its share.
+            suffix_trees = self._propose_suffix([(r, b) for r, b in requests_and_budgets])
+            for request, budget in requests_and_budgets:
+                rid = request.request_id
+                tree = suffix_trees.get(rid)
+                if tree is None:
+                    continue
+                if self.drafts and expected_length(tree) >= SUFFIX_ALONE_MIN_EXPECTED:
+                    shares[rid] = [0] * len(self.drafts) + [budget]
+                elif tree.num_nodes > shares[rid][-1]:
+                    suffix_trees[rid] = _best_nodes(tree, shares[rid][-1])
         per_draft: list[dict[str, TokenTree]] = []
         for index, draft in enumerate(self.drafts):
             wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
             per_draft.append(self._propose_isolated(draft, [(r, s) for r, s in wanted if s > 0]))
-        if self.suffix is not None:
-            index = len(self.drafts)
-            per_draft.append(self._propose_suffix([(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]))
+        per_draft.append({rid: t for rid, t in suffix_trees.items() if t.num_nodes})
         trees: dict[str, TokenTree] = {}
         for request, budget in requests_and_budgets:
             rid = request.request_id
@@ -195,6 +213,18 @@ class TreeProposer:
             draft.release(request_id)
         if self.suffix is not None:
             self.suffix.release(request_id)
+
+
+def expected_length(tree: TokenTree) -> float:
+    """Expected accepted tokens of a tree by its own scores (cumulative log-probabilities)."""
+    return float(sum(math.exp(score) for score in tree.scores))
+
+
+def _best_nodes(tree: TokenTree, max_nodes: int) -> TokenTree:
+    """The ``max_nodes`` best-scored nodes of a deterministic tree (closed under
+    parents: a child never outscores its parent)."""
+    keep = sorted(range(tree.num_nodes), key=lambda i: (-tree.scores[i], i))[:max_nodes]
+    return tree.subtree(keep)
 
 
 def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:

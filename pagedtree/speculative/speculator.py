@@ -77,6 +77,8 @@ class Speculator:
         self.proposer = TreeProposer(drafts, self.budget, noise, suffix)
         if suffix is not None and not drafts:
             self.budget.suffix_reach = suffix.reach
+        if drafts:
+            self.budget.draft_backlog = lambda request: max(d.backlog(request) for d in self.drafts)
         self.verifier = Verifier(noise, device)
         self.metrics = SpecMetrics()
         self._noise = noise

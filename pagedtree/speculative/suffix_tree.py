@@ -157,6 +157,11 @@ class SuffixTree:
             node = nxt
         return node
 
+    def child(self, node: int, token: int) -> int | None:
+        """The node of ``node``'s path followed by ``token``, if the tree holds it."""
+        kids = self._children[node]
+        return None if kids is None else kids.get(token)
+
     def followers(self, node: int) -> dict[int, int]:
         """Token -> count of each continuation seen after ``node``'s path."""
         kids = self._children[node]
@@ -192,36 +197,41 @@ class SuffixTree:
                 return node, depth[node]
         return ROOT, 0
 
-    def continuations(self, node: int, max_nodes: int, min_prob: float) -> list[Continuation]:
+    def continuations(self, node: int, max_nodes: int, min_prob: float,
+                      smoothing: float = 1.0) -> list[Continuation]:
         """The most frequent continuations of ``node``'s path as a tree of at most
         ``max_nodes`` tokens, best first (parents before children).
 
-        A continuation's probability is the product of its tokens' frequencies among
-        their siblings; those under ``min_prob`` are left out.
+        A token's frequency is its count over its siblings' total; a continuation
+        whose product of frequencies along its path is under ``min_prob`` is left
+        out. The rest are ranked, and scored, by a smoothed probability: each count
+        over the total plus ``smoothing`` (a path seen once is a guess, one seen ten
+        times a habit).
         """
         children = self._children
         count = self._count
         out: list[Continuation] = []
-        heap: list[tuple[float, int, int, int]] = []  # (-prob, tie, trie node, parent index)
+        # (-smoothed prob, tie, trie node, parent index, raw prob)
+        heap: list[tuple[float, int, int, int, float]] = []
         tie = 0
 
-        def push(trie_node: int, parent_index: int, prob: float) -> None:
+        def push(trie_node: int, parent_index: int, prob: float, raw: float) -> None:
             nonlocal tie
             kids = children[trie_node]
             if not kids:
                 return
             total = sum(count[c] for c in kids.values())
             for child in kids.values():
-                p = prob * count[child] / total
-                if p >= min_prob:
-                    heapq.heappush(heap, (-p, tie, child, parent_index))
+                r = raw * count[child] / total
+                if r >= min_prob:
+                    heapq.heappush(heap, (-prob * count[child] / (total + smoothing), tie, child, parent_index, r))
                     tie += 1
 
-        push(node, -1, 1.0)
+        push(node, -1, 1.0, 1.0)
         while heap and len(out) < max_nodes:
-            neg_p, _, trie_node, parent_index = heapq.heappop(heap)
+            neg_p, _, trie_node, parent_index, raw = heapq.heappop(heap)
             out.append(Continuation(parent_index, self._token[trie_node], math.log(-neg_p)))
-            push(trie_node, len(out) - 1, -neg_p)
+            push(trie_node, len(out) - 1, -neg_p, raw)
         return out
 
     def check_invariants(self) -> None:

@@ -223,3 +223,11 @@ def test_adaptive_suffix_speculation_speculates_only_where_a_suffix_matched(tiny
     if first_output not in plain_prompt:  # nothing to match until the output repeats
         assert drafts[1] < drafts[0]
     assert_no_leaks(llm)
+
+
+def test_a_draft_backlog_is_priced():
+    """A request whose prompt the draft has not seen costs its catch-up first."""
+    expected = chain_expectations(2, 0.8)
+    assert plan_budgets(expected, 0, chain_costs(0.15)).num_speculating == 2
+    heavy = plan_budgets(expected, 0, chain_costs(0.15), catch_up={"r0": 0.0, "r1": 4000.0})
+    assert heavy.budgets["r0"] > 0 and heavy.budgets["r1"] == 0

@@ -113,16 +113,25 @@ def test_continuations_are_frequent_best_first_and_closed(tokens, max_nodes, min
     node, length = tree.match(tokens, 2)
     conts = tree.continuations(node, max_nodes, min_prob)
     assert len(conts) <= max_nodes
-    probs = [math.exp(c.logprob) for c in conts]
-    assert all(p >= min_prob - 1e-12 for p in probs)
+    probs = [math.exp(c.logprob) for c in conts]  # smoothed: at most the raw frequencies
     assert probs == sorted(probs, reverse=True)
     followers = tree.followers(node)
     for i, c in enumerate(conts):
         assert c.parent < i  # parents come first
         if c.parent < 0:  # a first-level token's probability is its share of the node's followers
-            assert math.isclose(probs[i], followers[c.token] / sum(followers.values()))
+            assert math.isclose(probs[i], followers[c.token] / (sum(followers.values()) + 1.0))
         else:
             assert probs[i] <= probs[c.parent] + 1e-12
+    # Every continuation's raw frequency along its path is at least min_prob.
+    paths: list[list[int]] = []
+    for c in conts:
+        paths.append(([] if c.parent < 0 else paths[c.parent]) + [c.token])
+        raw, at = 1.0, node
+        for t in paths[-1]:
+            f = tree.followers(at)
+            raw *= f[t] / sum(f.values())
+            at = tree.child(at, t)
+        assert raw >= min_prob - 1e-12
     if length and max_nodes >= 1 and min_prob == 0.0:
         assert conts  # a matched node always has a continuation
 
