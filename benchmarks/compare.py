@@ -64,6 +64,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedtree.bench.datasets import PROMPT_SETS
+from pagedtree.speculative.presets import tree_preset
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -143,8 +144,6 @@ def build_workload(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
 
 def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]:
     """The engine configurations to run, and notes on those that cannot run here."""
-    from pagedtree.speculative.presets import tree_preset
-
     own = sys.executable
     vllm_ok = bool(args.vllm_python) and Path(args.vllm_python).exists()
     llamacpp_ok = bool(args.llamacpp_python) and Path(args.llamacpp_python).exists()
@@ -296,6 +295,8 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--threads", str(spec.threads)]
     if spec.eager:
         cmd.append("--enforce-eager")
+    if getattr(args, "keep_suffix_cache", False) and spec.engine == "pagedtree":
+        cmd.append("--keep-suffix-cache")
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
     started = time.perf_counter()
     run = EngineRun(spec)
@@ -657,6 +658,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve-rates", type=_csv(str), default=[],
                         help="request rates for the serving part, e.g. 0.5,1,inf (empty: skip)")
     parser.add_argument("--serve-engines", type=_csv(str), default="pagedtree,vllm")
+    parser.add_argument("--keep-suffix-cache", action="store_true",
+                        help="keep the suffix drafter's global tree of past outputs between the timings of a "
+                             "cell (they repeat the same prompts: the later timings then measure repeated "
+                             "requests); by default it is cleared before each timing")
     parser.add_argument("--serve-num-prompts", type=int, default=16)
     parser.add_argument("--engine-timeout", type=int, default=3600, help="seconds per engine run")
     parser.add_argument("--server-timeout", type=int, default=600, help="seconds for a server to start")

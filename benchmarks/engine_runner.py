@@ -164,6 +164,11 @@ def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tu
 
     def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
         params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=args.seed)
+        spec = llm.engine.speculator
+        if spec is not None and spec.proposer.suffix is not None and not args.keep_suffix_cache:
+            # Every timing repeats the same prompts: a suffix tree that remembered the
+            # last timing's outputs would predict this one's whole output.
+            spec.proposer.suffix.clear_global()
         before = llm.stats()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         after = llm.stats()
@@ -433,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="pagedtree: weight-only")
+    parser.add_argument("--keep-suffix-cache", action="store_true",
+                        help="pagedtree: keep the suffix drafter's global tree between timings (default: "
+                             "cleared, so that a timing cannot draft from the previous timing's outputs)")
     parser.add_argument("--enforce-eager", action="store_true", help="pagedtree: every op eager (no fused CPU kernels)")
     parser.add_argument("--threads", type=int, default=None,
                         help="llamacpp: n_threads and n_threads_batch (default: every core, os.cpu_count())")

@@ -27,6 +27,28 @@ def test_generate_reports_bad_input(tiny_text_model, capsys):
     assert "max_tokens" in capsys.readouterr().err
 
 
+def test_generate_with_the_suffix_drafter(tiny_text_model, capsys):
+    code = main(["generate", "Hello world, hello world, hello", "--model", str(tiny_text_model.path),
+                 "--max-tokens", "8", "--ignore-eos", "--dtype", "float32", "--spec-drafter", "suffix"])
+    assert code == 0
+    assert "tree speculation: mean acceptance length" in capsys.readouterr().out
+
+
+def test_spec_options_map_to_the_engine():
+    from pagedtree.entrypoints.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    kwargs = engine_kwargs(parser.parse_args(["generate", "x", "--spec-preset", "suffix"]))
+    assert "draft_model" not in kwargs and kwargs["speculative"]["drafter"] == "suffix"
+    kwargs = engine_kwargs(parser.parse_args(["generate", "x", "--draft-model", "d", "--spec-preset",
+                                              "adaptive-chain-5+suffix", "--spec-max-nodes", "6"]))
+    assert kwargs["draft_model"] == ["d"] and kwargs["speculative"]["drafter"] == "model+suffix"
+    assert kwargs["speculative"]["max_nodes"] == 6
+    assert "speculative" not in engine_kwargs(parser.parse_args(["generate", "x"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--spec-preset", "nope"])
+
+
 def test_models_list(capsys):
     assert main(["models", "list"]) == 0
     assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
@@ -34,6 +56,7 @@ def test_models_list(capsys):
 
 @pytest.mark.parametrize(
     "script", ["benchmarks/throughput.py", "benchmarks/precision.py", "benchmarks/step_profile.py",
+               "benchmarks/acceptance_prior.py",
                "examples/offline_generate.py",
                "-m pagedtree.entrypoints.cli"]
 )

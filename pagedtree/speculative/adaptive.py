@@ -163,6 +163,9 @@ class StepCosts:
     overhead: HostOverhead
     # Budget -> nodes the drafts feed per level for one request (empty: no draft model).
     draft_levels: Mapping[int, Sequence[int]]
+    # Measured / predicted extra seconds of the speculative steps taken so far: the
+    # whole-step truth that corrects whatever the parts above miss.
+    speculation_factor: float = 1.0
 
 
 @dataclass(slots=True)
@@ -172,6 +175,8 @@ class BudgetPlan:
     budgets: dict[str, int]
     plain_rate: float  # predicted committed tokens per second without speculation
     best_rate: float  # ... with the chosen budgets
+    plain_seconds: float = 0.0  # predicted seconds of the step without speculation
+    seconds: float = 0.0  # ... with the chosen budgets
 
     @property
     def num_speculating(self) -> int:
@@ -203,7 +208,7 @@ def plan_budgets(
     plain_seconds = float(costs.target.estimate(r)) + costs.overhead.plain * r
     loaded = float(costs.target.estimate(r + other_tokens))
     plain_rate = r / max(plain_seconds, 1e-9)
-    best = (plain_rate * margin, 0, 0)  # (rate to beat, budget, k)
+    best = (plain_rate * margin, 0, 0, plain_seconds)  # (rate to beat, budget, k, seconds)
     candidates = sorted({b for e in expected.values() for b in e if b > 0})
     ks = np.arange(1, r + 1, dtype=np.float64)
     for b in candidates:
@@ -217,16 +222,17 @@ def plan_budgets(
             per_request = fed + ((gained + backlog) / ks if level == 0 else 0.0)
             seconds = seconds + costs.draft.estimate_many(ks * per_request)
         seconds = seconds + costs.overhead.speculating * ks
+        seconds = plain_seconds + (seconds - plain_seconds) * costs.speculation_factor
         rates = (r + gained) / np.maximum(seconds, 1e-9)
         k = int(np.argmax(rates))
         if rates[k] > best[0]:
-            best = (float(rates[k]), b, k + 1)
-    _, budget, k = best
+            best = (float(rates[k]), b, k + 1, float(seconds[k]))
+    _, budget, k, chosen_seconds = best
     order = sorted(ids, key=lambda i: -expected[i].get(budget, 0.0)) if budget else []
     chosen = set(order[:k])
     budgets = {i: (budget if i in chosen else 0) for i in ids}
     best_rate = best[0] if budget else plain_rate
-    return BudgetPlan(budgets, plain_rate, best_rate)
+    return BudgetPlan(budgets, plain_rate, best_rate, plain_seconds, chosen_seconds)
 
 
 def fed_per_level(shape: TreeShape) -> list[int]:

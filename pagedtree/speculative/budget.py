@@ -32,6 +32,8 @@ from pagedtree.speculative.presets import AcceptancePrior
 from pagedtree.speculative.sequoia import optimal_shape
 from pagedtree.speculative.tree import TreeShape
 
+# Weight of each speculative step in the measured/predicted correction.
+_FACTOR_EMA = 0.1
 # Re-derive Sequoia shapes from the measured rates after this many verifications.
 _SEQUOIA_REFRESH = 64
 
@@ -62,6 +64,7 @@ class BudgetPolicy:
         self.num_steps_speculation_off = 0
         self.last_budget = config.max_nodes
         self.last_plan: BudgetPlan | None = None
+        self.speculation_factor = 1.0  # see StepCosts.speculation_factor
 
     def reconfigure(self, config: SpeculativeConfig) -> None:
         """New tree settings: forget shapes and what was learnt about acceptance (costs stay)."""
@@ -109,7 +112,8 @@ class BudgetPolicy:
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
             if self.draft_backlog is not None else None
         plan = plan_budgets(expected, other_tokens,
-                            StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels),
+                            StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels,
+                                      self.speculation_factor),
                             catch_up=catch_up)
         self.last_plan = plan
         if plan.num_speculating == 0:
@@ -175,6 +179,18 @@ class BudgetPolicy:
     def observe_host(self, host_seconds: float, num_requests: int, num_speculating: int) -> None:
         """Host time of a decode-only step outside its forwards."""
         self.overhead.observe(host_seconds, num_requests, num_speculating)
+
+    def observe_step_seconds(self, step_seconds: float) -> None:
+        """A whole decode-only step as planned: if it speculated, compare what
+        speculation added with what the plan predicted it would add."""
+        plan, self.last_plan = self.last_plan, None
+        if plan is None or plan.num_speculating == 0:
+            return
+        predicted = plan.seconds - plan.plain_seconds
+        if predicted <= 0:
+            return
+        ratio = min(max((step_seconds - plan.plain_seconds) / predicted, 0.5), 4.0)
+        self.speculation_factor += _FACTOR_EMA * (ratio - self.speculation_factor)
 
     def seed_costs(self, target: Mapping[int, float] | None, draft: Mapping[int, float] | None) -> None:
         """Start the cost curves from calibrations."""

@@ -180,6 +180,7 @@ class Speculator:
         if decode_only and queue_empty and plan.chunks:
             host = step_seconds - forward_seconds - self.proposer.last_draft_seconds
             self.budget.observe_host(host, len(plan.chunks), len(committed))
+            self.budget.observe_step_seconds(step_seconds)
         self._trees = {}
 
     def finish(self, request: Request) -> None:
@@ -205,6 +206,7 @@ class Speculator:
             "num_steps_speculation_off": self.budget.num_steps_speculation_off,
             "last_tree_budget": self.budget.last_budget,
             "rank_acceptance_rates": list(self.budget.rank_acceptance.rates()),
+            "acceptance_rates_by_depth": {c: t.rows() for c, t in self.budget.tables.items()},
             "draft_num_total_blocks": sum(bm.num_blocks for bm in bms),
             "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
             "draft_num_cached_blocks": sum(bm.num_cached_blocks for bm in bms),

@@ -37,6 +37,10 @@ class SuffixConfig:
     alpha: float = 2.0  # proposed nodes per matched token
     min_prob: float = 0.1  # continuations less frequent than this are not proposed
     global_tokens: int = 16384  # output tokens the global tree keeps
+    # A request's own tree starts from at most this many of its newest prompt tokens:
+    # its size grows with max_depth nodes per token, and a long prompt must not
+    # make one request's tree the engine's largest allocation.
+    request_tokens: int = 4096
 
 
 @dataclass(slots=True)
@@ -90,10 +94,11 @@ class SuffixDrafter:
 
     def _stream(self, request: Request) -> _Stream:
         """The request's tree, fed up to its newest token."""
+        tokens = request.all_token_ids
         stream = self._streams.get(request.request_id)
         if stream is None:
             stream = self._streams[request.request_id] = _Stream(SuffixTree(self.config.max_depth))
-        tokens = request.all_token_ids
+            stream.num_inserted = max(0, len(tokens) - self.config.request_tokens)
         if len(tokens) < stream.num_inserted:  # cannot happen: tokens are only appended
             raise ValueError(f"request {request.request_id} lost tokens")
         tree, open_suffixes = stream.tree, stream.open_suffixes
@@ -152,6 +157,10 @@ class SuffixDrafter:
         """A request finished: its output joins the global tree."""
         if request.output_token_ids:
             self.global_cache.add(request.output_token_ids)
+
+    def clear_global(self) -> None:
+        """Forget every remembered output (benchmarks time cold runs with it)."""
+        self.global_cache = GlobalSuffixCache(self.config.max_depth, self.config.global_tokens)
 
     def release(self, request_id: str) -> None:
         """Forget a request's own tree (finished, preempted or failed)."""

@@ -231,3 +231,22 @@ def test_a_draft_backlog_is_priced():
     assert plan_budgets(expected, 0, chain_costs(0.15)).num_speculating == 2
     heavy = plan_budgets(expected, 0, chain_costs(0.15), catch_up={"r0": 0.0, "r1": 4000.0})
     assert heavy.budgets["r0"] > 0 and heavy.budgets["r1"] == 0
+
+
+def test_whole_steps_slower_than_predicted_correct_the_plan():
+    """Speculative steps that take longer than planned (costs the parts missed) make
+    the policy speculate less, and it recovers the plan's margin when they do not."""
+    policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+    target, draft = cpu_like_costs(0.15)
+    policy.target_cost, policy.draft_cost = target, draft
+    policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+    requests = _requests(8)
+    first = max(policy.choose(requests, 0).values())
+    assert first > 0 and policy.last_plan.num_speculating == 8
+    for _ in range(40):
+        plan = policy.last_plan
+        policy.observe_step_seconds(plan.plain_seconds + 3.0 * (plan.seconds - plan.plain_seconds))
+        policy.choose(requests, 0)
+    assert max(policy.last_plan.budgets.values()) < first and policy.speculation_factor > 2
+    policy.observe_step_seconds(1.0)  # a plain step: nothing to correct
+    assert policy.speculation_factor > 2

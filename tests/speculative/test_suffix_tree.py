@@ -155,3 +155,18 @@ def test_global_cache_keeps_the_newest_outputs_within_its_token_bound(outputs, m
         total += len(out)
     assert cache.num_tokens == total
     assert all_paths(cache.tree) == brute_force_paths(kept, DEPTH)
+
+
+def test_a_long_prompt_is_indexed_from_its_newest_tokens():
+    from pagedtree.request import Request
+    from pagedtree.sampling_params import SamplingParams
+    from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
+
+    drafter = SuffixDrafter(SuffixConfig(max_depth=4, max_match=2, request_tokens=100))
+    prompt = [7, 8, 9] + list(range(10, 1000))  # 7 8 9 only in the oldest part
+    request = Request("r", None, prompt + [7, 8], SamplingParams(), 0)
+    assert drafter.propose_one(request, 4) is None  # the old "7 8 -> 9" is not indexed
+    assert drafter._streams["r"].tree.num_nodes <= 100 * 4
+    request = Request("s", None, list(range(10, 60)) + [7, 8, 9] + list(range(60, 70)) + [7, 8], SamplingParams(), 0)
+    tree = drafter.propose_one(request, 4)
+    assert tree is not None and tree.tokens[0] == 9
