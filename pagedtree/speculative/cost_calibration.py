@@ -20,7 +20,7 @@ from pagedtree.worker.calibration import CalibrationCache, calibrate, calibratio
 from pagedtree.worker.model_runner import ModelRunner
 
 # Largest forward calibrated: beyond it the curve is extrapolated as compute bound.
-_MAX_CALIBRATED_TOKENS = 512
+_MAX_CALIBRATED_TOKENS = 256
 
 
 def calibration_dir() -> Path:

@@ -30,20 +30,19 @@ from pagedtree.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedtree")
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 _CONTEXT = 64  # KV entries each synthetic sequence attends to
 
 
 def token_counts(max_tokens: int) -> list[int]:
-    """The forward sizes measured: 1, then powers of two and their midpoints up to
-    ``max_tokens`` (and ``max_tokens`` itself)."""
-    counts = {1}
-    n = 2
+    """The forward sizes measured: powers of two up to ``max_tokens``, and
+    ``max_tokens`` itself."""
+    counts = {max_tokens}
+    n = 1
     while n < max_tokens:
-        counts.update((n, n + n // 2))
+        counts.add(n)
         n *= 2
-    counts.add(max_tokens)
-    return sorted(c for c in counts if c <= max_tokens)
+    return sorted(counts)
 
 
 def _weights_identity(model_path: str | os.PathLike) -> list:
@@ -121,8 +120,14 @@ class CalibrationCache:
             logger.warning("could not cache the cost calibration in %s: %s", self.folder, exc)
 
 
+# Forwards of more tokens than this are compute bound and steady: timed once,
+# without a warm-up run, so that calibrating stays a matter of seconds.
+_SMALL = 32
+
+
 def measure_forward_seconds(runner: ModelRunner, counts: Sequence[int], repeats: int = 2) -> dict[int, float]:
-    """Median seconds of a forward plus logits of ``n`` decode-shaped tokens, per ``n``.
+    """Median seconds of a forward plus logits of ``n`` decode-shaped tokens, per ``n``
+    (``repeats`` timings after a warm-up for small ``n``, one for large ones).
 
     Each token is its own sequence attending to a short context in the first cache
     blocks; the KV written there is scratch (nothing is allocated yet at load).
@@ -141,13 +146,14 @@ def measure_forward_seconds(runner: ModelRunner, counts: Sequence[int], repeats:
             for i in range(n)
         ]
         times = []
-        for rep in range(repeats + 1):  # the first run warms up this shape
+        runs = repeats + 1 if n <= _SMALL else 1
+        for rep in range(runs):  # small shapes: the first run warms up
             started = time.perf_counter()
             hidden, starts = runner.forward(chunks)
             runner.logits(hidden, starts[:-1])
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
-            if rep:
+            if rep or runs == 1:
                 times.append(time.perf_counter() - started)
         out[n] = statistics.median(times)
     return out
