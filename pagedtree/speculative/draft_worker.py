@@ -65,10 +65,6 @@ class DraftWorker:
         self._computed: dict[str, int] = {}
         self._branches: dict[str, _Branches] = {}
         self.num_forward_passes = 0
-        # The last propose's draft forwards and tokens fed (a catch-up counted as at most
-        # the two tokens of a steady step, so one prompt does not skew the average).
-        self.last_levels = 0
-        self.last_fed = 0
         self.on_forward: Callable[[int, float], None] | None = None  # (tokens, seconds) hook
 
     def generator_for(self, request: Request) -> torch.Generator:
@@ -90,11 +86,7 @@ class DraftWorker:
             if chunk is not None:
                 level.append((job, ROOT, chunk))
         trees: dict[str, TokenTree] = {}
-        self.last_levels = 0
-        self.last_fed = 0
         while level:
-            self.last_levels += 1
-            self.last_fed += sum(min(chunk.num_tokens, 2) for _, _, chunk in level)
             logits = self._forward(copies, [chunk for _, _, chunk in level])
             copies = []
             fed_by_job: dict[int, tuple[DraftJob, list[tuple[int, torch.Tensor]]]] = {}

@@ -63,8 +63,6 @@ class TreeProposer:
         self.noise = noise
         for draft in self.drafts:
             draft.on_forward = self._observe_draft_forward
-        self.last_levels = 0  # draft forwards of the last propose
-        self.last_fed = 0  # tokens they fed
         self.last_draft_seconds = 0.0  # time they took
 
     @property
@@ -132,8 +130,6 @@ class TreeProposer:
                 self.commit(rid, [])
                 continue
             trees[rid] = tree
-        self.last_levels = sum(d.last_levels for d in self.drafts)
-        self.last_fed = sum(d.last_fed for d in self.drafts)
         return trees
 
     def _observe_draft_forward(self, num_tokens: int, seconds: float) -> None:

@@ -84,7 +84,6 @@ class Speculator:
         self._noise = noise
         self._sized_for_nodes = config.max_nodes
         self._trees: dict[str, TokenTree] = {}
-        self._step_budgets: dict[str, int] | None = None  # set by choose_budget, used by end_step
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -108,8 +107,7 @@ class Speculator:
     def choose_budget(self, decoding: Sequence[Request], other_tokens: int) -> dict[str, int]:
         """Node budget per decoding request for the next step (0 = decode without
         speculation), given the prefill tokens that ride along."""
-        self._step_budgets = self.budget.choose(decoding, other_tokens)
-        return self._step_budgets
+        return self.budget.choose(decoding, other_tokens)
 
     # ----------------------------------------------------------------- step
     def draft(self, plan: StepPlan) -> None:
@@ -169,7 +167,6 @@ class Speculator:
                  step_seconds: float, queue_empty: bool) -> None:
         """Take the step's measurements (target cost, host overhead, requests that did
         not verify a tree) and register the drafts' newly full blocks for prefix reuse."""
-        self._step_budgets = None
         self.budget.target_cost.observe(plan.num_tokens, forward_seconds)
         plain = [c.request.request_id for c in plan.chunks if c.phase == Phase.DECODE]
         self.budget.observe_no_verification(plain)
