@@ -119,7 +119,6 @@ class HostOverhead:
 
     plain: float = 0.0
     speculating: float = 0.002
-    count: int = 0
 
     def observe(self, host_seconds: float, num_requests: int, num_speculating: int) -> None:
         """Fold in one decode-only step's host time."""
@@ -130,7 +129,6 @@ class HostOverhead:
         else:
             extra = max(0.0, host_seconds - self.plain * num_requests) / num_speculating
             self.speculating += _EMA * (extra - self.speculating)
-        self.count += 1
 
 
 @dataclass(slots=True)

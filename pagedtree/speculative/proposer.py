@@ -110,7 +110,7 @@ class TreeProposer:
                 if self.drafts and expected_length(tree) >= SUFFIX_ALONE_MIN_EXPECTED:
                     shares[rid] = [0] * len(self.drafts) + [budget]
                 elif tree.num_nodes > shares[rid][-1]:
-                    suffix_trees[rid] = _best_nodes(tree, shares[rid][-1])
+                    suffix_trees[rid] = merge_trees([tree], shares[rid][-1])  # its best nodes
         per_draft: list[dict[str, TokenTree]] = []
         for index, draft in enumerate(self.drafts):
             wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
@@ -214,13 +214,6 @@ class TreeProposer:
 def expected_length(tree: TokenTree) -> float:
     """Expected accepted tokens of a tree by its own scores (cumulative log-probabilities)."""
     return float(sum(math.exp(score) for score in tree.scores))
-
-
-def _best_nodes(tree: TokenTree, max_nodes: int) -> TokenTree:
-    """The ``max_nodes`` best-scored nodes of a deterministic tree (closed under
-    parents: a child never outscores its parent)."""
-    keep = sorted(range(tree.num_nodes), key=lambda i: (-tree.scores[i], i))[:max_nodes]
-    return tree.subtree(keep)
 
 
 def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:

@@ -29,7 +29,7 @@ from pagedtree.config import SpeculativeConfig
 from pagedtree.speculative.draft_worker import DraftWorker
 from pagedtree.speculative.metrics import SpecMetrics
 from pagedtree.speculative.noise import NoiseCache
-from pagedtree.speculative.presets import DEFAULT_PRIORS, AcceptancePrior
+from pagedtree.speculative.presets import AcceptancePrior, acceptance_prior
 from pagedtree.speculative.proposer import TreeProposer, proposal_rule
 from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
@@ -64,7 +64,7 @@ class Speculator:
     ):
         self.scheduler = scheduler
         if prior is None:
-            prior = DEFAULT_PRIORS["suffix" if config.drafter == "suffix" else "model"]
+            prior = acceptance_prior(None, [d.name for d in drafts], config.drafter)
         self.budget = BudgetPolicy(config, prior, num_drafts=len(drafts))
         noise = NoiseCache(vocab_size, device)
         suffix = None

@@ -74,23 +74,15 @@ class GlobalSuffixCache:
         self._streams.append(tokens)
         self.num_tokens += len(tokens)
 
-    @property
-    def num_streams(self) -> int:
-        """Outputs held."""
-        return len(self._streams)
-
 
 class SuffixDrafter:
     """Proposes token trees from suffix matches (see module docstring)."""
-
-    name = "suffix"
 
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
         self.global_cache = GlobalSuffixCache(self.config.max_depth, self.config.global_tokens)
         self._streams: dict[str, _Stream] = {}
         self.num_proposals = 0
-        self.last_match_lengths: dict[str, int] = {}
 
     def _stream(self, request: Request) -> _Stream:
         """The request's tree, fed up to its newest token."""
@@ -107,36 +99,34 @@ class SuffixDrafter:
         stream.open_suffixes, stream.num_inserted = open_suffixes, len(tokens)
         return stream
 
+    def _matches(self, request: Request) -> list[tuple[SuffixTree, int, int]]:
+        """``(tree, node, length)`` of the longest suffix of the request's tokens that
+        its own tree and the global tree have seen continued (length 0: none)."""
+        cfg = self.config
+        stream = self._stream(request)
+        own_node, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
+        global_node, global_len = self.global_cache.tree.match(request.all_token_ids, cfg.max_match)
+        return [(stream.tree, own_node, own_len), (self.global_cache.tree, global_node, global_len)]
+
     def reach(self, request: Request) -> int:
         """How many nodes a proposal for ``request`` may have now: ``alpha`` per token
         of the longest suffix either tree has seen continued (0: no match, no tree)."""
-        cfg = self.config
-        stream = self._stream(request)
-        _, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
-        _, global_len = self.global_cache.tree.match(request.all_token_ids, cfg.max_match)
-        longest = max(own_len, global_len)
-        return max(1, int(cfg.alpha * longest)) if longest else 0
+        longest = max(length for _, _, length in self._matches(request))
+        return max(1, int(self.config.alpha * longest)) if longest else 0
 
     def propose_one(self, request: Request, budget: int) -> TokenTree | None:
         """The request's tree (rooted at its newest token) within ``budget`` nodes, or
         None when neither suffix tree has seen its recent tokens continued."""
         cfg = self.config
-        stream = self._stream(request)
-        tokens = request.all_token_ids
+        root = request.all_token_ids[-1]
         found: list[TokenTree] = []
-        longest = 0
-        own_node, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
-        global_node, global_len = self.global_cache.tree.match(tokens, cfg.max_match)
-        for tree, node, length in ((stream.tree, own_node, own_len),
-                                   (self.global_cache.tree, global_node, global_len)):
+        for tree, node, length in self._matches(request):
             if length == 0 or node == TRIE_ROOT:
                 continue
-            longest = max(longest, length)
             size = min(budget, max(1, int(cfg.alpha * length)))
-            proposal = _token_tree(tokens[-1], tree, node, size, cfg.min_prob)
+            proposal = _token_tree(root, tree, node, size, cfg.min_prob)
             if proposal.num_nodes:
                 found.append(proposal)
-        self.last_match_lengths[request.request_id] = longest
         if not found:
             return None
         self.num_proposals += 1
@@ -165,7 +155,6 @@ class SuffixDrafter:
     def release(self, request_id: str) -> None:
         """Forget a request's own tree (finished, preempted or failed)."""
         self._streams.pop(request_id, None)
-        self.last_match_lengths.pop(request_id, None)
 
     @property
     def num_requests(self) -> int:
