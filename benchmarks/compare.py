@@ -14,6 +14,9 @@ ignored). Engines:
 - ``transformers-assisted``   assisted generation with the draft (batch 1 only)
 - ``vllm``                    vLLM's offline ``LLM`` (from ``--vllm-python``'s venv)
 - ``vllm-spec``               vLLM with draft-model speculation (``--vllm-spec-tokens``)
+- ``vllm-ngram``              vLLM's model-free n-gram (prompt-lookup) speculation
+                              (``--vllm-spec-tokens``; n-grams of 2-4 tokens): the peer of
+                              pagedtree's suffix drafter
 - ``llamacpp``                llama.cpp (llama-cpp-python, from ``--llamacpp-python``'s venv)
                               on the model's GGUF file, batch 1 only; labelled with the
                               GGUF's quantization, e.g. ``llamacpp:Q4_K_M``
@@ -165,7 +168,7 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
             specs.append(EngineSpec("transformers", "transformers", own))
         elif name == "transformers-assisted":
             specs.append(EngineSpec("transformers-assisted", "transformers", own, draft=True, baseline="transformers"))
-        elif name in ("vllm", "vllm-spec"):
+        elif name in ("vllm", "vllm-spec", "vllm-ngram"):
             if not vllm_ok:
                 notes.append(f"{name}: skipped, no vLLM environment at {args.vllm_python} "
                              "(run `bash benchmarks/peers/setup_vllm.sh`)")
@@ -175,6 +178,11 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
             tag = "" if args.vllm_reserved_cpus is None else f"@reserved{args.vllm_reserved_cpus}"
             if name == "vllm":
                 specs.append(EngineSpec(f"vllm{tag}", "vllm", args.vllm_python))
+            elif name == "vllm-ngram":
+                specs.append(EngineSpec(f"vllm-ngram:{args.vllm_spec_tokens}{tag}", "vllm", args.vllm_python,
+                                        spec={"method": "ngram", "num_speculative_tokens": args.vllm_spec_tokens,
+                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+                                        baseline=f"vllm{tag}"))
             else:
                 specs.append(EngineSpec(f"vllm-spec:draft-{args.vllm_spec_tokens}{tag}", "vllm", args.vllm_python,
                                         draft=True, spec={"num_speculative_tokens": args.vllm_spec_tokens},

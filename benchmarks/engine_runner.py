@@ -237,8 +237,16 @@ def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[R
     dtype = "float32" if args.dtype == "auto" else args.dtype
     kwargs: dict[str, Any] = dict(model=args.model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len,
                                   seed=args.seed, disable_log_stats=False, enable_prefix_caching=args.prefix_caching)
-    if args.draft_model:
-        spec = json.loads(args.spec or "{}")
+    spec = json.loads(args.spec or "{}")
+    speculating = bool(args.draft_model) or spec.get("method") == "ngram"
+    if spec.get("method") == "ngram":
+        # Model-free prompt lookup: the last n tokens (n from max down to min) are looked
+        # up earlier in the request and what followed them is proposed.
+        kwargs["speculative_config"] = {"method": "ngram",
+                                        "num_speculative_tokens": int(spec.get("num_speculative_tokens", 4)),
+                                        "prompt_lookup_min": int(spec.get("prompt_lookup_min", 2)),
+                                        "prompt_lookup_max": int(spec.get("prompt_lookup_max", 4))}
+    elif args.draft_model:
         kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft_model[0],
                                         "num_speculative_tokens": int(spec.get("num_speculative_tokens", 4))}
     started = time.perf_counter()
@@ -257,7 +265,7 @@ def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[R
 
     def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
         params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=args.seed)
-        before = counters() if args.draft_model else {}
+        before = counters() if speculating else {}
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         if not speculating:

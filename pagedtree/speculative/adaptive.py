@@ -23,7 +23,7 @@ There is no exploration: the prediction is sane from the first step.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -188,6 +188,7 @@ def plan_budgets(
     costs: StepCosts,
     margin: float = SPECULATE_MARGIN,
     catch_up: Mapping[str, float] | None = None,
+    draft_free: Collection[str] = (),
 ) -> BudgetPlan:
     """Per-request budgets (0 = plain decoding) that maximise the step's predicted
     committed tokens per second (see module docstring).
@@ -197,7 +198,8 @@ def plan_budgets(
     rates are of the decoding requests alone, with trees priced at what they add to
     the loaded pass. ``catch_up[request]`` are tokens the drafts must feed before
     they can draft for it (a prompt, or what was decoded while it did not
-    speculate), as amortised by the caller.
+    speculate), as amortised by the caller. Requests in ``draft_free`` have a tree
+    that costs no draft forward (the suffix drafter's, verified alone).
     """
     ids = list(expected)
     r = len(ids)
@@ -209,16 +211,25 @@ def plan_budgets(
     best = (plain_rate * margin, 0, 0, plain_seconds)  # (rate to beat, budget, k, seconds)
     candidates = sorted({b for e in expected.values() for b in e if b > 0})
     ks = np.arange(1, r + 1, dtype=np.float64)
+    def by_gain(b: int) -> list[str]:
+        # Most expected tokens first; of equals, those that cost no draft forward.
+        return sorted(ids, key=lambda i: (-expected[i].get(b, 0.0), i not in draft_free))
+
     for b in candidates:
-        order = sorted(ids, key=lambda i: -expected[i].get(b, 0.0))
+        order = by_gain(b)
         gained = np.cumsum([expected[i].get(b, 0.0) for i in order])
-        backlog = np.cumsum([catch_up.get(i, 0.0) for i in order]) if catch_up else np.zeros(r)
+        # The draft models run only for requests that are not draft-free; they feed
+        # those requests' accepted tokens and backlog.
+        drafts_for = np.asarray([i not in draft_free for i in order], dtype=np.float64)
+        drafting = np.cumsum(drafts_for)
+        fed_first = np.cumsum(drafts_for * [expected[i].get(b, 0.0) + (catch_up.get(i, 0.0) if catch_up else 0.0)
+                                            for i in order])
         seconds = plain_seconds + costs.target.estimate_many(other_tokens + r + ks * b) - loaded
         levels = costs.draft_levels.get(b, ())
         for level, fed in enumerate(levels):
             # The first level also feeds the tokens accepted last step and any backlog.
-            per_request = fed + ((gained + backlog) / ks if level == 0 else 0.0)
-            seconds = seconds + costs.draft.estimate_many(ks * per_request)
+            tokens = drafting * fed + (fed_first if level == 0 else 0.0)
+            seconds = seconds + costs.draft.estimate_many(tokens)
         seconds = seconds + costs.overhead.speculating * ks
         seconds = plain_seconds + (seconds - plain_seconds) * costs.speculation_factor
         rates = (r + gained) / np.maximum(seconds, 1e-9)
@@ -226,7 +237,7 @@ def plan_budgets(
         if rates[k] > best[0]:
             best = (float(rates[k]), b, k + 1, float(seconds[k]))
     _, budget, k, chosen_seconds = best
-    order = sorted(ids, key=lambda i: -expected[i].get(budget, 0.0)) if budget else []
+    order = by_gain(budget) if budget else []
     chosen = set(order[:k])
     budgets = {i: (budget if i in chosen else 0) for i in ids}
     best_rate = best[0] if budget else plain_rate

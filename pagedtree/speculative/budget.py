@@ -30,7 +30,7 @@ from pagedtree.speculative.adaptive import (
 )
 from pagedtree.speculative.presets import AcceptancePrior
 from pagedtree.speculative.sequoia import optimal_shape
-from pagedtree.speculative.tree import TreeShape
+from pagedtree.speculative.tree import TokenTree, TreeShape, expected_accepted
 
 # Weight of each speculative step in the measured/predicted correction.
 _FACTOR_EMA = 0.1
@@ -42,6 +42,9 @@ _SEQUOIA_REFRESH = 64
 SuffixReach = Callable[[Request], int]
 # request -> tokens the draft models have yet to feed before drafting for it.
 DraftBacklog = Callable[[Request], int]
+# request -> the suffix drafter's tree when it is confident enough to be verified
+# without the draft models (they sit the request out), else None.
+SuffixAlone = Callable[[Request], TokenTree | None]
 
 
 class BudgetPolicy:
@@ -59,6 +62,7 @@ class BudgetPolicy:
         self.evidence: dict[str, RequestEvidence] = {}
         self.suffix_reach: SuffixReach | None = None
         self.draft_backlog: DraftBacklog | None = None
+        self.suffix_alone: SuffixAlone | None = None
         self._shapes: dict[int, TreeShape] = {}
         self._verifications_since_refresh = 0
         self.num_steps_speculation_off = 0
@@ -106,7 +110,13 @@ class BudgetPolicy:
             self.last_budget = cfg.max_nodes
             return {r.request_id: cfg.max_nodes for r in requests}
         candidates = self.candidate_budgets()
-        expected = {r.request_id: self._expected(r, candidates) for r in requests}
+        alone: dict[str, TokenTree] = {}
+        if self.num_drafts and self.suffix_alone is not None:
+            for r in requests:
+                tree = self.suffix_alone(r)
+                if tree is not None:
+                    alone[r.request_id] = tree
+        expected = {r.request_id: self._expected(r, candidates, alone.get(r.request_id)) for r in requests}
         model_levels = {b: [self.num_drafts * f for f in fed_per_level(self.shape_for(b))] for b in candidates} \
             if self.num_drafts else {}
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
@@ -114,7 +124,7 @@ class BudgetPolicy:
         plan = plan_budgets(expected, other_tokens,
                             StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels,
                                       self.speculation_factor),
-                            catch_up=catch_up)
+                            catch_up=catch_up, draft_free=alone.keys())
         self.last_plan = plan
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
@@ -132,12 +142,16 @@ class BudgetPolicy:
         steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))
         return backlog / steps
 
-    def _expected(self, request: Request, candidates: Sequence[int]) -> dict[int, float]:
-        """Expected accepted tokens of the request's tree at every candidate budget."""
+    def _expected(self, request: Request, candidates: Sequence[int],
+                  suffix_tree: TokenTree | None = None) -> dict[int, float]:
+        """Expected accepted tokens of the request's tree at every candidate budget
+        (``suffix_tree``: the suffix drafter's, verified alone; by its own counts)."""
         table = self.tables[request_class(request.params)]
         evidence = self.evidence.get(request.request_id)
         scale = evidence.factor if evidence is not None else 1.0
         out: dict[int, float] = {}
+        if suffix_tree is not None:
+            return {b: scale * expected_accepted(suffix_tree, b) for b in candidates}
         if self.num_drafts:
             for b in candidates:
                 out[b] = table.expected_accepted(self.shape_for(b), scale)

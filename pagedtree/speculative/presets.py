@@ -21,7 +21,7 @@ TREE_PRESETS: dict[str, dict[str, Any]] = {
     # The model-free suffix drafter alone, and beside a draft model's chain.
     "suffix": dict(drafter="suffix", max_nodes=12, adaptive=True),
     "suffix-16-fixed": dict(drafter="suffix", max_nodes=16, adaptive=False),
-    "adaptive-chain-5+suffix": dict(drafter="model+suffix", tree="chain", depth=5, max_nodes=8, adaptive=True),
+    "adaptive-chain-5+suffix": dict(drafter="model+suffix", tree="chain", depth=5, max_nodes=12, adaptive=True),
 }
 
 

@@ -9,7 +9,6 @@ is one more source here: the suffix drafter (``suffix_drafter``) is one.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,11 +24,6 @@ from pagedtree.speculative.suffix_drafter import SuffixDrafter
 from pagedtree.speculative.tree import DETERMINISTIC_RULES, RANDOM_RULES, TokenTree
 
 logger = logging.getLogger("pagedtree")
-
-# A suffix tree expected (by its own counts) to get this many tokens accepted is
-# verified alone: the draft models skip the request that step.
-SUFFIX_ALONE_MIN_EXPECTED = 2.0
-
 
 def proposal_rule(request: Request, config: SpeculativeConfig) -> str:
     """How this request's children are proposed, which fixes how they are verified.
@@ -64,6 +58,7 @@ class TreeProposer:
         for draft in self.drafts:
             draft.on_forward = self._observe_draft_forward
         self.last_draft_seconds = 0.0  # time they took
+        self.num_suffix_alone = 0  # trees the suffix drafter proposed without the draft models
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -98,19 +93,15 @@ class TreeProposer:
         shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
         suffix_trees: dict[str, TokenTree] = {}
         if self.suffix is not None:
-            # Suffix trees first, at the full budget: where one alone is expected to
-            # be accepted far enough, the draft models sit out for that request (its
-            # drafting costs nothing); elsewhere it is cut to its share.
-            suffix_trees = self._propose_suffix([(r, b) for r, b in requests_and_budgets])
-            for request, budget in requests_and_budgets:
-                rid = request.request_id
-                tree = suffix_trees.get(rid)
-                if tree is None:
-                    continue
-                if self.drafts and expected_length(tree) >= SUFFIX_ALONE_MIN_EXPECTED:
-                    shares[rid] = [0] * len(self.drafts) + [budget]
-                elif tree.num_nodes > shares[rid][-1]:
-                    suffix_trees[rid] = merge_trees([tree], shares[rid][-1])  # its best nodes
+            # Where the suffix tree alone is confident, the draft models sit the
+            # request out (drafting it costs nothing) and it takes the whole budget;
+            # elsewhere it proposes within its share.
+            if self.drafts:
+                for request, budget in requests_and_budgets:
+                    if self.suffix.alone(request, self.config.max_nodes) is not None:
+                        shares[request.request_id] = [0] * len(self.drafts) + [budget]
+                        self.num_suffix_alone += 1
+            suffix_trees = self._propose_suffix([(r, shares[r.request_id][-1]) for r, _ in requests_and_budgets])
         per_draft: list[dict[str, TokenTree]] = []
         for index, draft in enumerate(self.drafts):
             wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
@@ -209,11 +200,6 @@ class TreeProposer:
             draft.release(request_id)
         if self.suffix is not None:
             self.suffix.release(request_id)
-
-
-def expected_length(tree: TokenTree) -> float:
-    """Expected accepted tokens of a tree by its own scores (cumulative log-probabilities)."""
-    return float(sum(math.exp(score) for score in tree.scores))
 
 
 def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:

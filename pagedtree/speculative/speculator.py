@@ -77,6 +77,8 @@ class Speculator:
         self.proposer = TreeProposer(drafts, self.budget, noise, suffix)
         if suffix is not None and not drafts:
             self.budget.suffix_reach = suffix.reach
+        if suffix is not None and drafts:
+            self.budget.suffix_alone = lambda request: suffix.alone(request, self.config.max_nodes)
         if drafts:
             self.budget.draft_backlog = lambda request: max(d.backlog(request) for d in self.drafts)
         self.verifier = Verifier(noise, device)
@@ -198,6 +200,8 @@ class Speculator:
         """Speculation counters for ``LLM.stats()``."""
         bms = [d.block_manager for d in self.drafts]
         suffix = self.proposer.suffix.stats() if self.proposer.suffix is not None else {}
+        if suffix and self.drafts:
+            suffix["suffix_num_alone"] = self.proposer.num_suffix_alone
         return self.metrics.stats() | suffix | {
             "num_draft_forward_passes": sum(d.num_forward_passes for d in self.drafts),
             "num_steps_speculation_off": self.budget.num_steps_speculation_off,

@@ -16,6 +16,8 @@ it, against that draw's own distribution.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -198,3 +200,11 @@ class TreeShape:
     def chain(cls, depth: int) -> TreeShape:
         """A single branch of ``depth`` nodes."""
         return cls(list(range(-1, depth - 1)), [0] * depth)
+
+
+def expected_accepted(tree: TokenTree, max_nodes: int | None = None) -> float:
+    """Expected accepted tokens of a tree by its own scores (cumulative
+    log-probabilities), or of its best ``max_nodes`` nodes: a node never scores above
+    its parent, so the best nodes form a tree."""
+    probs = sorted((math.exp(score) for score in tree.scores), reverse=True)
+    return float(sum(probs if max_nodes is None else probs[:max_nodes]))

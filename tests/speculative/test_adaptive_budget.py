@@ -250,3 +250,33 @@ def test_whole_steps_slower_than_predicted_correct_the_plan():
     assert max(policy.last_plan.budgets.values()) < first and policy.speculation_factor > 2
     policy.observe_step_seconds(1.0)  # a plain step: nothing to correct
     assert policy.speculation_factor > 2
+
+
+def test_a_draft_free_tree_costs_no_draft_forward():
+    """A request whose tree is the suffix drafter's alone speculates where a draft
+    model's tree would not pay (a draft as costly as the target)."""
+    expected = chain_expectations(2, 0.6)
+    assert plan_budgets(expected, 0, chain_costs(1.0)).num_speculating == 0
+    plan = plan_budgets(expected, 0, chain_costs(1.0), draft_free={"r1"})
+    assert plan.budgets["r1"] > 0 and plan.budgets["r0"] == 0
+
+
+def test_the_budget_prices_a_confident_suffix_tree_by_its_own_counts():
+    """Beside a draft model, a request with a confident suffix tree is planned from
+    that tree (draft-free), the others from the acceptance table."""
+    from pagedtree.speculative.tree import TokenTree
+
+    policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=12), DEFAULT_PRIORS["model"])
+    target, draft = cpu_like_costs(1.0)  # drafting with the model cannot pay
+    policy.target_cost, policy.draft_cost = target, draft
+    policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+    sure = TokenTree(5)
+    parent = ROOT
+    for token in range(10):
+        parent = sure.add(parent, token, -0.01 * (token + 1))
+    requests = _requests(2)
+    policy.suffix_alone = lambda r: sure if r is requests[1] else None
+    budgets = policy.choose(requests, 0)
+    assert budgets[requests[0].request_id] == 0 and budgets[requests[1].request_id] == 12
+    policy.suffix_alone = None
+    assert max(policy.choose(requests, 0).values()) == 0

@@ -125,3 +125,31 @@ def test_suffix_config_is_validated():
         EngineConfig(draft_model="x", speculative=SpeculativeConfig(drafter="suffix"))
     with pytest.raises(ValueError, match="no draft_model"):
         EngineConfig(speculative=SpeculativeConfig(drafter="model"))
+
+
+def test_a_confident_suffix_tree_is_verified_without_the_draft_model(tiny_llama, tiny_llama_draft):
+    """Beside a draft model, a request whose suffix tree is confident is drafted by it
+    alone: the draft model sits that step out, and the output stays exact."""
+    base = random_prompts(1, 256, 8, 8, seed=5)[0]
+    prompt = base * 4  # seen continued often enough to be confident
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", max_num_seqs=4,
+              draft_model=str(tiny_llama_draft.path),
+              speculative=SpeculativeConfig(drafter="model+suffix", tree="chain", depth=3, max_nodes=8,
+                                            suffix_min_prob=0.0, adaptive=False))
+    draft = llm.engine.speculator.drafts[0]
+    calls = []
+    real_propose = draft.propose
+
+    def spy(jobs):
+        calls.append(len(jobs))
+        return real_propose(jobs)
+
+    draft.propose = spy
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompt, 40)
+    stats = llm.stats()
+    assert stats["suffix_num_alone"] > 0
+    # Batch 1: every tree came either from a draft-model call or from the suffix alone.
+    assert len(calls) + stats["suffix_num_alone"] == stats["num_drafts"]
+    assert_no_leaks(llm)
