@@ -42,9 +42,13 @@ _SEQUOIA_REFRESH = 64
 SuffixReach = Callable[[Request], int]
 # request -> tokens the draft models have yet to feed before drafting for it.
 DraftBacklog = Callable[[Request], int]
-# request -> the suffix drafter's tree when it is confident enough to be verified
-# without the draft models (they sit the request out), else None.
-SuffixAlone = Callable[[Request], TokenTree | None]
+# request -> the tree the suffix drafter would propose for it at the full budget
+# (None: no match). Beside draft models, a request whose suffix tree is chosen alone
+# is "draft-free": the draft models sit it out for the step.
+SuffixTreeOf = Callable[[Request], TokenTree | None]
+# With static budgets (no cost model), a suffix tree expected by its own counts to
+# get this many tokens accepted is verified alone.
+ALONE_MIN_EXPECTED = 2.0
 
 
 class BudgetPolicy:
@@ -62,7 +66,8 @@ class BudgetPolicy:
         self.evidence: dict[str, RequestEvidence] = {}
         self.suffix_reach: SuffixReach | None = None
         self.draft_backlog: DraftBacklog | None = None
-        self.suffix_alone: SuffixAlone | None = None
+        self.suffix_tree: SuffixTreeOf | None = None
+        self.draft_free: set[str] = set()  # this step's requests the draft models sit out
         self._shapes: dict[int, TreeShape] = {}
         self._verifications_since_refresh = 0
         self.num_steps_speculation_off = 0
@@ -102,30 +107,46 @@ class BudgetPolicy:
 
     # ---------------------------------------------------------------- choose
     def choose(self, requests: Sequence[Request], other_tokens: int) -> dict[str, int]:
-        """Node budget per decoding request for the next step (0 = no speculation)."""
+        """Node budget per decoding request for the next step (0 = no speculation);
+        sets ``draft_free``."""
         cfg = self.config
+        self.draft_free = set()
         if not requests:
             return {}
+        suffix_trees: dict[str, TokenTree] = {}
+        if self.num_drafts and self.suffix_tree is not None:
+            for r in requests:
+                tree = self.suffix_tree(r)
+                if tree is not None:
+                    suffix_trees[r.request_id] = tree
         if not cfg.adaptive:
             self.last_budget = cfg.max_nodes
+            self.draft_free = {rid for rid, t in suffix_trees.items() if expected_accepted(t) >= ALONE_MIN_EXPECTED}
             return {r.request_id: cfg.max_nodes for r in requests}
         candidates = self.candidate_budgets()
-        alone: dict[str, TokenTree] = {}
-        if self.num_drafts and self.suffix_alone is not None:
-            for r in requests:
-                tree = self.suffix_alone(r)
-                if tree is not None:
-                    alone[r.request_id] = tree
-        expected = {r.request_id: self._expected(r, candidates, alone.get(r.request_id)) for r in requests}
+        expected = {r.request_id: self._expected(r, candidates) for r in requests}
         model_levels = {b: [self.num_drafts * f for f in fed_per_level(self.shape_for(b))] for b in candidates} \
             if self.num_drafts else {}
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
             if self.draft_backlog is not None else None
-        plan = plan_budgets(expected, other_tokens,
-                            StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels,
-                                      self.speculation_factor),
-                            catch_up=catch_up, draft_free=alone.keys())
+        costs = StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels, self.speculation_factor)
+        plan, free = plan_budgets(expected, other_tokens, costs, catch_up=catch_up), set()
+        if suffix_trees:
+            # A request with a suffix tree may go draft-free: its own tree, priced by its
+            # counts, at no draft cost. Where that tree is expected to get at least what
+            # the drafts would, it dominates; whether the others should too (less
+            # gained, no draft levels) is the plans' call.
+            scales = {r.request_id: self._evidence_scale(r) for r in requests}
+            by_suffix = {rid: {b: scales[rid] * expected_accepted(t, b) for b in candidates}
+                         for rid, t in suffix_trees.items()}
+            dominant = {rid for rid, e in by_suffix.items() if e[cfg.max_nodes] >= expected[rid][cfg.max_nodes]}
+            for option in (dominant, set(suffix_trees)):
+                mixed = {rid: by_suffix[rid] if rid in option else e for rid, e in expected.items()}
+                other = plan_budgets(mixed, other_tokens, costs, catch_up=catch_up, draft_free=option)
+                if other.best_rate > plan.best_rate:
+                    plan, free = other, option
         self.last_plan = plan
+        self.draft_free = {rid for rid in free if plan.budgets.get(rid, 0) > 0}
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
@@ -142,16 +163,15 @@ class BudgetPolicy:
         steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))
         return backlog / steps
 
-    def _expected(self, request: Request, candidates: Sequence[int],
-                  suffix_tree: TokenTree | None = None) -> dict[int, float]:
-        """Expected accepted tokens of the request's tree at every candidate budget
-        (``suffix_tree``: the suffix drafter's, verified alone; by its own counts)."""
-        table = self.tables[request_class(request.params)]
+    def _evidence_scale(self, request: Request) -> float:
         evidence = self.evidence.get(request.request_id)
-        scale = evidence.factor if evidence is not None else 1.0
+        return evidence.factor if evidence is not None else 1.0
+
+    def _expected(self, request: Request, candidates: Sequence[int]) -> dict[int, float]:
+        """Expected accepted tokens of the request's tree at every candidate budget."""
+        table = self.tables[request_class(request.params)]
+        scale = self._evidence_scale(request)
         out: dict[int, float] = {}
-        if suffix_tree is not None:
-            return {b: scale * expected_accepted(suffix_tree, b) for b in candidates}
         if self.num_drafts:
             for b in candidates:
                 out[b] = table.expected_accepted(self.shape_for(b), scale)

@@ -93,12 +93,12 @@ class TreeProposer:
         shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
         suffix_trees: dict[str, TokenTree] = {}
         if self.suffix is not None:
-            # Where the suffix tree alone is confident, the draft models sit the
-            # request out (drafting it costs nothing) and it takes the whole budget;
-            # elsewhere it proposes within its share.
+            # The requests the budget made draft-free get the suffix tree alone, at the
+            # whole budget (drafting them costs nothing); the others get it within its
+            # share, merged with the draft models' trees.
             if self.drafts:
                 for request, budget in requests_and_budgets:
-                    if self.suffix.alone(request, self.config.max_nodes) is not None:
+                    if request.request_id in self.budget.draft_free:
                         shares[request.request_id] = [0] * len(self.drafts) + [budget]
                         self.num_suffix_alone += 1
             suffix_trees = self._propose_suffix([(r, shares[r.request_id][-1]) for r, _ in requests_and_budgets])

@@ -78,7 +78,7 @@ class Speculator:
         if suffix is not None and not drafts:
             self.budget.suffix_reach = suffix.reach
         if suffix is not None and drafts:
-            self.budget.suffix_alone = lambda request: suffix.alone(request, self.config.max_nodes)
+            self.budget.suffix_tree = lambda request: suffix.plan_tree(request, self.config.max_nodes)
         if drafts:
             self.budget.draft_backlog = lambda request: max(d.backlog(request) for d in self.drafts)
         self.verifier = Verifier(noise, device)

@@ -25,12 +25,7 @@ from pagedtree.request import Request
 from pagedtree.speculative.merge import merge_trees
 from pagedtree.speculative.suffix_tree import ROOT as TRIE_ROOT
 from pagedtree.speculative.suffix_tree import SuffixTree
-from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, expected_accepted
-
-# Beside draft models, a suffix tree expected (by its own counts) to get at least this
-# many tokens accepted is verified alone: the draft models sit that request out for
-# the step, so it costs no draft forward.
-ALONE_MIN_EXPECTED = 2.0
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
 
 
 @dataclass(slots=True)
@@ -87,9 +82,9 @@ class SuffixDrafter:
         self.config = config or SuffixConfig()
         self.global_cache = GlobalSuffixCache(self.config.max_depth, self.config.global_tokens)
         self._streams: dict[str, _Stream] = {}
-        # request id -> (its token count, max_nodes, tree or None): ``alone`` is asked
-        # by the budget and again by the proposer within one step.
-        self._alone: dict[str, tuple[int, int, TokenTree | None]] = {}
+        # request id -> (its token count, max_nodes, tree or None): the budget asks
+        # ``plan_tree`` once per step for every request.
+        self._planned: dict[str, tuple[int, int, TokenTree | None]] = {}
         self.num_proposals = 0
 
     def _stream(self, request: Request) -> _Stream:
@@ -145,17 +140,15 @@ class SuffixDrafter:
             return None
         return found[0] if len(found) == 1 and found[0].num_nodes <= budget else merge_trees(found, budget)
 
-    def alone(self, request: Request, max_nodes: int) -> TokenTree | None:
-        """The request's tree at ``max_nodes`` if it is confident enough to be verified
-        without the draft models' trees (``ALONE_MIN_EXPECTED``), else None."""
+    def plan_tree(self, request: Request, max_nodes: int) -> TokenTree | None:
+        """The tree the request would get at ``max_nodes`` now (None: no match), for
+        the budget to price; not counted as a proposal."""
         key = (len(request.all_token_ids), max_nodes)
-        memo = self._alone.get(request.request_id)
+        memo = self._planned.get(request.request_id)
         if memo is not None and memo[:2] == key:
             return memo[2]
         tree = self._propose_tree(request, max_nodes)
-        if tree is not None and expected_accepted(tree, max_nodes) < ALONE_MIN_EXPECTED:
-            tree = None
-        self._alone[request.request_id] = (*key, tree)
+        self._planned[request.request_id] = (*key, tree)
         return tree
 
     def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
@@ -181,7 +174,7 @@ class SuffixDrafter:
     def release(self, request_id: str) -> None:
         """Forget a request's own tree (finished, preempted or failed)."""
         self._streams.pop(request_id, None)
-        self._alone.pop(request_id, None)
+        self._planned.pop(request_id, None)
 
     @property
     def num_requests(self) -> int:

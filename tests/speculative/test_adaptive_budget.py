@@ -261,22 +261,46 @@ def test_a_draft_free_tree_costs_no_draft_forward():
     assert plan.budgets["r1"] > 0 and plan.budgets["r0"] == 0
 
 
-def test_the_budget_prices_a_confident_suffix_tree_by_its_own_counts():
-    """Beside a draft model, a request with a confident suffix tree is planned from
-    that tree (draft-free), the others from the acceptance table."""
+def _chain_tree(length: int, logprob_step: float):
     from pagedtree.speculative.tree import TokenTree
 
+    tree = TokenTree(5)
+    parent = ROOT
+    for token in range(length):
+        parent = tree.add(parent, token, logprob_step * (token + 1))
+    return tree
+
+
+def _merged_policy(draft_ratio: float) -> BudgetPolicy:
     policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=12), DEFAULT_PRIORS["model"])
-    target, draft = cpu_like_costs(1.0)  # drafting with the model cannot pay
+    target, draft = cpu_like_costs(draft_ratio)
     policy.target_cost, policy.draft_cost = target, draft
     policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
-    sure = TokenTree(5)
-    parent = ROOT
-    for token in range(10):
-        parent = sure.add(parent, token, -0.01 * (token + 1))
+    return policy
+
+
+def test_the_budget_prices_a_suffix_tree_by_its_own_counts():
+    """Beside a draft model, a request with a sure suffix tree is planned from that
+    tree, draft-free (no draft levels priced), the others from the acceptance table."""
+    policy = _merged_policy(1.0)  # drafting with the model cannot pay
     requests = _requests(2)
-    policy.suffix_alone = lambda r: sure if r is requests[1] else None
+    policy.suffix_tree = lambda r: _chain_tree(10, -0.01) if r is requests[1] else None
     budgets = policy.choose(requests, 0)
     assert budgets[requests[0].request_id] == 0 and budgets[requests[1].request_id] == 12
-    policy.suffix_alone = None
-    assert max(policy.choose(requests, 0).values()) == 0
+    assert policy.draft_free == {requests[1].request_id}
+    policy.suffix_tree = None
+    assert max(policy.choose(requests, 0).values()) == 0 and policy.draft_free == set()
+
+
+def test_a_weaker_suffix_tree_wins_only_where_drafting_costs_more_than_it_adds():
+    """A suffix tree expected to get less than the draft model's chain is still taken
+    alone when the draft levels cost more than the difference, and not when they
+    are cheap."""
+    requests = _requests(1)
+    weak = _chain_tree(4, -0.4)  # about 1.4 tokens expected, against about 3 for the chain
+    costly, cheap = _merged_policy(0.5), _merged_policy(0.02)
+    for policy in (costly, cheap):
+        policy.suffix_tree = lambda r: weak
+        assert max(policy.choose(requests, 0).values()) > 0
+    assert costly.draft_free == {requests[0].request_id}
+    assert cheap.draft_free == set()

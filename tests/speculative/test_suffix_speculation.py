@@ -128,8 +128,9 @@ def test_suffix_config_is_validated():
 
 
 def test_a_confident_suffix_tree_is_verified_without_the_draft_model(tiny_llama, tiny_llama_draft):
-    """Beside a draft model, a request whose suffix tree is confident is drafted by it
-    alone: the draft model sits that step out, and the output stays exact."""
+    """Beside a draft model (static budget), a request whose suffix tree is confident
+    is drafted by it alone: the draft model sits that step out, and the output stays
+    exact."""
     base = random_prompts(1, 256, 8, 8, seed=5)[0]
     prompt = base * 4  # seen continued often enough to be confident
     llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", max_num_seqs=4,
