@@ -108,7 +108,9 @@ def gumbel_noise_rows(
     the largest cost of seeded sampling at batch 32.
     """
     keys = [stream_seed(seed, NOISE_STREAM, position) for seed, position in seeds_and_positions]
-    u = uniform_streams(keys, vocab_size).to(device)
+    u = uniform_streams(keys, vocab_size)
+    if torch.device(device).type == "cuda":  # from pinned memory: the host does not wait for the GPU
+        u = u.pin_memory().to(device, non_blocking=True)
     return u.log_().neg_().log_().neg_()  # -log(-log u), in place
 
 
@@ -151,7 +153,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1.0 and row.history:
-            seen = torch.as_tensor(sorted(set(row.history)), dtype=torch.long, device=logits.device)
+            seen = host_index(sorted(set(row.history)), logits.device)
             values = logits[i, seen]
             # Same rule as transformers and vLLM: shrink positive logits, grow negative ones.
             logits[i, seen] = torch.where(
@@ -160,7 +162,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         if row.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
-                logits[i, torch.as_tensor(banned, dtype=torch.long, device=logits.device)] = -float("inf")
+                logits[i, host_index(banned, logits.device)] = -float("inf")
     return logits
 
 
@@ -177,19 +179,24 @@ def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def draw_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
-    """``draw_token`` for every row of ``probs [N, V]``, row ``i`` from ``generators[i]``.
+    """``draw_token`` for every row of ``probs [N, V]``, row ``i`` from ``generators[i]``."""
+    return draw_token_tensor(probs, generators).tolist()
+
+
+def draw_token_tensor(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``draw_tokens`` as a device tensor ``[N]`` (no host sync).
 
     Each row takes exactly one uniform number from its own generator, so a request's
-    stream does not depend on its neighbours; the sums and searches run batched.
+    stream does not depend on its neighbours; the sums and searches run batched. The
+    search target stays strictly below the row's total (the largest double under it
+    at most), so the search always lands on a token with mass, the last one when
+    ``u`` rounds up to the total.
     """
     cdf = probs.to(torch.float64).cumsum(-1)
     totals = cdf[:, -1:]
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=probs.device) for g in generators])
-    indices = torch.searchsorted(cdf, u.reshape(-1, 1) * totals, right=True).reshape(-1).tolist()
-    for row, index in enumerate(indices):
-        if index >= cdf.shape[-1]:  # u rounded up to the total: the last token with mass
-            indices[row] = int(torch.nonzero(probs[row] > 0)[-1].item())
-    return indices
+    target = torch.minimum(u.reshape(-1, 1) * totals, torch.nextafter(totals, torch.zeros_like(totals)))
+    return torch.searchsorted(cdf, target, right=True).reshape(-1)
 
 
 def coupled_draws(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
@@ -242,19 +249,21 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
     Greedy rows share one argmax; sampling rows with the same parameters share one
     distribution and one batched draw (3x faster than row by row at 32 x 49k, once
     the host allocator keeps the buffers mapped); the logits are copied only when a
-    row has penalties to apply.
+    row has penalties to apply. Everything stays on the logits' device until one
+    readback brings the tokens, their logprobs and any top logprobs asked for to the
+    host: a GPU step syncs once, here.
     """
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
     logits = logits.float()
+    device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     # Penalties edit a copy: the raw logits stay for the reported logprobs.
     processed = apply_penalties(logits.clone(), rows) if any(map(needs_penalties, rows)) else logits
-    tokens = [0] * len(rows)
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
-        for i, token in zip(greedy, _rows_of(processed, greedy).argmax(dim=-1).tolist()):
-            tokens[i] = token
+        _put(tokens, greedy, _rows_of(processed, greedy).argmax(dim=-1))
     # Sampling rows with the same parameters share one distribution computation; each
     # row then draws on its own terms (its seed's noise, or its own generator).
     groups: dict[tuple, list[int]] = {}
@@ -268,25 +277,58 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
         drawn = [i for i in group if rows[i].coupling_seed is None]
         if seeded:
             noise = gumbel_noise_rows([(rows[i].coupling_seed, rows[i].num_output_tokens) for i in seeded],
-                                      logits.shape[-1], logits.device)
-            for i, token in zip(seeded, coupled_draws(_rows_of(processed, seeded), params, noise).tolist()):
-                tokens[i] = token
+                                      logits.shape[-1], device)
+            _put(tokens, seeded, coupled_draws(_rows_of(processed, seeded), params, noise))
         if drawn:
             probs = target_probs(_rows_of(processed, drawn), params)
-            for i, token in zip(drawn, draw_tokens(probs, [rows[i].generator for i in drawn])):
-                tokens[i] = token
-    chosen = raw_logprobs.gather(1, torch.as_tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
-    return [
-        SampleResult(token, logprob, top_logprobs(raw_logprobs[i], token, logprob, row.params.logprobs))
-        for i, (row, token, logprob) in enumerate(zip(rows, tokens, chosen.reshape(-1).tolist()))
-    ]
+            _put(tokens, drawn, draw_token_tensor(probs, [rows[i].generator for i in drawn]))
+    chosen = raw_logprobs.gather(1, tokens[:, None]).reshape(-1)
+    # One readback: tokens and logprobs, then the top ids and logprobs of every row
+    # (at the largest k asked for; each row keeps its own k).
+    packed = [tokens.to(torch.float64), chosen.to(torch.float64)]
+    k_max = max((r.params.logprobs or 0 for r in rows if r.params.logprobs is not None), default=0)
+    if k_max > 0:
+        values, ids = torch.topk(raw_logprobs, k_max, dim=-1)
+        packed += [ids.to(torch.float64).reshape(-1), values.to(torch.float64).reshape(-1)]
+    host = torch.cat(packed).tolist()
+    n = len(rows)
+    results = []
+    for i, row in enumerate(rows):
+        token, logprob = int(host[i]), host[n + i]
+        k = row.params.logprobs
+        top = None
+        if k is not None:
+            top = {}
+            if k > 0:
+                ids_at, values_at = 2 * n + i * k_max, 2 * n + n * k_max + i * k_max
+                top = {int(t): v for t, v in zip(host[ids_at:ids_at + k], host[values_at:values_at + k])}
+            top[token] = logprob
+        results.append(SampleResult(token, logprob, top))
+    return results
+
+
+def _put(tokens: torch.Tensor, indices: list[int], values: torch.Tensor) -> None:
+    """``tokens[indices] = values``, the index uploaded without a host sync."""
+    if len(indices) == tokens.shape[0]:  # every row, in order (indices are ascending)
+        tokens.copy_(values)
+        return
+    tokens[host_index(indices, tokens.device)] = values
+
+
+def host_index(indices: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on ``device`` from host ints, uploaded from pinned memory
+    without blocking the host (a plain upload of a list waits for the GPU)."""
+    index = torch.tensor(list(indices), dtype=torch.long)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
 
 
 def _rows_of(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
     """``x[indices]``, without a copy when ``indices`` is every row in order."""
     if len(indices) == x.shape[0] and indices == list(range(len(indices))):
         return x
-    return x[torch.as_tensor(indices, dtype=torch.long, device=x.device)]
+    return x[host_index(indices, x.device)]
 
 
 def top_logprobs(raw_logprobs: torch.Tensor, token: int, logprob: float, k: int | None) -> dict[int, float] | None:

@@ -71,3 +71,39 @@ def test_mixed_batch_equals_each_row_alone():
     for i, r in enumerate(batched):
         assert abs(r.logprob - raw[i, r.token_id].item()) < 1e-5
         assert r.logprob == alone[i].logprob
+
+
+def test_a_mixed_batch_reads_back_once_with_its_top_logprobs(monkeypatch):
+    """Greedy, penalised, seeded and drawn rows, some asking for top logprobs: the
+    sampler brings everything to the host in one readback (a GPU step syncs once),
+    and each row keeps its own number of top logprobs."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 40) * 2
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=3), (), 0, None),
+        SamplingRow(SamplingParams(temperature=0.9), (), 0, torch.Generator().manual_seed(2)),
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=0), [1, 2], 0, None),
+        SamplingRow(SamplingParams(temperature=0.7, seed=4, logprobs=1), (), 3, None, coupling_seed=4),
+        SamplingRow(SamplingParams(temperature=0.9, top_p=0.8), (), 0, torch.Generator().manual_seed(5)),
+    ]
+    calls = {"tolist": 0, "item": 0, "cpu": 0}
+    for name in calls:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    results = sample(logits, rows)
+    monkeypatch.undo()
+    assert calls == {"tolist": 1, "item": 0, "cpu": 0}
+    raw = torch.log_softmax(logits, dim=-1)
+    assert results[0].token_id == int(logits[0].argmax())
+    top = torch.topk(raw[0], 3)
+    assert results[0].top_logprobs == {int(t): float(v) for t, v in zip(top.indices, top.values)}
+    assert results[1].top_logprobs is None
+    assert results[2].top_logprobs == {results[2].token_id: results[2].logprob}
+    assert len(results[3].top_logprobs) in (1, 2) and results[3].token_id in results[3].top_logprobs
+    for i, r in enumerate(results):
+        assert r.logprob == float(raw[i, r.token_id])
