@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 iterations (CPU smoke test)")
     p.add_argument("--output-json", default=None, help="write the rows here")
+    p.add_argument("--compiled", default=None, metavar="JSON",
+                   help="print the registers, warps, shared memory and spills of the kernels compiled for "
+                        "sm_80/sm_90 (the JSON of `python -m pagedtree.kernels.cuda_compile`) and exit")
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.context_lens, args.tree_sizes = "2", "48", "4,8"
@@ -205,8 +208,26 @@ def xformers_fn(w: Workload, scale: float):
     return lambda: xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale)
 
 
+def print_compiled(path: str) -> None:
+    """The resource table of a ``pagedtree.kernels.cuda_compile`` JSON, one row per
+    compiled specialisation."""
+    data = json.loads(Path(path).read_text())
+    print(f"# kernels compiled without a GPU: triton {data['triton']}, {len(data['builds'])} specialisations")
+    print("| arch | kernel | case | warps | stages | registers | shared bytes | spill stores | stack bytes |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for b in sorted(data["builds"], key=lambda b: (b["arch"], b["kernel"], b["case"])):
+        status = f" ({b['error']})" if b.get("error") else ""
+        print(f"| sm_{b['arch']} | {b['kernel']}{status} | {b['case']} | {b['num_warps']} | {b['num_stages']} "
+              f"| {b['registers']} | {b['shared_bytes']} | {b['spill_stores']} | {b['stack_bytes']} |")
+    for arch, counts in data.get("variants_over_varying_steps", {}).items():
+        print(f"# sm_{arch}: compiled variants over steps of varying sizes: {counts}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compiled:
+        print_compiled(args.compiled)
+        return 0
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")

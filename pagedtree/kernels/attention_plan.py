@@ -40,13 +40,37 @@ class TileShape:
 
     block_q: int  # query tokens of one request per program
     group_p: int  # query heads per KV head, padded to a power of two
-    tile_n: int  # keys per inner-loop iteration (any block size: keys are gathered one by one)
+    tile_n: int  # keys per inner-loop iteration (== block size: one cache block per tile)
     num_splits: int  # KV segments per query tile (split-KV); > 1 adds a reduce kernel
+    num_sub: int = 1  # query sub-tiles (1, 2 or 4) that share every K/V tile the program loads
+    num_warps: int | None = None  # None: Triton's default
 
     @property
     def block_m(self) -> int:
         """Rows of the query tile: tokens x heads of the group."""
         return self.block_q * self.group_p
+
+    @property
+    def sub_m(self) -> int:
+        """Rows of one query sub-tile."""
+        return self.block_m // self.num_sub
+
+
+# On a GPU: rows of one query sub-tile, and rows one program covers with sub-tiles
+# sharing every K/V tile. Two 64-row fp32 accumulators at head dim 128 fit 8 warps'
+# registers on sm_90 (its MMA reads operands from shared memory); on sm_80 (operands
+# in registers) they spill, so there one program takes one sub-tile at head dim 128.
+# Four sub-tiles spill everywhere (100-200 spill stores: `python -m
+# pagedtree.kernels.cuda_compile`).
+SUB_ROWS = 64
+MAX_ROWS = 128
+# Query runs up to this long (decodes, token trees) are cut into programs of up to
+# MAX_ROWS rows; longer ones (prefill chunks) into SUB_ROWS-row tiles, many programs,
+# which a compute-bound prefill needs.
+MAX_TREE_QUERY = 64
+# Keys per tile on a GPU: 16, so a tile never crosses a cache block of 16, 32, ...
+# keys (one block id per tile) and its scores and mask stay small in registers.
+GPU_TILE_N = 16
 
 
 def choose_tile_shape(
@@ -57,24 +81,46 @@ def choose_tile_shape(
     max_context_len: int,
     interpreted: bool,
     num_sms: int = 132,
+    block_size: int = 16,
+    capability: int = 90,
+    head_dim: int = 128,
 ) -> TileShape:
-    """A reasonable tile shape for the step (no autotuning: the interpreter has none).
+    """A tile shape for the step, from a table of rules (no autotuning: the
+    interpreter has none, and the shapes must be known to compile them ahead).
 
     On a GPU, ``tl.dot`` needs at least 16 rows, so short query runs (decodes, small
-    trees) are padded with query-head rows rather than shrunk; rows are capped at 64
-    so the fp32 accumulator fits in registers at head dim 128. Split-KV is used when
-    the step has too few programs to fill the GPU and the contexts are long
-    (flash-decoding). In the interpreter, cost is per executed op, so bigger tiles
-    and fewer programs are faster.
+    trees) are padded with query-head rows rather than shrunk. In a step whose query
+    runs are at most ``MAX_TREE_QUERY`` tokens (decodes, token trees), a program
+    takes up to ``MAX_ROWS`` rows of one request and KV head in sub-tiles of
+    ``SUB_ROWS`` that share each K/V tile: a tree of up to 32 nodes at 4 query heads
+    per KV head (64 at 2, 16 at 8) reads its KV prefix once, as a decode does; a
+    bigger one reads it once per ``MAX_ROWS`` rows. Steps with longer runs (prefill
+    chunks, and the trees that share a launch with them) take tiles of ``SUB_ROWS``
+    rows, many programs. Key tiles of ``GPU_TILE_N`` keys lie inside one cache block
+    when the block size is a multiple of it (one block id per tile, regular loads);
+    other block sizes gather keys one by one. Split-KV is used when the step has too
+    few programs to fill the GPU and the contexts are long (flash-decoding). In the
+    interpreter, cost is per executed op, so bigger tiles and fewer programs are
+    faster. ``capability`` (80 = sm_80) and ``head_dim`` decide what fits in registers.
     """
     group_p = next_power_of_2(group)
     q = next_power_of_2(max(1, max_query_len))
     if interpreted:
         block_q = max(1, min(q, 128 // group_p))
         return TileShape(block_q=block_q, group_p=group_p, tile_n=64, num_splits=1)
-    block_q = max(1, min(q, max(64, group_p) // group_p))
-    if block_q * group_p < 16:
-        block_q = 16 // group_p  # pad with query tokens up to the 16 rows tl.dot needs
+    tile_n = GPU_TILE_N if block_size % GPU_TILE_N == 0 else 32
+    max_rows = SUB_ROWS if capability < 90 and next_power_of_2(head_dim) >= 128 else MAX_ROWS
+    if q <= MAX_TREE_QUERY:
+        block_q = max(1, 16 // group_p, min(q, max_rows // group_p))  # >= 16 rows for tl.dot
+        num_sub = 1
+        while block_q * group_p // num_sub > SUB_ROWS and num_sub * 2 <= block_q:
+            num_sub *= 2  # sub-tiles of at most SUB_ROWS rows
+    else:
+        block_q = max(1, max(SUB_ROWS, group_p) // group_p)
+        num_sub = 1
+    # 8 warps for two sub-tiles; a 32-row tile spills with 4 warps and not with 2.
+    sub_rows = block_q * group_p // num_sub
+    num_warps = 8 if num_sub > 1 else (2 if sub_rows == 32 else 4)
     num_tiles = num_requests * max(1, cdiv(max(1, max_query_len), block_q))
     programs = num_tiles * num_kv_heads
     num_splits = 1
@@ -82,7 +128,8 @@ def choose_tile_shape(
         want = cdiv(2 * num_sms, programs)
         by_length = max_context_len // 512
         num_splits = min(16, next_power_of_2(min(want, by_length)))
-    return TileShape(block_q=block_q, group_p=group_p, tile_n=32, num_splits=num_splits)
+    return TileShape(block_q=block_q, group_p=group_p, tile_n=tile_n, num_splits=num_splits, num_sub=num_sub,
+                     num_warps=num_warps)
 
 
 def tree_ancestor_words(parents: Sequence[int], num_words: int) -> list[list[int]]:
@@ -134,9 +181,8 @@ class KernelPlan:
             tile_req.extend([i] * len(starts))
             tile_q.extend(starts)
         num_tiles = len(tile_req)
-        host = torch.tensor(tile_req + tile_q, dtype=torch.int32)
-        dev = self.buffers.upload(host, slot=f"tiles{block_q}")
-        result = (dev[:num_tiles], dev[num_tiles:], num_tiles)
+        views = _upload_sections(self.buffers, f"tiles{block_q}", [tile_req, tile_q])
+        result = (views[0], views[1], num_tiles)
         self.tile_cache[block_q] = result
         return result
 
@@ -253,10 +299,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
         [b for t in tables for b in t],
         tree_flat,
     ]
-    sizes = [len(s) for s in sections]
-    host = torch.tensor([x for s in sections for x in s], dtype=torch.int32)
-    dev = buffers.upload(host, slot="step")
-    views = list(torch.split(dev, sizes))
+    views = _upload_sections(buffers, "step", sections)
     return KernelPlan(
         num_tokens=num_tokens,
         num_requests=num_requests,
@@ -274,6 +317,24 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
         buffers=buffers,
         tile_cache={},
     )
+
+
+# Sections start on 64-byte boundaries: every pointer a kernel gets is then equally
+# aligned in every step, so Triton's alignment specialisation never changes with the
+# batch (a change would mean a new compile in the middle of serving).
+_SECTION_ALIGN = 16  # int32 elements
+
+
+def _upload_sections(buffers: PlanBuffers, slot: str, sections: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Upload int32 ``sections`` in one copy, each at an aligned offset; their views."""
+    flat: list[int] = []
+    spans = []
+    for section in sections:
+        spans.append((len(flat), len(section)))
+        flat.extend(section)
+        flat.extend([0] * (-len(flat) % _SECTION_ALIGN))
+    dev = buffers.upload(torch.tensor(flat, dtype=torch.int32), slot=slot)
+    return [dev[start:start + n] for start, n in spans]
 
 
 def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device) -> None:

@@ -62,36 +62,50 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _attend_tile(
-    acc, m_i, l_i, q, start, kv_end, prefix, req, kv_head,
-    tok, q_idx, row_valid, is_tree,
-    k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr,
+def _load_kv_tile(
+    start, kv_end, req, kv_head, block_tables_ptr, k_cache_ptr, v_cache_ptr, kv_loads_ptr,
     stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    tree_words, scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_ALIGNED: tl.constexpr, COUNT_LOADS: tl.constexpr,
 ):
-    """Online-softmax update of one query tile with keys ``start .. start + TILE_N``.
+    """Keys and values ``start .. start + TILE_N`` of a request's KV head.
 
-    Keys are gathered one by one through the block table, so a tile may span
-    several blocks or part of one: any block size works. ``MASKED`` tiles reach
-    into the request's new tokens and apply the causal or tree mask; tiles wholly
-    inside the prefix are visible to every query.
+    ``BLOCK_ALIGNED`` tiles lie inside one cache block (``BLOCK_SIZE`` a multiple of
+    ``TILE_N``, ``start`` a multiple of ``TILE_N``): one block id, then regular loads
+    the compiler can pipeline. Otherwise keys are gathered one by one through the
+    block table, so any block size works.
     """
     pos = start + tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM_P)
     key_valid = pos < kv_end
-    blk = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-    off = (pos % BLOCK_SIZE).to(tl.int64)
     kv_mask = key_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    k = tl.load(
-        k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-        mask=kv_mask, other=0.0,
-    )
-    v = tl.load(
-        v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-        mask=kv_mask, other=0.0,
-    )
+    if BLOCK_ALIGNED:
+        blk = tl.load(block_tables_ptr + req * stride_bt + start // BLOCK_SIZE).to(tl.int64)
+        off = (start % BLOCK_SIZE + tl.arange(0, TILE_N)).to(tl.int64)
+        k_rows = k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh
+        v_rows = v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh
+    else:
+        blk = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        off = (pos % BLOCK_SIZE).to(tl.int64)
+        k_rows = k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh
+        v_rows = v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh
+    k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if COUNT_LOADS:  # tests count K/V tile loads per request
+        tl.atomic_add(kv_loads_ptr + req, 1)
+    return k, v, pos, key_valid
+
+
+@triton.jit
+def _attend_rows(
+    acc, m_i, l_i, q, k, v, pos, key_valid, prefix, tok, q_idx, row_valid, is_tree,
+    tree_mask_ptr, tree_words, scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online-softmax update of one query sub-tile with one K/V tile.
+
+    ``MASKED`` tiles reach into the request's new tokens and apply the causal or
+    tree mask; tiles wholly inside the prefix are visible to every query.
+    """
     if DOT_FP32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -124,28 +138,110 @@ def _attend_tile(
 
 
 @triton.jit
+def _sub_tile_rows(q_ptr, q_begin, q_len, q_start, kv_head, stride_qt, stride_qh,
+                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, SUB_M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A query sub-tile from query ``q_start`` on: ``SUB_M`` rows, token-major, each
+    token with the ``GROUP`` query heads of the KV head. Returns its queries, the
+    rows' query indices, validity, token ids and heads."""
+    rows = tl.arange(0, SUB_M)
+    q_idx = q_start + rows // GROUP_P
+    head_in_group = rows % GROUP_P
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    tok = (q_begin + q_idx).to(tl.int64)
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, HEAD_DIM_P)
+    q_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q, q_idx, row_valid, tok, head
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i, split, tok, head, row_valid, out_ptr, part_acc_ptr, part_ml_ptr,
+                 num_tokens, num_heads, stride_ot, stride_oh,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 MANUAL_BF16: tl.constexpr):
+    """Write a sub-tile's output (or, with split-KV, its unnormalised partials)."""
+    dims = tl.arange(0, HEAD_DIM_P)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            _cast(out, out_ptr.dtype.element_ty, MANUAL_BF16), mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :],
+        )
+    else:
+        part_row = (split * num_tokens + tok) * num_heads + head  # [SUB_M] int64
+        # All HEAD_DIM_P columns (padding ones are 0) so the reduce reads no unwritten memory.
+        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_P + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _attend_kv_tile(
+    start, kv_end, prefix, req, kv_head, is_tree,
+    acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
+    q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
+    stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_ALIGNED: tl.constexpr, COUNT_LOADS: tl.constexpr, NUM_SUB: tl.constexpr,
+    DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One K/V tile, loaded once, against every query sub-tile of the program."""
+    k, v, pos, key_valid = _load_kv_tile(
+        start, kv_end, req, kv_head, block_tables_ptr, k_cache_ptr, v_cache_ptr, kv_loads_ptr,
+        stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS,
+    )
+    acc0, m0, l0 = _attend_rows(acc0, m0, l0, q0, k, v, pos, key_valid, prefix, tok0, qi0, ok0, is_tree,
+                                tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
+    if NUM_SUB > 1:
+        acc1, m1, l1 = _attend_rows(acc1, m1, l1, q1, k, v, pos, key_valid, prefix, tok1, qi1, ok1, is_tree,
+                                    tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
+    if NUM_SUB > 2:
+        acc2, m2, l2 = _attend_rows(acc2, m2, l2, q2, k, v, pos, key_valid, prefix, tok2, qi2, ok2, is_tree,
+                                    tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
+        acc3, m3, l3 = _attend_rows(acc3, m3, l3, q3, k, v, pos, key_valid, prefix, tok3, qi3, ok3, is_tree,
+                                    tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
+    return acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3
+
+
+# Integers that change from step to step are not specialised on (Triton would
+# otherwise compile a variant for 1, for multiples of 16 and for the rest, and a
+# server would recompile mid-run); the others are fixed per model and cache.
+@triton.jit(do_not_specialize=["num_tokens", "stride_bt", "tree_words"])
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_ptr, context_lens_ptr, is_tree_ptr, tree_mask_ptr,
-    tile_req_ptr, tile_q_ptr, part_acc_ptr, part_ml_ptr,
+    tile_req_ptr, tile_q_ptr, part_acc_ptr, part_ml_ptr, kv_loads_ptr,
     scale_log2, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, tree_words,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SUB: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    COUNT_LOADS: tl.constexpr,
 ):
     """Paged attention for a whole mixed batch in one launch.
 
     Grid ``(num_tiles, num_kv_heads, NUM_SPLITS)``. A program takes ``BLOCK_Q``
     consecutive new tokens of one request and all ``GROUP`` query heads that share
-    one KV head (``BLOCK_M`` rows, token-major), and walks that request's keys up
-    to its last query of the tile. Keys before the request's prefix end are seen by
-    everyone; among the new tokens the mask is causal, or ancestors-only for a tree
-    request. With ``NUM_SPLITS > 1`` each program takes one segment of the keys and
-    writes unnormalised partial results for :func:`_reduce_splits_kernel`.
+    one KV head, as ``NUM_SUB`` (1, 2 or 4) query sub-tiles of ``BLOCK_Q / NUM_SUB``
+    tokens; it walks that request's keys up to its last query, and every K/V tile
+    it loads serves all of its sub-tiles. A token tree whose nodes fit one program
+    thus reads its KV prefix once, as a decode does. Keys before the request's
+    prefix end are seen by everyone; among the new tokens the mask is causal, or
+    ancestors-only for a tree request. With ``NUM_SPLITS > 1`` each program takes
+    one segment of the keys and writes unnormalised partial results for
+    :func:`_reduce_splits_kernel`.
     """
+    SUB_Q: tl.constexpr = BLOCK_Q // NUM_SUB
+    SUB_M: tl.constexpr = SUB_Q * GROUP_P
+    BLOCK_ALIGNED: tl.constexpr = BLOCK_SIZE % TILE_N == 0
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,17 +255,23 @@ def _unified_attention_kernel(
     is_tree = tl.load(is_tree_ptr + req)
     prefix = ctx - q_len
 
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile_start + rows // GROUP_P
-    head_in_group = rows % GROUP_P
-    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
-    tok = (q_begin + q_idx).to(tl.int64)
-    head = kv_head * GROUP + head_in_group
-    dims = tl.arange(0, HEAD_DIM_P)
-    q_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    # Sub-tiles the program does not have (NUM_SUB < 4) repeat sub-tile 0's values;
+    # they are never updated or written.
+    q0, qi0, ok0, tok0, head0 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start, kv_head, stride_qt, stride_qh,
+                                               GROUP, GROUP_P, SUB_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
+    q1, qi1, ok1, tok1, head1 = q0, qi0, ok0, tok0, head0
+    q2, qi2, ok2, tok2, head2 = q0, qi0, ok0, tok0, head0
+    q3, qi3, ok3, tok3, head3 = q0, qi0, ok0, tok0, head0
+    if NUM_SUB > 1:
+        q1, qi1, ok1, tok1, head1 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start + SUB_Q, kv_head, stride_qt,
+                                                   stride_qh, GROUP, GROUP_P, SUB_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
+    if NUM_SUB > 2:
+        q2, qi2, ok2, tok2, head2 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start + 2 * SUB_Q, kv_head,
+                                                   stride_qt, stride_qh, GROUP, GROUP_P, SUB_M, HEAD_DIM,
+                                                   HEAD_DIM_P, DOT_FP32)
+        q3, qi3, ok3, tok3, head3 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start + 3 * SUB_Q, kv_head,
+                                                   stride_qt, stride_qh, GROUP, GROUP_P, SUB_M, HEAD_DIM,
+                                                   HEAD_DIM_P, DOT_FP32)
 
     # Keys this tile needs: the prefix and the new tokens up to its last query
     # (tree parents precede their children, so a tree needs no more than causal).
@@ -179,39 +281,44 @@ def _unified_attention_kernel(
     seg_end = tl.minimum(seg_start + tiles_per_split * TILE_N, kv_end)
     unmasked_end = (prefix // TILE_N) * TILE_N
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    m0 = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+    l0 = tl.zeros([SUB_M], dtype=tl.float32)
+    acc0 = tl.zeros([SUB_M, HEAD_DIM_P], dtype=tl.float32)
+    acc1, m1, l1 = acc0, m0, l0
+    acc2, m2, l2 = acc0, m0, l0
+    acc3, m3, l3 = acc0, m0, l0
     for start in range(seg_start, tl.minimum(seg_end, unmasked_end), TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, kv_end, prefix, req, kv_head, tok, q_idx, row_valid, is_tree,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr,
-            stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            tree_words, scale_log2, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, DOT_FP32, False,
+        acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3 = _attend_kv_tile(
+            start, kv_end, prefix, req, kv_head, is_tree,
+            acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
+            q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
+            stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS, NUM_SUB, DOT_FP32, False,
         )
     for start in range(tl.maximum(seg_start, unmasked_end), seg_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, kv_end, prefix, req, kv_head, tok, q_idx, row_valid, is_tree,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr,
-            stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            tree_words, scale_log2, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, DOT_FP32, True,
+        acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3 = _attend_kv_tile(
+            start, kv_end, prefix, req, kv_head, is_tree,
+            acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
+            q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
+            stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS, NUM_SUB, DOT_FP32, True,
         )
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            _cast(out, out_ptr.dtype.element_ty, MANUAL_BF16), mask=q_mask,
-        )
-    else:
-        part_row = (split * num_tokens + tok) * num_heads + head  # [BLOCK_M] int64
-        # All HEAD_DIM_P columns (padding ones are 0) so the reduce reads no unwritten memory.
-        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_P + dims[None, :], acc, mask=row_valid[:, None])
-        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
-        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
+    _finish_rows(acc0, m0, l0, split, tok0, head0, ok0, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, num_heads,
+                 stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
+    if NUM_SUB > 1:
+        _finish_rows(acc1, m1, l1, split, tok1, head1, ok1, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
+                     num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
+    if NUM_SUB > 2:
+        _finish_rows(acc2, m2, l2, split, tok2, head2, ok2, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
+                     num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
+        _finish_rows(acc3, m3, l3, split, tok3, head3, ok3, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
+                     num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
@@ -234,7 +341,7 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, _cast(out, out_ptr.dtype.element_ty, MANUAL_BF16), mask=dims < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_elems"])
 def _copy_rows_kernel(
     src_table_ptr, dst_table_ptr, src_idx_ptr, dst_idx_ptr, row_elems,
     DTYPE: tl.constexpr, BLOCK_E: tl.constexpr,

@@ -99,14 +99,17 @@ def store_kv(
     )
 
 
-def default_tile_shape(plan: KernelPlan, num_heads: int, num_kv_heads: int, device: torch.device) -> TileShape:
+def default_tile_shape(plan: KernelPlan, num_heads: int, num_kv_heads: int, device: torch.device,
+                       head_dim: int = 128) -> TileShape:
     """The tile shape :func:`unified_attention` uses when none is given."""
-    num_sms = 132
+    num_sms, capability = 132, 90
     if device.type == "cuda" and not K.INTERPRETED:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        props = torch.cuda.get_device_properties(device)
+        num_sms, capability = props.multi_processor_count, 10 * props.major + props.minor
     return choose_tile_shape(
         plan.max_query_len, num_heads // num_kv_heads, plan.num_requests, num_kv_heads,
-        plan.max_context_len, interpreted=K.INTERPRETED, num_sms=num_sms,
+        plan.max_context_len, interpreted=K.INTERPRETED, num_sms=num_sms, block_size=plan.block_size,
+        capability=capability, head_dim=head_dim,
     )
 
 
@@ -118,11 +121,18 @@ def unified_attention(
     scale: float,
     tile: TileShape | None = None,
     out: torch.Tensor | None = None,
+    dot_fp32: bool | None = None,
+    kv_loads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` over the paged cache in one launch; ``[T, H, D]``.
 
     The new tokens' keys and values must already be stored. ``tile`` overrides the
     tile shape (tests use it to reach multi-tile and split-KV paths on small inputs).
+    ``dot_fp32`` chooses the products: fp32 (``input_precision="ieee"``) or the
+    inputs' own 16-bit ``tl.dot`` (tensor cores on a GPU). By default a GPU takes the
+    16-bit path for 16-bit inputs and the interpreter takes fp32; tests force the
+    16-bit path there. ``kv_loads`` (int32 ``[num_requests]``, zeroed), when given,
+    counts the K/V tiles loaded per request (over heads, query tiles and splits).
     """
     check_cache(key_cache, value_cache)
     device = key_cache.device
@@ -139,7 +149,7 @@ def unified_attention(
     if plan.query_start.device != device:
         raise ValueError(f"plan is on {plan.query_start.device}, the KV cache on {device}")
     group = num_heads // num_kv_heads
-    tile = tile or default_tile_shape(plan, num_heads, num_kv_heads, device)
+    tile = tile or default_tile_shape(plan, num_heads, num_kv_heads, device, head_dim)
     if tile.group_p < group or tile.group_p & (tile.group_p - 1):
         raise ValueError(f"tile group_p {tile.group_p} must be a power of two >= {group}")
     for name in ("block_q", "tile_n", "num_splits"):
@@ -147,8 +157,13 @@ def unified_attention(
             raise ValueError(f"tile {name} must be >= 1")
     if tile.block_q & (tile.block_q - 1) or tile.tile_n & (tile.tile_n - 1) or tile.tile_n < 16:
         raise ValueError("tile block_q and tile_n must be powers of two, tile_n >= 16")
-    if tile.block_m < 16 and not K.INTERPRETED:
-        raise ValueError(f"tile has {tile.block_m} rows; compiled tl.dot needs at least 16")
+    if tile.num_sub not in (1, 2, 4) or tile.block_q % tile.num_sub:
+        raise ValueError(f"tile num_sub must be 1, 2 or 4 and divide block_q {tile.block_q}, got {tile.num_sub}")
+    if tile.sub_m < 16 and not K.INTERPRETED:
+        raise ValueError(f"tile has {tile.sub_m} rows per sub-tile; compiled tl.dot needs at least 16")
+    if kv_loads is not None and (kv_loads.dtype != torch.int32 or kv_loads.shape != (plan.num_requests,)
+                                 or kv_loads.device != device):
+        raise ValueError(f"kv_loads must be an int32 [{plan.num_requests}] tensor on {device}")
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.device != device or out.stride(-1) != 1:
@@ -157,7 +172,12 @@ def unified_attention(
         return out
     tile_req, tile_q, num_tiles = plan.tiles(tile.block_q)
     head_dim_p = max(16, next_power_of_2(head_dim))
-    dot_fp32 = K.INTERPRETED or query.dtype == torch.float32 or query.dtype != key_cache.dtype
+    mixed = query.dtype == torch.float32 or query.dtype != key_cache.dtype
+    if dot_fp32 is None:
+        dot_fp32 = K.INTERPRETED or mixed
+    elif not dot_fp32 and mixed:
+        raise ValueError(f"16-bit products need 16-bit query and cache of one dtype, got {query.dtype} "
+                         f"and {key_cache.dtype}")
     splits = tile.num_splits
     if splits > 1:
         # Reused by every layer of the step (launches are stream-ordered).
@@ -168,15 +188,16 @@ def unified_attention(
     K._unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
         out, query, key_cache, value_cache,
         plan.block_tables, plan.query_start, plan.context_lens, plan.is_tree, plan.tree_mask,
-        tile_req, tile_q, part_acc, part_ml,
+        tile_req, tile_q, part_acc, part_ml, kv_loads if kv_loads is not None else tile_req,
         scale * _LOG2E, plan.num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         plan.block_tables.stride(0), plan.tree_words,
-        GROUP=group, GROUP_P=tile.group_p, BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m,
+        GROUP=group, GROUP_P=tile.group_p, BLOCK_Q=tile.block_q, NUM_SUB=tile.num_sub,
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
         TILE_N=tile.tile_n, NUM_SPLITS=splits, DOT_FP32=dot_fp32, MANUAL_BF16=K.INTERPRETED,
+        COUNT_LOADS=kv_loads is not None, **({"num_warps": tile.num_warps} if tile.num_warps else {}),
     )
     if splits > 1:
         K._reduce_splits_kernel[(plan.num_tokens, num_heads)](

@@ -17,7 +17,12 @@ pytest.importorskip("triton")
 from pagedtree.attention import torch_backend as reference  # noqa: E402
 from pagedtree.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedtree.kernels import triton_ops  # noqa: E402
-from pagedtree.kernels.attention_plan import PlanBuffers, TileShape, build_kernel_plan  # noqa: E402
+from pagedtree.kernels.attention_plan import (  # noqa: E402
+    PlanBuffers,
+    TileShape,
+    build_kernel_plan,
+    choose_tile_shape,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -122,12 +127,55 @@ def test_tree_shapes_in_one_launch(dtype):
         TileShape(block_q=8, group_p=2, tile_n=16, num_splits=1),  # several query tiles per request
         TileShape(block_q=8, group_p=4, tile_n=32, num_splits=3),  # padded group, split-KV
         TileShape(block_q=1, group_p=16, tile_n=16, num_splits=2),  # one token per program
+        TileShape(block_q=16, group_p=2, tile_n=16, num_splits=1, num_sub=2),  # sub-tiles share K/V tiles
+        TileShape(block_q=16, group_p=4, tile_n=16, num_splits=2, num_sub=4),  # ... with split-KV
     ],
-    ids=["multi-tile", "padded-group-split", "one-token-split"],
+    ids=["multi-tile", "padded-group-split", "one-token-split", "two-sub-tiles", "four-sub-tiles-split"],
 )
 def test_tile_shapes_match_reference(tile):
     kinds = [("prefill", 11, 16), ("decode", 1, 40), ("tree", 7, 16), ("star", 4, 0)]
     Batch(kinds, 16, 4, 2, 32, torch.float32, seed=5).check(tile)
+
+
+@pytest.mark.parametrize("block_size,tile_n", [(16, 16), (32, 32), (16, 32)], ids=["aligned16", "aligned32", "gather"])
+def test_block_aligned_key_tiles(block_size, tile_n):
+    """Key tiles of exactly one cache block (one block id per tile) and gathered ones."""
+    kinds = [("prefill", 13, 2 * block_size), ("decode", 1, block_size - 1), ("tree", 12, block_size + 3)]
+    Batch(kinds, block_size, 4, 2, 32, torch.float32, seed=7).check(
+        TileShape(block_q=16, group_p=2, tile_n=tile_n, num_splits=1, num_sub=2))
+
+
+def _kv_loads(kinds, tile: TileShape, kv_heads: int = 2) -> list[int]:
+    batch = Batch(kinds, 16, 4 * kv_heads, kv_heads, 16, torch.float32, seed=8)
+    loads = torch.zeros(len(kinds), dtype=torch.int32, device=DEVICE)
+    out = triton_ops.unified_attention(batch.query, batch.k_cache, batch.v_cache, batch.plan(), batch.scale,
+                                       tile=tile, kv_loads=loads)
+    torch.testing.assert_close(out.float(), batch.expected(), atol=1e-4, rtol=1e-4)
+    return loads.tolist()
+
+
+@pytest.mark.parametrize("nodes,reads", [(16, 1), (32, 1), (64, 2)])
+def test_a_tree_reads_its_kv_once_like_a_decode(nodes, reads):
+    """With the tile shape a GPU gets, a tree of up to 32 nodes at 4 query heads per
+    KV head (128 rows: two sub-tiles sharing each K/V tile) loads as many K/V tiles
+    as a decode at the same KV length; a 64-node tree, in two programs, twice as
+    many (four 64-row accumulators spill registers: see choose_tile_shape)."""
+    length = 100
+    tree = [("tree", nodes, length - nodes)] * 2
+    decode = [("decode", 1, length - 1)] * 2
+    shape = lambda kinds: choose_tile_shape(max(n for _, n, _ in kinds), 4, len(kinds), 2, length,  # noqa: E731
+                                            interpreted=False, block_size=16)
+    assert shape(tree).num_sub == (1 if nodes == 16 else 2)
+    tree_loads, decode_loads = _kv_loads(tree, shape(tree)), _kv_loads(decode, shape(decode))
+    assert decode_loads == [2 * -(-length // 16)] * 2  # KV heads x tiles of 16 keys
+    if reads == 1:
+        assert tree_loads == decode_loads
+    else:  # the second program reads up to its own last query only
+        assert all(d < t <= reads * d for t, d in zip(tree_loads, decode_loads))
+    # The counter counts: query tiles of 16 tokens (one sub-tile each, the shape before
+    # sub-tiles) re-read the prefix once per tile.
+    per_tile = _kv_loads(tree, TileShape(block_q=16, group_p=4, tile_n=16, num_splits=1))
+    assert per_tile == tree_loads if nodes == 16 else all(a > t for a, t in zip(per_tile, tree_loads))
 
 
 def test_split_kv_long_prefix():

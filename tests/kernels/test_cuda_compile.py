@@ -1,0 +1,85 @@
+"""Every Triton kernel compiles to cubin for sm_80 and sm_90 on this GPU-less machine,
+and the 16-bit kernels do not spill registers (``pagedtree.kernels.cuda_compile``).
+
+The compile runs in a subprocess without ``TRITON_INTERPRET`` (the test process
+defines the kernels for the interpreter). The default suite compiles a pairwise
+covering of the cases (every pair of values of dtype, head dim, GQA group, block
+size and step kind at least once: 18 cases per GPU, about two minutes on two cores
+with an empty Triton cache); ``-m slow`` compiles every combination (216 per GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from pagedtree.kernels.cuda_compile import KernelBuild, problems  # noqa: E402
+
+KERNELS = {"_store_kv_kernel", "_unified_attention_kernel", "_reduce_splits_kernel", "_copy_rows_kernel"}
+
+
+def _compile(out_dir, cover: str):
+    out = out_dir / f"kernels_sm_{cover}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pagedtree.kernels.cuda_compile", "--arch", "80,90",
+                           "--cover", cover, "--json", str(out), "--no-progress"], env=env, capture_output=True,
+                          text=True, timeout=3600)
+    assert out.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("cubin"), "pairwise")
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_without_16bit_spills(report):
+    proc, data = report
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    builds = data["builds"]
+    for arch in (80, 90):
+        mine = [b for b in builds if b["arch"] == arch]
+        assert {b["kernel"] for b in mine} == KERNELS
+        assert all(b["registers"] > 0 and not b["error"] for b in mine)
+        assert {b["dtype"] for b in mine} == {"fp16", "bf16", "fp32"}
+        attention = [b for b in mine if b["kernel"] == "_unified_attention_kernel"]
+        # The 16-bit path uses tensor cores: no fp32 products in its specialisations.
+        assert all(b["constexprs"]["DOT_FP32"] is (b["dtype"] == "fp32") for b in attention)
+        assert {b["constexprs"]["HEAD_DIM"] for b in attention} == {64, 128}
+        assert {b["constexprs"]["GROUP"] for b in attention} == {1, 4, 8}
+        assert {b["constexprs"]["BLOCK_SIZE"] for b in attention} == {16, 32}
+        assert {b["constexprs"]["NUM_SPLITS"] > 1 for b in attention} == {True, False}
+        # Trees in two sub-tiles (on sm_80 only below head dim 128: see choose_tile_shape).
+        assert {b["constexprs"]["NUM_SUB"] for b in attention} <= {1, 2}
+        if arch == 90:
+            assert 2 in {b["constexprs"]["NUM_SUB"] for b in attention}
+
+
+@pytest.mark.slow
+def test_every_combination_compiles_without_16bit_spills(tmp_path):
+    proc, data = _compile(tmp_path, "all")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {b["kernel"] for b in data["builds"]} == KERNELS
+
+
+def test_spills_and_errors_are_problems():
+    ok = KernelBuild("k", "bf16 case", 90, "bf16", registers=128)
+    spilling = KernelBuild("k", "bf16 case", 90, "bf16", registers=255, spill_stores=3, stack_bytes=24)
+    fp32_spilling = KernelBuild("k", "fp32 case", 90, "fp32", registers=255, spill_stores=3, stack_bytes=24)
+    broken = KernelBuild("k", "fp16 case", 80, "fp16", error="CompilationError: boom")
+    assert problems([ok, fp32_spilling]) == []
+    assert len(problems([spilling, broken])) == 2
+
+
+def test_steps_of_varying_sizes_reuse_one_compiled_kernel(report):
+    """Batch size, context length and block-table width change every step; none of
+    them may make a server compile a new variant."""
+    _, data = report
+    for arch, counts in data["variants_over_varying_steps"].items():
+        assert counts and all(n == 1 for n in counts.values()), (arch, counts)
