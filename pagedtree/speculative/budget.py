@@ -51,6 +51,11 @@ SuffixTreeOf = Callable[[Request], TokenTree | None]
 ALONE_MIN_EXPECTED = 2.0
 
 
+def _accepted_path(trials: Sequence[tuple[int, int, bool]]) -> int:
+    """Tokens accepted by one verification: the deepest accepted trial's depth."""
+    return max((depth for depth, _, hit in trials if hit), default=0)
+
+
 class BudgetPolicy:
     """Chooses each step's node budget per request (0 = plain decoding)."""
 
@@ -68,6 +73,11 @@ class BudgetPolicy:
         self.draft_backlog: DraftBacklog | None = None
         self.suffix_tree: SuffixTreeOf | None = None
         self.draft_free: set[str] = set()  # this step's requests the draft models sit out
+        # Accepted tokens of draft-free suffix trees over what their counts predicted
+        # (an EMA): counts from a few occurrences (a prompt copied once) under-rate
+        # how often the target follows them; the plan scales them by it.
+        self.suffix_factor = 1.0
+        self._free_predicted: dict[str, float] = {}
         self._shapes: dict[int, TreeShape] = {}
         self._verifications_since_refresh = 0
         self.num_steps_speculation_off = 0
@@ -137,7 +147,7 @@ class BudgetPolicy:
             # the drafts would, it dominates; whether the others should too (less
             # gained, no draft levels) is the plans' call.
             scales = {r.request_id: self._evidence_scale(r) for r in requests}
-            by_suffix = {rid: {b: scales[rid] * expected_accepted(t, b) for b in candidates}
+            by_suffix = {rid: {b: scales[rid] * self.suffix_factor * expected_accepted(t, b) for b in candidates}
                          for rid, t in suffix_trees.items()}
             dominant = {rid for rid, e in by_suffix.items() if e[cfg.max_nodes] >= expected[rid][cfg.max_nodes]}
             for option in (dominant, set(suffix_trees)):
@@ -147,6 +157,7 @@ class BudgetPolicy:
                     plan, free = other, option
         self.last_plan = plan
         self.draft_free = {rid for rid in free if plan.budgets.get(rid, 0) > 0}
+        self._free_predicted = {rid: expected_accepted(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
@@ -191,6 +202,10 @@ class BudgetPolicy:
         expected = sum(table.rate(depth, rank) for depth, rank, _ in trials)
         hits = sum(1 for _, _, hit in trials if hit)
         table.observe(trials)
+        predicted = self._free_predicted.pop(request.request_id, None)
+        if predicted:  # a draft-free suffix tree: how its counts did
+            ratio = min(max(_accepted_path(trials) / predicted, 0.25), 4.0)
+            self.suffix_factor += _FACTOR_EMA * (ratio - self.suffix_factor)
         evidence = self.evidence.get(request.request_id)
         if evidence is None:
             evidence = self.evidence[request.request_id] = RequestEvidence()

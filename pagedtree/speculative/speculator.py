@@ -202,6 +202,7 @@ class Speculator:
         suffix = self.proposer.suffix.stats() if self.proposer.suffix is not None else {}
         if suffix and self.drafts:
             suffix["suffix_num_alone"] = self.proposer.num_suffix_alone
+            suffix["suffix_plan_factor"] = self.budget.suffix_factor
         return self.metrics.stats() | suffix | {
             "num_draft_forward_passes": sum(d.num_forward_passes for d in self.drafts),
             "num_steps_speculation_off": self.budget.num_steps_speculation_off,

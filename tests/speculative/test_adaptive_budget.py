@@ -304,3 +304,23 @@ def test_a_weaker_suffix_tree_wins_only_where_drafting_costs_more_than_it_adds()
         assert max(policy.choose(requests, 0).values()) > 0
     assert costly.draft_free == {requests[0].request_id}
     assert cheap.draft_free == set()
+
+
+def test_suffix_trees_that_beat_their_counts_are_trusted_more():
+    """Counts from a prompt copied once under-rate how often the target follows it:
+    draft-free trees accepted beyond their counts raise the factor the plan scales
+    them by, until such a tree is taken over a cheap draft model's chain."""
+    requests = _requests(1)
+    weak = _chain_tree(4, -0.4)  # about 1.6 tokens by its counts
+    costly, cheap = _merged_policy(0.5), _merged_policy(0.02)
+    costly.suffix_tree = cheap.suffix_tree = lambda r: weak
+    for _ in range(30):
+        costly.choose(requests, 0)
+        assert costly.draft_free == {requests[0].request_id}
+        costly.observe_verification(requests[0], [(1, 0, True), (2, 0, True), (3, 0, True), (4, 0, True)])
+    assert costly.suffix_factor > 2.0
+    cheap.choose(requests, 0)
+    assert cheap.draft_free == set()
+    cheap.suffix_factor = costly.suffix_factor
+    cheap.choose(requests, 0)
+    assert cheap.draft_free == {requests[0].request_id}
