@@ -74,13 +74,19 @@ def kernel_resources(compiled: dict, arch: int, dtype: str, head_dim: int, group
     """The compiled attention kernel's registers, warps and shared memory for a tile
     shape: the compiled case with the same head dim, group, sub-tiles and split-KV
     (the most registers among those)."""
-    best = None
-    for b in compiled["builds"]:
+    def matches(b: dict, strict: bool) -> bool:
         c = b["constexprs"]
-        if (b["kernel"] == "_unified_attention_kernel" and b["arch"] == arch and b["dtype"] == dtype
+        return (b["kernel"] == "_unified_attention_kernel" and b["arch"] == arch and b["dtype"] == dtype
                 and c.get("HEAD_DIM") == head_dim and c.get("GROUP") == group and c.get("NUM_SUB", 1) == num_sub
-                and (c.get("NUM_SPLITS", 1) > 1) == splits):
-            best = b if best is None or b["registers"] > best["registers"] else best
+                and (not strict or (c.get("NUM_SPLITS", 1) > 1) == splits))
+
+    best = None
+    for strict in (True, False):  # split-KV changes little in registers: fall back to the other
+        for b in compiled["builds"]:
+            if matches(b, strict):
+                best = b if best is None or b["registers"] > best["registers"] else best
+        if best is not None:
+            break
     if best is None:
         raise SystemExit(f"no compiled attention kernel for sm_{arch} {dtype} D{head_dim} G{group} "
                          f"{num_sub} sub-tiles split={splits} in the JSON; compile with those cases")
