@@ -175,16 +175,12 @@ def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     A token of probability zero is never drawn: the search returns the first index
     whose cumulative sum exceeds ``u``, which is a strict increase.
     """
-    return draw_tokens(probs.reshape(1, -1), [generator])[0]
-
-
-def draw_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
-    """``draw_token`` for every row of ``probs [N, V]``, row ``i`` from ``generators[i]``."""
-    return draw_token_tensor(probs, generators).tolist()
+    return int(draw_token_tensor(probs.reshape(1, -1), [generator])[0])
 
 
 def draw_token_tensor(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """``draw_tokens`` as a device tensor ``[N]`` (no host sync).
+    """``draw_token`` for every row of ``probs [N, V]``, row ``i`` from ``generators[i]``,
+    as a device tensor ``[N]`` (no host sync).
 
     Each row takes exactly one uniform number from its own generator, so a request's
     stream does not depend on its neighbours; the sums and searches run batched. The

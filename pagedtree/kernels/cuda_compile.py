@@ -193,14 +193,36 @@ def pairwise(*dimensions: tuple) -> list[tuple]:
     return chosen
 
 
+def _launch_step(arch: int, dtype: torch.dtype, head_dim: int, group: int, block_size: int, requests: int,
+                 new: int, context: int, tree: bool, copies: bool) -> None:
+    """Run the launchers of one step as a GPU of ``sm_<arch>`` would: the KV store,
+    attention with the tile shape the launch code picks there, and (``copies``) a
+    copy-on-write block copy and a slot compaction."""
+    from pagedtree.kernels import attention_plan as AP
+    from pagedtree.kernels import triton_ops
+
+    meta, num_blocks = _step(block_size, requests, new, context, tree)
+    plan = AP.build_kernel_plan(meta, num_blocks, AP.PlanBuffers(torch.device("cpu")))
+    cache = [torch.empty(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype=dtype) for _ in range(2)]
+    key = torch.empty(plan.num_tokens, NUM_KV_HEADS, head_dim, dtype=dtype)
+    query = torch.empty(plan.num_tokens, NUM_KV_HEADS * group, head_dim, dtype=dtype)
+    triton_ops.store_kv(key, key, cache[0], cache[1], plan.slot_mapping, slots_checked=True)
+    tile = AP.choose_tile_shape(plan.max_query_len, group, plan.num_requests, NUM_KV_HEADS, plan.max_context_len,
+                                interpreted=False, num_sms=ARCH_SMS[arch], block_size=block_size, capability=arch,
+                                head_dim=head_dim)
+    triton_ops.unified_attention(query, cache[0], cache[1], plan, 1.0 / head_dim ** 0.5, tile=tile)
+    if copies:
+        table = triton_ops.pointer_table(cache, torch.device("cpu"))
+        row = block_size * NUM_KV_HEADS * head_dim
+        triton_ops.copy_rows(cache, table, num_blocks, row, [0], [1])  # copy-on-write block
+        triton_ops.copy_rows(cache, table, num_blocks * block_size, NUM_KV_HEADS * head_dim, [0, 1], [1, 2])
+
+
 def _launch_cases(arch: int, dtypes, head_dims, groups, block_sizes, phases,
                   cover: str = "all") -> Iterator[tuple[str, str, callable]]:
     """``(case, dtype name, launch)`` for every combination (``cover="all"``) or a
     pairwise covering of them: ``launch()`` runs the launchers of one step (store,
     attention, block and slot copies)."""
-    from pagedtree.kernels import attention_plan as AP
-    from pagedtree.kernels import triton_ops
-
     dims = (dtypes, head_dims, groups, block_sizes, phases)
     combos = list(itertools.product(*dims)) if cover == "all" else pairwise(*dims)
     for dname, head_dim, group, block_size, phase in combos:
@@ -209,22 +231,7 @@ def _launch_cases(arch: int, dtypes, head_dims, groups, block_sizes, phases,
 
         def launch(dname=dname, head_dim=head_dim, group=group, block_size=block_size,
                    requests=requests, new=new, context=context, tree=tree):
-            dtype = DTYPES[dname]
-            meta, num_blocks = _step(block_size, requests, new, context, tree)
-            plan = AP.build_kernel_plan(meta, num_blocks, AP.PlanBuffers(torch.device("cpu")))
-            cache = [torch.empty(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype=dtype) for _ in range(2)]
-            t = plan.num_tokens
-            key = torch.empty(t, NUM_KV_HEADS, head_dim, dtype=dtype)
-            query = torch.empty(t, NUM_KV_HEADS * group, head_dim, dtype=dtype)
-            triton_ops.store_kv(key, key, cache[0], cache[1], plan.slot_mapping, slots_checked=True)
-            tile = AP.choose_tile_shape(plan.max_query_len, group, plan.num_requests, NUM_KV_HEADS,
-                                        plan.max_context_len, interpreted=False, num_sms=ARCH_SMS[arch],
-                                        block_size=block_size, capability=arch, head_dim=head_dim)
-            triton_ops.unified_attention(query, cache[0], cache[1], plan, 1.0 / head_dim ** 0.5, tile=tile)
-            table = triton_ops.pointer_table(cache, torch.device("cpu"))
-            row = block_size * NUM_KV_HEADS * head_dim
-            triton_ops.copy_rows(cache, table, num_blocks, row, [0], [1])  # copy-on-write block
-            triton_ops.copy_rows(cache, table, num_blocks * block_size, NUM_KV_HEADS * head_dim, [0, 1], [1, 2])
+            _launch_step(arch, DTYPES[dname], head_dim, group, block_size, requests, new, context, tree, copies=True)
 
         yield case, dname, launch
 
@@ -233,24 +240,12 @@ def varying_steps(arch: int) -> dict[str, int]:
     """Distinct compiled variants per kernel over decode and tree steps whose sizes
     change as a server's do (batch, context, block-table width): 1 each means a
     server never compiles mid-run once warmed up."""
-    from pagedtree.kernels import attention_plan as AP
-    from pagedtree.kernels import triton_ops
-
     variants: dict[str, set] = {}
     steps = [(b, 1, ctx, False) for b, ctx in ((17, 100), (24, 517), (33, 900), (64, 260))]
     steps += [(b, 16, ctx, True) for b, ctx in ((9, 40), (12, 333), (20, 800))]
     for requests, new, context, tree in steps:
         with compile_only(arch) as sink:
-            meta, num_blocks = _step(16, requests, new, context, tree)
-            plan = AP.build_kernel_plan(meta, num_blocks, AP.PlanBuffers(torch.device("cpu")))
-            cache = [torch.empty(num_blocks, 16, NUM_KV_HEADS, 128, dtype=torch.bfloat16) for _ in range(2)]
-            key = torch.empty(plan.num_tokens, NUM_KV_HEADS, 128, dtype=torch.bfloat16)
-            query = torch.empty(plan.num_tokens, NUM_KV_HEADS * 4, 128, dtype=torch.bfloat16)
-            triton_ops.store_kv(key, key, cache[0], cache[1], plan.slot_mapping, slots_checked=True)
-            tile = AP.choose_tile_shape(plan.max_query_len, 4, plan.num_requests, NUM_KV_HEADS,
-                                        plan.max_context_len, interpreted=False, num_sms=ARCH_SMS[arch],
-                                        block_size=16, capability=arch, head_dim=128)
-            triton_ops.unified_attention(query, cache[0], cache[1], plan, 0.1, tile=tile)
+            _launch_step(arch, torch.bfloat16, 128, 4, 16, requests, new, context, tree, copies=False)
         for fn, compiled, _ in sink:
             # A tree step's tile differs from decode's by design: they are counted apart.
             name = fn.__name__ + (f":{'tree' if tree else 'decode'}" if "attention" in fn.__name__ else "")

@@ -287,24 +287,22 @@ def _unified_attention_kernel(
     acc1, m1, l1 = acc0, m0, l0
     acc2, m2, l2 = acc0, m0, l0
     acc3, m3, l3 = acc0, m0, l0
-    for start in range(seg_start, tl.minimum(seg_end, unmasked_end), TILE_N):
-        acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3 = _attend_kv_tile(
-            start, kv_end, prefix, req, kv_head, is_tree,
-            acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
-            q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
-            stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
-            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS, NUM_SUB, DOT_FP32, False,
-        )
-    for start in range(tl.maximum(seg_start, unmasked_end), seg_end, TILE_N):
-        acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3 = _attend_kv_tile(
-            start, kv_end, prefix, req, kv_head, is_tree,
-            acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
-            q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
-            stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
-            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS, NUM_SUB, DOT_FP32, True,
-        )
+    # Two stages, unrolled at compile time: tiles wholly inside the prefix (no mask),
+    # then the tiles that reach into the new tokens (causal or tree mask).
+    for stage in tl.static_range(2):
+        if stage == 0:
+            lo, hi = seg_start, tl.minimum(seg_end, unmasked_end)
+        else:
+            lo, hi = tl.maximum(seg_start, unmasked_end), seg_end
+        for start in range(lo, hi, TILE_N):
+            acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3 = _attend_kv_tile(
+                start, kv_end, prefix, req, kv_head, is_tree,
+                acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
+                q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
+                k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
+                stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
+                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS, NUM_SUB, DOT_FP32, stage == 1,
+            )
 
     _finish_rows(acc0, m0, l0, split, tok0, head0, ok0, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, num_heads,
                  stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
