@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.uploads import upload
 
 # Keys that separate the random streams derived from one request seed.
 NOISE_STREAM = 1  # Gumbel noise of seeded draws, per output position
@@ -239,15 +240,93 @@ def needs_penalties(row: SamplingRow) -> bool:
     return (p.repetition_penalty != 1.0 and bool(row.history)) or row.num_output_tokens < p.min_tokens
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
-    """Draw one token per row of ``logits [N, V]``.
+@dataclass(slots=True)
+class DeviceRows:
+    """Per-row results still on the device: a token per row, its raw logprob, and the
+    top raw logprobs (ids and values, at the largest ``k`` asked for) when any row
+    wants them. ``read_back`` brings any number of these to the host in one copy.
+
+    ``accepted`` (stochastic tree verification only) says whether the row's token is
+    one of its proposals that passed its test, rather than a draw from the residual.
+    """
+
+    tokens: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N] raw logprob of each token
+    ks: list[int | None]  # top logprobs asked for, per row (None: none reported)
+    top_ids: torch.Tensor | None = None  # [N, k_max]
+    top_values: torch.Tensor | None = None  # [N, k_max]
+    accepted: torch.Tensor | None = None  # [N] bool
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held."""
+        return len(self.ks)
+
+    def packed(self) -> list[torch.Tensor]:
+        """Every value as flat float64 (token ids and flags are exact in float64)."""
+        out = [self.tokens.to(torch.float64), self.logprobs.to(torch.float64)]
+        if self.top_ids is not None and self.top_values is not None:
+            out += [self.top_ids.to(torch.float64).reshape(-1), self.top_values.to(torch.float64).reshape(-1)]
+        if self.accepted is not None:
+            out.append(self.accepted.to(torch.float64))
+        return out
+
+    def unpack(self, host: Sequence[float]) -> tuple[list[SampleResult], list[bool] | None]:
+        """The host values of ``packed()``: a ``SampleResult`` per row, and the flags."""
+        n = self.num_rows
+        k_max = 0 if self.top_ids is None else self.top_ids.shape[1]
+        results = []
+        for i, k in enumerate(self.ks):
+            token, logprob = int(host[i]), host[n + i]
+            top = None
+            if k is not None:
+                top = {}
+                if k > 0:
+                    ids_at, values_at = 2 * n + i * k_max, 2 * n + n * k_max + i * k_max
+                    top = {int(t): v for t, v in zip(host[ids_at:ids_at + k], host[values_at:values_at + k])}
+                top[token] = logprob
+            results.append(SampleResult(token, logprob, top))
+        flags = None
+        if self.accepted is not None:
+            flags = [bool(x) for x in host[2 * n + 2 * n * k_max:]]
+        return results, flags
+
+
+def row_results(tokens: torch.Tensor, raw_logprobs: torch.Tensor, ks: Sequence[int | None],
+                accepted: torch.Tensor | None = None) -> DeviceRows:
+    """``DeviceRows`` for ``tokens [N]`` chosen from rows of ``raw_logprobs [N, V]``,
+    with the top logprobs each row asks for (``ks``); nothing leaves the device."""
+    chosen = raw_logprobs.gather(1, tokens.reshape(-1, 1)).reshape(-1)
+    rows = DeviceRows(tokens, chosen, list(ks), accepted=accepted)
+    k_max = max((k for k in ks if k is not None), default=0)
+    if k_max > 0:
+        rows.top_values, rows.top_ids = torch.topk(raw_logprobs, k_max, dim=-1)
+    return rows
+
+
+def read_back(groups: Sequence[DeviceRows]) -> list[tuple[list[SampleResult], list[bool] | None]]:
+    """Bring every group's rows to the host in one device-to-host copy (a GPU step's
+    one sync); per group, its results and its flags (see ``DeviceRows.unpack``)."""
+    packed = [group.packed() for group in groups]
+    flat = [t for tensors in packed for t in tensors]
+    host = torch.cat(flat).tolist() if flat else []
+    out = []
+    offset = 0
+    for group, tensors in zip(groups, packed):
+        size = sum(t.numel() for t in tensors)
+        out.append(group.unpack(host[offset:offset + size]))
+        offset += size
+    return out
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows:
+    """Draw one token per row of ``logits [N, V]``, on the logits' device.
 
     Greedy rows share one argmax; sampling rows with the same parameters share one
     distribution and one batched draw (3x faster than row by row at 32 x 49k, once
     the host allocator keeps the buffers mapped); the logits are copied only when a
-    row has penalties to apply. Everything stays on the logits' device until one
-    readback brings the tokens, their logprobs and any top logprobs asked for to the
-    host: a GPU step syncs once, here.
+    row has penalties to apply. Nothing is read back: the tokens, their logprobs and
+    any top logprobs asked for stay on the device until ``read_back``.
     """
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
@@ -278,29 +357,13 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
         if drawn:
             probs = target_probs(_rows_of(processed, drawn), params)
             _put(tokens, drawn, draw_token_tensor(probs, [rows[i].generator for i in drawn]))
-    chosen = raw_logprobs.gather(1, tokens[:, None]).reshape(-1)
-    # One readback: tokens and logprobs, then the top ids and logprobs of every row
-    # (at the largest k asked for; each row keeps its own k).
-    packed = [tokens.to(torch.float64), chosen.to(torch.float64)]
-    k_max = max((r.params.logprobs or 0 for r in rows if r.params.logprobs is not None), default=0)
-    if k_max > 0:
-        values, ids = torch.topk(raw_logprobs, k_max, dim=-1)
-        packed += [ids.to(torch.float64).reshape(-1), values.to(torch.float64).reshape(-1)]
-    host = torch.cat(packed).tolist()
-    n = len(rows)
-    results = []
-    for i, row in enumerate(rows):
-        token, logprob = int(host[i]), host[n + i]
-        k = row.params.logprobs
-        top = None
-        if k is not None:
-            top = {}
-            if k > 0:
-                ids_at, values_at = 2 * n + i * k_max, 2 * n + n * k_max + i * k_max
-                top = {int(t): v for t, v in zip(host[ids_at:ids_at + k], host[values_at:values_at + k])}
-            top[token] = logprob
-        results.append(SampleResult(token, logprob, top))
-    return results
+    return row_results(tokens, raw_logprobs, [r.params.logprobs for r in rows])
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+    """``sample_rows`` read back at once: one token per row with its logprob and the
+    top logprobs asked for (one device sync)."""
+    return read_back([sample_rows(logits, rows)])[0][0]
 
 
 def _put(tokens: torch.Tensor, indices: list[int], values: torch.Tensor) -> None:
@@ -312,12 +375,8 @@ def _put(tokens: torch.Tensor, indices: list[int], values: torch.Tensor) -> None
 
 
 def host_index(indices: Sequence[int], device: torch.device) -> torch.Tensor:
-    """An int64 index tensor on ``device`` from host ints, uploaded from pinned memory
-    without blocking the host (a plain upload of a list waits for the GPU)."""
-    index = torch.tensor(list(indices), dtype=torch.long)
-    if device.type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index
+    """An int64 index tensor on ``device`` from host ints, queued without a host sync."""
+    return upload(indices, torch.long, device)
 
 
 def _rows_of(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
@@ -325,16 +384,3 @@ def _rows_of(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
     if len(indices) == x.shape[0] and indices == list(range(len(indices))):
         return x
     return x[host_index(indices, x.device)]
-
-
-def top_logprobs(raw_logprobs: torch.Tensor, token: int, logprob: float, k: int | None) -> dict[int, float] | None:
-    """What a token reports with ``logprobs=k``: the ``k`` best raw logprobs of its row
-    ``raw_logprobs [V]`` plus its own (None when logprobs were not asked for)."""
-    if k is None:
-        return None
-    top: dict[int, float] = {}
-    if k > 0:
-        values, ids = torch.topk(raw_logprobs, k)
-        top = dict(zip(ids.tolist(), values.tolist()))
-    top[token] = logprob
-    return top

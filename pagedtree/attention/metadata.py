@@ -18,3 +18,6 @@ class AttentionMetadata:
     context_lens: list[int]  # [B] KV entries each request sees after this step's writes
     block_tables: list[list[int]]  # [B][num_blocks of the request]
     tree_parents: list[list[int] | None]  # [B] None = causal among the new tokens
+    # (min, max) of slot_mapping, known on the host to whoever built it: the range
+    # check then needs no read of the device tensor.
+    slot_bounds: tuple[int, int] | None = None

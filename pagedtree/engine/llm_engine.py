@@ -240,7 +240,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of the requests it touched.
 
-        schedule -> draft -> execute -> verify -> commit -> postprocess. With
+        schedule -> draft -> execute -> (stage verification) -> read back -> verify ->
+        commit -> postprocess. With
         speculation, decoding requests are scheduled in the DRAFT phase, their trees
         are drafted and attached, the target runs prefill chunks and every tree in
         one pass, verification accepts a path per tree, whose KV the slot moves put
@@ -265,10 +266,14 @@ class LLMEngine:
             spec.draft(plan)
         forward_started = time.perf_counter()
         result = self._execute(plan)
+        if spec:
+            spec.stage_verify(plan, result)  # every tree's row outcomes, on the device
+        result.read_back()  # the step's one device-to-host copy
+        # After the readback: on a GPU, the forward has only been queued before it.
         forward_seconds = time.perf_counter() - forward_started
         committed: dict[str, list[Committed]] = {}
         if spec:
-            verified = spec.verify(plan, result.verify_logits)
+            verified = spec.verify(plan, result)
             for request, exc in verified.failed:
                 self._fail(request, exc)
             committed = verified.committed
@@ -318,9 +323,9 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - one bad request must not sink the batch
             if len(plan.chunks) == 1:
                 self._fail(plan.chunks[0].request, exc)
-                return StepOutput(samples={})
+                return StepOutput()
             logger.warning("step failed (%s); retrying its %d requests one by one", exc, len(plan.chunks))
-        merged = StepOutput(samples={})
+        merged = StepOutput()
         copies_done = False
         for chunk in plan.chunks:
             single = StepPlan(chunks=[chunk], block_copies=[] if copies_done else plan.block_copies)
@@ -330,8 +335,7 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001
                 self._fail(chunk.request, exc)
                 continue
-            merged.samples.update(out.samples)
-            merged.verify_logits.update(out.verify_logits)
+            merged.merge(out)
         return merged
 
     def _fail(self, request: Request, exc: Exception) -> None:

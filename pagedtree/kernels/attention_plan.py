@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedtree.uploads import StagedUpload
+
 if TYPE_CHECKING:  # kernels read the metadata; they never import the layers above
     from pagedtree.attention.metadata import AttentionMetadata
 
@@ -198,6 +200,7 @@ class PlanBuffers:
     def __init__(self, device: torch.device):
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        self._uploads: dict[str, StagedUpload] = {}
 
     def scratch(self, slot: str, numel: int) -> torch.Tensor:
         """A reused fp32 work buffer of at least ``numel`` elements (contents undefined)."""
@@ -208,16 +211,12 @@ class PlanBuffers:
         return buf[:numel]
 
     def upload(self, host: torch.Tensor, slot: str) -> torch.Tensor:
-        """Copy the int32 ``host`` tensor into the buffer ``slot``; returns the filled view."""
-        n = host.numel()
-        buf = self._buffers.get(slot)
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(next_power_of_2(max(n, 256)), dtype=torch.int32, device=self.device)
-            self._buffers[slot] = buf
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        buf[:n].copy_(host, non_blocking=True)
-        return buf[:n]
+        """The int32 ``host`` tensor on the device through the reused staging of
+        ``slot`` (one non-blocking copy from pinned memory); returns the filled view."""
+        staging = self._uploads.get(slot)
+        if staging is None:
+            staging = self._uploads[slot] = StagedUpload(self.device, torch.int32)
+        return staging(host)
 
 
 def validate_step(
@@ -276,7 +275,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
     query_lens = validate_step(query_start_loc, context_lens, block_tables, tree_parents, block_size, num_blocks)
     num_requests = len(context_lens)
     num_tokens = query_start_loc[-1] if query_start_loc else 0
-    _validate_slots(slot_mapping, num_tokens, num_blocks * block_size, buffers.device)
+    _validate_slots(slot_mapping, num_tokens, num_blocks * block_size, buffers.device, meta.slot_bounds)
 
     tree_sizes = [len(p) for p in tree_parents if p is not None]
     tree_words = max(1, cdiv(max(tree_sizes, default=1), 32))
@@ -337,7 +336,8 @@ def _upload_sections(buffers: PlanBuffers, slot: str, sections: Sequence[Sequenc
     return [dev[start:start + n] for start, n in spans]
 
 
-def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device) -> None:
+def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device,
+                    bounds: tuple[int, int] | None) -> None:
     if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
         raise ValueError(f"slot_mapping must have shape [{num_tokens}], got {list(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -345,9 +345,12 @@ def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int,
     if slot_mapping.device != device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the KV cache on {device}")
     if num_tokens:
-        # One device sync per step (not per layer): a bad slot would be a silent
-        # out-of-bounds write in the store kernel.
-        lo, hi = torch.aminmax(slot_mapping)
-        lo, hi = int(lo), int(hi)
+        if bounds is None:
+            # A device sync (once per step, not per layer): callers that built the
+            # slots on the host pass their bounds instead.
+            lo_t, hi_t = torch.aminmax(slot_mapping)
+            bounds = int(lo_t), int(hi_t)
+        lo, hi = bounds
+        # A bad slot would be a silent out-of-bounds write in the store kernel.
         if lo < 0 or hi >= num_slots:
             raise ValueError(f"slot_mapping has slots outside [0, {num_slots}): min {lo}, max {hi}")

@@ -171,7 +171,7 @@ def _step(block_size: int, requests: int, new: int, context: int, tree: bool):
     meta = SimpleNamespace(
         block_size=block_size, slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=[i * new for i in range(requests + 1)], context_lens=[context] * requests,
-        block_tables=tables, tree_parents=parents,
+        block_tables=tables, tree_parents=parents, slot_bounds=(min(slots), max(slots)),
     )
     return meta, requests * blocks_per
 

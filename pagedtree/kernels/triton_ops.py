@@ -14,6 +14,7 @@ import torch
 
 from pagedtree.kernels import triton_kernels as K
 from pagedtree.kernels.attention_plan import KernelPlan, TileShape, choose_tile_shape, next_power_of_2
+from pagedtree.uploads import upload
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -213,7 +214,7 @@ _TL_DTYPES = {torch.float16: K.tl.float16, torch.bfloat16: K.tl.bfloat16, torch.
 
 def pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """int64 base addresses of ``tensors`` on ``device``, for :func:`copy_rows`."""
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+    return upload([t.data_ptr() for t in tensors], torch.int64, device)
 
 
 def copy_rows(
@@ -251,8 +252,8 @@ def copy_rows(
     block_e = min(1024, next_power_of_2(row_elems))
     chunks = math.ceil(row_elems / block_e)
     n = len(src)
-    src_t = torch.tensor(list(src), dtype=torch.int64, device=device)
-    dst_t = torch.tensor(list(dst), dtype=torch.int64, device=device)
+    src_t = upload(src, torch.int64, device)
+    dst_t = upload(dst, torch.int64, device)
     grid = (n, len(tensors), chunks)
     if set(src).isdisjoint(dst):
         K._copy_rows_kernel[grid](table, table, src_t, dst_t, row_elems, DTYPE=dtype, BLOCK_E=block_e)

@@ -28,7 +28,7 @@ from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
 from pagedtree.speculative.builders import TreeBuilder
 from pagedtree.speculative.tree import ROOT, TokenTree
-from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks
+from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks, query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")
@@ -178,9 +178,8 @@ class DraftWorker:
     def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> torch.Tensor:
         started = time.perf_counter()
         self.runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
-        hidden, starts = self.runner.forward(chunks)
-        rows = [s + c.num_tokens - 1 for c, s in zip(chunks, starts)]
-        logits = self.runner.logits(hidden, rows)
+        rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
+        logits = self.runner.forward(chunks, rows)
         self.num_forward_passes += 1
         if self.on_forward is not None:
             self.on_forward(sum(c.num_tokens for c in chunks), time.perf_counter() - started)

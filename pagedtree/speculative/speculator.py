@@ -1,10 +1,12 @@
-"""Tree speculation as the engine sees it: three calls per step.
+"""Tree speculation as the engine sees it: four calls per step.
 
 - ``draft(plan)``: the scheduler put decoding requests in the DRAFT phase with tree
   slots reserved; every draft model grows their trees (``TreeProposer``) and the
   scheduler attaches them, turning DRAFT chunks into VERIFY chunks.
-- ``verify(plan, step_output)``: after the target's pass over every tree, accept a
-  path per request (``Verifier``), have the scheduler record the KV slot moves that
+- ``stage_verify(plan, step_output)``: after the target's pass over every tree,
+  decide each tree's row outcomes on the device, for the step's one readback.
+- ``verify(plan, step_output)``: after the readback, accept a path per request
+  (``Verifier.walk``), have the scheduler record the KV slot moves that
   put the accepted path in sequence order (``Scheduler.commit_tree``, into the
   plan), and keep the drafts' KV of that path only. Returns the committed tokens.
 - ``end_step(...)``: every measurement the adaptive budget uses.
@@ -34,6 +36,7 @@ from pagedtree.speculative.proposer import TreeProposer, proposal_rule
 from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.speculative.verifier import Verifier
+from pagedtree.worker.model_runner import StepOutput
 
 logger = logging.getLogger("pagedtree")
 
@@ -86,6 +89,7 @@ class Speculator:
         self._noise = noise
         self._sized_for_nodes = config.max_nodes
         self._trees: dict[str, TokenTree] = {}
+        self._failed: list[tuple[Request, Exception]] = []
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -140,21 +144,40 @@ class Speculator:
         self._trees = trees
         self.metrics.tree_sizes_per_step.append(sum(t.num_nodes for t in trees.values()))
 
-    def verify(self, plan: StepPlan, verify_logits: dict[str, torch.Tensor]) -> VerifyOutput:
-        """Accept a path of every VERIFY chunk's tree from the target's logits."""
-        out = VerifyOutput()
+    def stage_verify(self, plan: StepPlan, step: StepOutput) -> None:
+        """Decide every VERIFY chunk's row outcomes from the target's logits, on the
+        device (``Verifier.row_outcomes``), into ``step.verify_rows`` for the step's
+        one readback. A request whose staging raises is failed alone by ``verify``."""
+        self._failed = []
+        for chunk in plan.chunks:
+            if chunk.phase != Phase.VERIFY:
+                continue
+            request = chunk.request
+            logits = step.verify_logits.get(request.request_id)
+            if logits is None or request.status.finished:  # failed in the forward
+                continue
+            try:
+                step.verify_rows[request.request_id] = self.verifier.row_outcomes(
+                    request, self._trees[request.request_id], logits, proposal_rule(request, self.config))
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
+                self._failed.append((request, exc))
+
+    def verify(self, plan: StepPlan, step: StepOutput) -> VerifyOutput:
+        """Accept a path of every staged tree from its rows read back, and commit it."""
+        out = VerifyOutput(failed=self._failed)
+        self._failed = []
         for chunk in plan.chunks:
             if chunk.phase != Phase.VERIFY:
                 continue
             request = chunk.request
             rid = request.request_id
-            logits = verify_logits.get(rid)
-            if logits is None or request.status.finished:  # failed in the forward
+            staged = step.verified_rows.get(rid)
+            if staged is None or request.status.finished:  # failed in the forward or in staging
                 self.release(rid)
                 continue
             tree = self._trees[rid]
             try:
-                verified = self.verifier.verify(request, tree, logits, proposal_rule(request, self.config))
+                verified = self.verifier.walk(tree, *staged)
             except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
                 out.failed.append((request, exc))
                 continue

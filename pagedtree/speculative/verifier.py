@@ -15,16 +15,19 @@ import torch
 from pagedtree.request import Request
 from pagedtree.sampling import (
     VERIFY_STREAM,
+    DeviceRows,
+    SampleResult,
     SamplingRow,
     apply_penalties,
     coupled_draws,
+    read_back,
+    row_results,
     stream_seed,
     target_probs,
-    top_logprobs,
 )
 from pagedtree.speculative.noise import NoiseCache
 from pagedtree.speculative.tree import TokenTree
-from pagedtree.speculative.verify import VerifyResult, verify_greedy, verify_stochastic
+from pagedtree.speculative.verify import RowTests, VerifyResult, verify_greedy, walk_stochastic
 
 
 @dataclass(slots=True)
@@ -47,37 +50,61 @@ class Verifier:
     def __init__(self, noise: NoiseCache, device: torch.device | str = "cpu"):
         self.noise = noise
         self.device = device
+        # On a GPU every stochastic row is decided at once, with no host sync; on a
+        # CPU a sync is free, and deciding only the rows the walk reaches saves the
+        # others' work. Both give the same tokens (``RowTests``).
+        self.decide_all_rows = torch.device(device).type != "cpu"
         self._generators: dict[str, torch.Generator] = {}
 
-    def verify(self, request: Request, tree: TokenTree, logits: torch.Tensor, rule: str) -> VerifiedTokens:
-        """Accept a path of ``tree`` from the target's logits ``[1 + T, V]``.
+    def row_outcomes(self, request: Request, tree: TokenTree, logits: torch.Tensor, rule: str) -> DeviceRows:
+        """The target's token at every verify row of ``tree``, on the logits' device
+        (no host sync), from its logits ``[1 + T, V]``.
 
         ``rule`` is how the children were proposed (``proposer.proposal_rule``):
-        greedy requests follow the argmax, coupled ones the Gumbel-max draw with the
-        request's noise, the others stochastic verification.
+        greedy rows take the argmax, coupled ones the Gumbel-max draw with the
+        request's noise, the others the outcome of stochastic verification at that
+        row (``RowTests``). Each row also carries the raw logprob of its
+        token and the top logprobs asked for: the committed token drawn at a row is
+        that row's token.
         """
         params = request.params
+        if logits.shape[0] != tree.num_nodes + 1:
+            raise ValueError(f"{logits.shape[0]} rows of logits for a tree of {tree.num_nodes} nodes")
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = apply_penalties(logits.clone(), self._sampling_rows(request, tree))
+        accepted = None
         if params.greedy:
-            result = verify_greedy(tree, processed.argmax(dim=-1).tolist())
+            tokens = processed.argmax(dim=-1)
         elif rule == "coupled":
             # Row r's token is drawn at output position root + depth(r) + 1, with the
             # same noise plain decoding uses there.
             first = len(request.output_token_ids)
             noise = torch.stack([self.noise.get(request.sampling_seed, first + d) for d in [0] + tree.depths])
-            result = verify_greedy(tree, coupled_draws(processed, params, noise).tolist())
+            tokens = coupled_draws(processed, params, noise)
             self.noise.drop(request.sampling_seed)
         else:
-            result = verify_stochastic(tree, target_probs(processed, params), self._generator(request))
+            tests = RowTests(tree, target_probs(processed, params), self._generator(request))
+            tokens, accepted = tests.all_rows() if self.decide_all_rows else tests.along_walk()
+        return row_results(tokens, raw_logprobs, [params.logprobs] * (tree.num_nodes + 1), accepted)
+
+    @staticmethod
+    def walk(tree: TokenTree, rows: list[SampleResult], accepted: list[bool] | None) -> VerifiedTokens:
+        """Accept a path from the row outcomes read back (``row_outcomes``): the
+        longest path whose tokens are the rows' tokens, stochastic verification's
+        trials when ``accepted`` flags are given."""
+        targets = [r.token_id for r in rows]
+        result = verify_greedy(tree, targets) if accepted is None else walk_stochastic(tree, targets, accepted)
         tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
-        # Each token was drawn from the distribution at its parent's row.
-        source_rows = [0] + [1 + n for n in result.accepted_nodes]
-        chosen = raw_logprobs[torch.as_tensor(source_rows), torch.as_tensor(tokens)].tolist()
-        tops = [top_logprobs(raw_logprobs[row], token, lp, params.logprobs)
-                for row, token, lp in zip(source_rows, tokens, chosen)]
-        return VerifiedTokens(result, tokens, chosen, tops)
+        # Each token was drawn at its parent's row: that row's token, logprob and tops.
+        source = [rows[0]] + [rows[1 + n] for n in result.accepted_nodes]
+        return VerifiedTokens(result, tokens, [r.logprob for r in source], [r.top_logprobs for r in source])
+
+    def verify(self, request: Request, tree: TokenTree, logits: torch.Tensor, rule: str) -> VerifiedTokens:
+        """``row_outcomes`` read back and walked: one request verified on its own
+        (the engine stages every tree of a step and reads them back together)."""
+        (rows, accepted), = read_back([self.row_outcomes(request, tree, logits, rule)])
+        return self.walk(tree, rows, accepted)
 
     def release(self, request_id: str) -> None:
         """Forget a request's stream (it ended)."""

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedtree.sampling import host_index
 from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
-from pagedtree.sampling import draw_token
 
 _EPS = 1e-12
 
@@ -107,55 +107,137 @@ def _draws_by_parent(tree: TokenTree) -> dict[int, list[ChildDraw]]:
     return out
 
 
-def verify_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
-    """Distribution-preserving verification; ``target_probs [1 + T, V]`` are the
-    target's (processed) next-token distributions at every verify row."""
-    if target_probs.shape[0] != tree.num_nodes + 1:
-        raise ValueError(f"{target_probs.shape[0]} rows of target probabilities for {tree.num_nodes} nodes")
-    draws = _draws_by_parent(tree)
-    result = VerifyResult([], -1)
-    node = ROOT
-    while True:
-        p = target_probs[node + 1].double()
-        nxt = None
-        rank = 0
-        for draw in draws.get(node, []):
-            q_draw = draw.probs.double() if draw.probs is not None else None
+class RowTests:
+    """Multi-step speculative sampling's tests at every verify row, with all the
+    random numbers drawn up front.
+
+    ``target_probs [1 + T, V]`` are the target's (processed) distributions. At a
+    row, the proposals below its node are tested in drawing order against the
+    residual left by the ones before, one coin each; the row's outcome is the first
+    that passes (accepted), else a draw from the final residual. Coins are indexed by
+    (row, proposal) and each row has its own uniform for the residual draw, so a
+    row's outcome depends on nothing else: the walk down the tree reads the outcomes
+    of the rows it reaches, whether they were decided all at once (``all_rows``: no
+    host sync, the GPU way) or one by one as the walk reaches them (``along_walk``:
+    the CPU way, which skips rows off the path). Both give the same outcomes.
+    """
+
+    def __init__(self, tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None):
+        rows = tree.num_nodes + 1
+        if target_probs.shape[0] != rows:
+            raise ValueError(f"{target_probs.shape[0]} rows of target probabilities for {tree.num_nodes} nodes")
+        self.tree = tree
+        self.target_probs = target_probs
+        self.draws = _draws_by_parent(tree)
+        device = target_probs.device
+        self._first_coin = []
+        used = 0
+        for row in range(rows):
+            self._first_coin.append(used)
+            used += sum(len(d.tokens) for d in self.draws.get(row - 1, []))
+        # One call for every coin, then one uniform per row for its residual draw.
+        self._coins = torch.rand(used + rows, generator=generator, dtype=torch.float64, device=device)
+        self._uniforms = self._coins[used:]
+
+    def outcome(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token, accepted)`` of ``row``, as 0-d device tensors (no host sync)."""
+        device = self.target_probs.device
+        p = self.target_probs[row].double()
+        chosen = torch.zeros((), dtype=torch.long, device=device)
+        decided = torch.zeros((), dtype=torch.bool, device=device)
+        coin = self._first_coin[row]
+        for draw in self.draws.get(row - 1, []):
+            q_draw = draw.probs.to(device=device, dtype=torch.float64) if draw.probs is not None else None
             tried: list[int] = []
             for x in draw.tokens:
-                if draw.rule == "topk":
+                if q_draw is None:  # topk: accept with probability p(x)
                     q = None
-                    accept_prob = float(p[x])
+                    accept_prob = p[x]
                 else:
                     q = q_draw
                     if draw.rule == "without_replacement" and tried:
-                        q = q_draw.clone()
-                        q[tried] = 0.0
+                        q = q_draw.index_fill(0, host_index(tried, device), 0.0)
                         q = q / q.sum()
-                    qx = float(q[x])
-                    accept_prob = 1.0 if qx <= 0.0 else min(1.0, float(p[x]) / qx)
+                    qx = q[x]
+                    accept_prob = torch.where(qx <= 0.0, 1.0, torch.clamp(p[x] / qx.clamp_min(_EPS), max=1.0))
                 tried.append(x)
-                # A token with no mass left (rejected before) needs no coin.
-                if accept_prob > 0.0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < accept_prob:
-                    result.trials.append((len(result.accepted_nodes) + 1, rank, True))
-                    nxt = tree.child(node, x)
-                    break
-                result.trials.append((len(result.accepted_nodes) + 1, rank, False))
-                rank += 1
+                # Coins are in [0, 1): a token with no mass left is never accepted.
+                hit = ~decided & (self._coins[coin] < accept_prob)
+                coin += 1
+                chosen = torch.where(hit, x, chosen)
+                decided = decided | hit
                 if q is None:
                     residual = p.clone()
                     residual[x] = 0.0
                 else:
                     residual = torch.clamp(p - q, min=0.0)
-                total = float(residual.sum())
+                total = residual.sum()
                 # A vanishing residual means p == q up to rounding: rejection had
                 # probability ~0, and p itself is the right distribution to continue with.
-                if total > _EPS:
-                    p = residual / total
+                p = torch.where(total > _EPS, residual / total.clamp_min(_EPS), p)
+        bonus = _inverse_transform(p.reshape(1, -1), self._uniforms[row:row + 1])[0]
+        return torch.where(decided, chosen, bonus), decided
+
+    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's ``(tokens [1 + T], accepted [1 + T])``, decided on the device."""
+        outcomes = [self.outcome(row) for row in range(self.tree.num_nodes + 1)]
+        return torch.stack([t for t, _ in outcomes]), torch.stack([a for _, a in outcomes])
+
+    def along_walk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the walk reaches, decided one by one (a host read each); the
+        other rows are left at token 0, not accepted, and never read."""
+        rows = self.tree.num_nodes + 1
+        tokens = torch.zeros(rows, dtype=torch.long)
+        accepted = torch.zeros(rows, dtype=torch.bool)
+        node = ROOT
+        while True:
+            token, hit = self.outcome(node + 1)
+            tokens[node + 1], accepted[node + 1] = token, hit
+            if not bool(hit):
+                return tokens.to(self.target_probs.device), accepted.to(self.target_probs.device)
+            node = self.tree.child(node, int(token))
+
+
+def _inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [N, V]`` (non-negative weights) from uniforms ``u [N]``."""
+    cdf = probs.cumsum(-1)
+    totals = cdf[:, -1:]
+    target = torch.minimum(u.reshape(-1, 1) * totals, torch.nextafter(totals, torch.zeros_like(totals)))
+    return torch.searchsorted(cdf, target, right=True).reshape(-1).clamp_max(probs.shape[1] - 1)
+
+
+def walk_stochastic(tree: TokenTree, tokens: Sequence[int], accepted: Sequence[bool]) -> VerifyResult:
+    """The path that the row outcomes of ``stochastic_row_tokens`` (read back) give,
+    with a trial recorded for every proposal tested on it."""
+    if len(tokens) != tree.num_nodes + 1 or len(accepted) != len(tokens):
+        raise ValueError(f"{len(tokens)} row outcomes for a tree of {tree.num_nodes} nodes")
+    draws = _draws_by_parent(tree)
+    result = VerifyResult([], -1)
+    node = ROOT
+    while True:
+        want, hit_row = int(tokens[node + 1]), bool(accepted[node + 1])
+        nxt = None
+        rank = 0
+        for draw in draws.get(node, []):
+            for x in draw.tokens:
+                hit = hit_row and x == want
+                result.trials.append((len(result.accepted_nodes) + 1, rank, hit))
+                if hit:
+                    nxt = tree.child(node, x)
+                    break
+                rank += 1
             if nxt is not None:
                 break
         if nxt is None:
-            result.bonus_token = draw_token(p, generator)
+            result.bonus_token = want
             return result
         result.accepted_nodes.append(nxt)
         node = nxt
+
+
+def verify_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
+    """Distribution-preserving verification; ``target_probs [1 + T, V]`` are the
+    target's (processed) next-token distributions at every verify row. The rows the
+    walk reaches are decided as it reaches them (``RowTests.along_walk``)."""
+    tokens, accepted = RowTests(tree, target_probs, generator).along_walk()
+    return walk_stochastic(tree, tokens.tolist(), accepted.tolist())

@@ -26,7 +26,7 @@ import torch
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
-from pagedtree.worker.model_runner import ModelRunner
+from pagedtree.worker.model_runner import ModelRunner, query_starts
 
 logger = logging.getLogger("pagedtree")
 
@@ -149,8 +149,7 @@ def measure_forward_seconds(runner: ModelRunner, counts: Sequence[int], repeats:
         runs = repeats + 1 if n <= _SMALL else 1
         for rep in range(runs):  # small shapes: the first run warms up
             started = time.perf_counter()
-            hidden, starts = runner.forward(chunks)
-            runner.logits(hidden, starts[:-1])
+            runner.forward(chunks, query_starts(chunks)[:-1])
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             if rep or runs == 1:

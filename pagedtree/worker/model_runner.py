@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedtree.attention import AttentionMetadata, make_backend
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pagedtree.sampling import SampleResult, SamplingRow, sample
+from pagedtree.sampling import DeviceRows, SampleResult, SamplingRow, read_back, sample_rows
 from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
+from pagedtree.uploads import StagedUpload
 from pagedtree.worker.host_allocator import tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 
@@ -58,11 +59,43 @@ def num_draft_kv_blocks(config: EngineConfig, target_blocks: int) -> int:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What one forward produced: a sample for every plain chunk that asked for
-    logits, and every row's logits for each token-tree (VERIFY) chunk."""
+    """What one step produced, first on the device, then on the host.
 
-    samples: dict[str, SampleResult]
+    ``execute`` leaves a draw for every plain chunk that asked for logits in
+    ``sample_groups`` and every row's logits of each token-tree (VERIFY) chunk in
+    ``verify_logits``; the speculator stages each tree's row outcomes in
+    ``verify_rows``. ``read_back`` then brings all of it to the host in one copy (a
+    GPU step's one sync), filling ``samples`` and ``verified_rows``.
+    """
+
+    sample_groups: list[tuple[list[str], DeviceRows]] = field(default_factory=list)
     verify_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    verify_rows: dict[str, DeviceRows] = field(default_factory=dict)
+    samples: dict[str, SampleResult] = field(default_factory=dict)
+    verified_rows: dict[str, tuple[list[SampleResult], list[bool] | None]] = field(default_factory=dict)
+
+    def merge(self, other: StepOutput) -> None:
+        """Take another (partial) step's device results in (failure isolation)."""
+        self.sample_groups.extend(other.sample_groups)
+        self.verify_logits.update(other.verify_logits)
+        self.verify_rows.update(other.verify_rows)
+
+    def read_back(self) -> None:
+        """Bring every staged result to the host in one copy."""
+        groups = [rows for _, rows in self.sample_groups] + list(self.verify_rows.values())
+        host = read_back(groups)
+        for (request_ids, _), (results, _) in zip(self.sample_groups, host):
+            self.samples.update(zip(request_ids, results))
+        self.verified_rows.update(zip(self.verify_rows, host[len(self.sample_groups):]))
+        self.sample_groups, self.verify_rows = [], {}
+
+
+def query_starts(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """Where each chunk's tokens start in the step's flat run, and the total at the end."""
+    starts = [0]
+    for chunk in chunks:
+        starts.append(starts[-1] + chunk.num_tokens)
+    return starts
 
 
 class ModelRunner:
@@ -94,33 +127,37 @@ class ModelRunner:
         # CPU; a no-op elsewhere or without numba).
         self.fused_cpu_ops = fused_cpu_ops and model.enable_fused_cpu_ops()
         self._generators: dict[str, torch.Generator] = {}
+        self._upload = StagedUpload(device, torch.long)
         self.num_forward_passes = 0
 
     # ------------------------------------------------------------------ inputs
-    def _metadata(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _inputs(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's token ids, positions, attention metadata and logit-row index.
+
+        Built on the host; the four index arrays reach the device in one
+        non-blocking copy from pinned memory (``StagedUpload``). The slots' range is
+        known here, so the attention backend checks it without reading the device.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start_loc = [0]
         for chunk in chunks:
             input_ids.extend(chunk.token_ids)
             positions.extend(chunk.positions)
             slots.extend(chunk.slot_mapping)
-            query_start_loc.append(len(input_ids))
-        dev = self.device
+        n = len(input_ids)
+        dev = self._upload(torch.tensor(input_ids + positions + slots + list(logit_rows), dtype=torch.long))
         meta = AttentionMetadata(
             block_size=self.block_size,
-            slot_mapping=torch.as_tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=query_start_loc,
+            slot_mapping=dev[2 * n:3 * n],
+            query_start_loc=query_starts(chunks),
             context_lens=[c.context_len for c in chunks],
             block_tables=[c.block_table for c in chunks],
             tree_parents=[c.tree_parents for c in chunks],
+            slot_bounds=(min(slots), max(slots)) if slots else None,
         )
-        return (
-            torch.as_tensor(input_ids, dtype=torch.long, device=dev),
-            torch.as_tensor(positions, dtype=torch.long, device=dev),
-            meta,
-        )
+        return dev[:n], dev[n:2 * n], meta, dev[3 * n:]
 
     def generator_for(self, request_id: str, seed: int) -> torch.Generator:
         """The request's own RNG (kept across steps and preemptions until released)."""
@@ -138,19 +175,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execute
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """One forward over the chunks' new tokens; ``(hidden [T, E], query_start_loc)``."""
-        input_ids, positions, meta = self._metadata(chunks)
+    def forward(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]) -> torch.Tensor:
+        """One forward over the chunks' new tokens; the logits ``[len(logit_rows), V]``
+        of the given rows of the step's flat run of tokens (``query_starts``)."""
+        input_ids, positions, meta, rows = self._inputs(chunks, logit_rows)
         self.attention.begin_step(meta)
         hidden = self.model(input_ids, positions, self.attention)
         self.num_forward_passes += 1
-        return hidden, meta.query_start_loc
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Logits ``[len(rows), V]`` of the given token rows of ``hidden``."""
-        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[index])
+        return self.model.compute_logits(hidden[rows])
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole KV blocks (copy-on-write orders) in every layer."""
@@ -169,37 +201,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run ``plan``: copy-on-write copies, one forward, logits, and sampling.
+        """Run ``plan``: copy-on-write copies, one forward, logits, and draws.
 
-        Plain chunks sample from their last token; VERIFY chunks get the logits of
-        every row (root and tree nodes), which the speculator verifies.
+        Plain chunks draw from their last token; VERIFY chunks get the logits of
+        every row (root and tree nodes), which the speculator verifies. Nothing is
+        read back here (``StepOutput.read_back``).
         """
         if plan.block_copies:
             self.copy_blocks([c.src for c in plan.block_copies], [c.dst for c in plan.block_copies])
         if not plan.chunks:
-            return StepOutput(samples={})
-        hidden, query_start_loc = self.forward(plan.chunks)
-        sampling: list[tuple[ScheduledChunk, int]] = []
-        verify: list[tuple[ScheduledChunk, int]] = []
-        for chunk, start in zip(plan.chunks, query_start_loc):
+            return StepOutput()
+        sampling: list[ScheduledChunk] = []
+        verify: list[ScheduledChunk] = []
+        rows: list[int] = []
+        verify_rows: list[int] = []
+        for chunk, start in zip(plan.chunks, query_starts(plan.chunks)):
             if chunk.logits_from is None:
                 continue
             if chunk.phase == Phase.VERIFY:
-                verify.append((chunk, start))
+                verify.append(chunk)
+                verify_rows.extend(range(start + chunk.logits_from, start + chunk.num_tokens))
             else:
-                sampling.append((chunk, start + chunk.num_tokens - 1))
-        rows = [row for _, row in sampling]
-        for chunk, start in verify:
-            rows.extend(range(start + chunk.logits_from, start + chunk.num_tokens))
+                sampling.append(chunk)
+                rows.append(start + chunk.num_tokens - 1)
+        rows += verify_rows
+        out = StepOutput()
         if not rows:
-            return StepOutput(samples={})
-        logits = self.logits(hidden, rows)
-        out = StepOutput(samples={})
+            self.forward(plan.chunks, [])  # prefill chunks that need no logits yet
+            return out
+        logits = self.forward(plan.chunks, rows)
         if sampling:
-            results = sample(logits[: len(sampling)], [self._sampling_row(chunk) for chunk, _ in sampling])
-            out.samples = {chunk.request.request_id: r for (chunk, _), r in zip(sampling, results)}
+            drawn = sample_rows(logits[: len(sampling)], [self._sampling_row(chunk) for chunk in sampling])
+            out.sample_groups.append(([chunk.request.request_id for chunk in sampling], drawn))
         offset = len(sampling)
-        for chunk, _ in verify:
+        for chunk in verify:
             n = chunk.num_tokens - chunk.logits_from
             out.verify_logits[chunk.request.request_id] = logits[offset : offset + n]
             offset += n

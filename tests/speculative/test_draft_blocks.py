@@ -32,20 +32,14 @@ class StubRunner:
     def copy_blocks(self, src, dst):
         self.copied.extend(zip(src, dst))
 
-    def forward(self, chunks):
+    def forward(self, chunks, logit_rows):
         bs = self.bm.block_size
         for chunk in chunks:
             for slot in chunk.slot_mapping:
                 block = slot // bs
                 assert self.bm.ref_count(block) == 1, f"write into shared block {block}"
                 assert block in chunk.block_table
-        starts = [0]
-        for chunk in chunks:
-            starts.append(starts[-1] + chunk.num_tokens)
-        return torch.zeros(starts[-1], 1), starts[:-1]
-
-    def logits(self, hidden, rows):
-        return torch.randn(len(rows), VOCAB, generator=self.gen) * 3
+        return torch.randn(len(logit_rows), VOCAB, generator=self.gen) * 3
 
     def generator_for(self, request_id, seed):
         return torch.Generator().manual_seed(seed)

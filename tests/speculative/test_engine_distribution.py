@@ -144,15 +144,14 @@ def test_engine_samples_the_target_distribution(tiny_vocab_pair, spec, draws):
 
 def test_engine_with_a_wrong_rule_fails(tiny_vocab_pair, monkeypatch):
     """Verifying random draws as if q were uniform over the vocabulary is wrong."""
-    real = verify_module.verify_stochastic
+    class Wrong(verify_module.RowTests):
+        def __init__(self, tree, probs, generator):
+            for draw in tree.draws:
+                if draw.probs is not None:
+                    draw.probs = torch.full_like(draw.probs, 1.0 / draw.probs.numel())
+            super().__init__(tree, probs, generator)
 
-    def wrong(tree, probs, generator):
-        for draw in tree.draws:
-            if draw.probs is not None:
-                draw.probs = torch.full_like(draw.probs, 1.0 / draw.probs.numel())
-        return real(tree, probs, generator)
-
-    monkeypatch.setattr("pagedtree.speculative.verifier.verify_stochastic", wrong)
+    monkeypatch.setattr("pagedtree.speculative.verifier.RowTests", Wrong)
     target, draft = tiny_vocab_pair
     llm = _llm(target, [draft], tree="static", expansion=(2, 1), draft_sampling="iid")
     counts, _ = _sampled_joint(llm)

@@ -14,7 +14,7 @@ from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedtree.speculative import SpeculativeConfig
 from pagedtree.speculative.draft_worker import DraftWorker
 from pagedtree.speculative.speculator import Speculator
-from pagedtree.worker.model_runner import ModelRunner
+from pagedtree.worker.model_runner import ModelRunner, StepOutput
 
 VOCAB = 256
 
@@ -38,6 +38,14 @@ def _decoding_request(scheduler: Scheduler) -> Request:
     return r
 
 
+
+def _verify(spec, plan, logits):
+    """The engine's order: stage on the device, one readback, then the walk."""
+    step = StepOutput(verify_logits=logits)
+    spec.stage_verify(plan, step)
+    step.read_back()
+    return spec.verify(plan, step)
+
 def _logits_choosing(tokens: list[int]) -> torch.Tensor:
     logits = torch.zeros(len(tokens), VOCAB)
     logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 10.0
@@ -54,7 +62,7 @@ def test_a_chain_is_drafted_verified_and_committed(tiny_llama_draft):
     nodes = chunk.token_ids[1:]
     # The target agrees on the first two nodes, then wants token 99 (not the third node).
     other = 99 if nodes[2] != 99 else 98
-    out = spec.verify(plan, {"r": _logits_choosing([nodes[0], nodes[1], other, 0])})
+    out = _verify(spec, plan, {"r": _logits_choosing([nodes[0], nodes[1], other, 0])})
     assert [t for t, _, _ in out.committed["r"]] == [nodes[0], nodes[1], other]
     assert chunk.num_accepted == 2 and plan.slot_moves == []  # a chain's accepted prefix is in place
     r.output_token_ids += [t for t, _, _ in out.committed["r"]]
@@ -75,7 +83,7 @@ def test_an_accepted_side_branch_is_moved_into_place(tiny_llama_draft):
     chunk = plan.chunks[0]
     assert chunk.tree_parents == [-1, 0, 0]
     second = chunk.token_ids[2]
-    out = spec.verify(plan, {"r": _logits_choosing([second, 0, 0])})
+    out = _verify(spec, plan, {"r": _logits_choosing([second, 0, 0])})
     assert out.committed["r"][0][0] == second
     assert plan.slot_moves == [SlotMove(chunk.slot_mapping[2], chunk.slot_mapping[1])]
 
@@ -85,5 +93,5 @@ def test_a_verification_that_raises_fails_only_its_request(tiny_llama_draft):
     _decoding_request(scheduler)
     plan = scheduler.schedule(2)
     spec.draft(plan)
-    out = spec.verify(plan, {"r": torch.zeros(1, VOCAB)})  # wrong number of rows
+    out = _verify(spec, plan, {"r": torch.zeros(1, VOCAB)})  # wrong number of rows
     assert not out.committed and [r.request_id for r, _ in out.failed] == ["r"]

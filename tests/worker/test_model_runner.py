@@ -35,6 +35,7 @@ def test_a_plan_gives_transformers_next_token_and_logits(runner_and_model):
     for r in requests:
         bm.allocate(r.request_id, r.all_token_ids)
     out = runner.execute(StepPlan(chunks=[_chunk(bm, r, 0, r.num_tokens) for r in requests]))
+    out.read_back()
     for r, prompt in zip(requests, prompts):
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0, -1]
