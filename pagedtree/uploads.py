@@ -41,18 +41,21 @@ class StagedUpload:
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (a 1-D host tensor of this dtype) on the device; a view of the
-        reused buffer, valid until the next call (on a CPU, ``values`` itself)."""
+        reused buffer, valid until the next call."""
         if values.dtype != self.dtype or values.dim() != 1:
             raise ValueError(f"expected a 1-D {self.dtype} tensor, got {values.dim()}-D {values.dtype}")
-        if self.device.type != "cuda":  # already where it is used
-            return values
         n = values.numel()
-        if self._device is None or self._host is None or self._device.numel() < n:
+        cuda = self.device.type == "cuda"
+        if self._device is None or self._device.numel() < n:
             capacity = 1 << max(8, (n - 1).bit_length())
             self._device = torch.empty(capacity, dtype=self.dtype, device=self.device)
-            self._host = torch.empty(capacity, dtype=self.dtype, pin_memory=True)
+            self._host = torch.empty(capacity, dtype=self.dtype, pin_memory=True) if cuda else None
             self._copied = None
-        elif self._copied is not None:
+        if not cuda:  # the same reused buffer, filled by the host
+            self._device[:n].copy_(values)
+            return self._device[:n]
+        assert self._host is not None
+        if self._copied is not None:
             self._copied.synchronize()
         self._host[:n].copy_(values)
         self._device[:n].copy_(self._host[:n], non_blocking=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedtree.kernels import triton_ops
-from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, build_kernel_plan
+from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, StaticShape, build_kernel_plan
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
 if TYPE_CHECKING:
@@ -54,11 +54,21 @@ class TritonPagedAttention:
         self._flat_caches = [c for pair in kv_caches for c in pair]
         self._cache_table = triton_ops.pointer_table(self._flat_caches, self.device)
 
-    def begin_step(self, meta: AttentionMetadata) -> None:
-        """Validate the step and upload its metadata once for every layer."""
+    def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
+        """Validate the step and upload its metadata once for every layer.
+
+        With ``static`` (a padded decode step that a CUDA graph replays), the plan
+        has that fixed shape and its program tiles for ``num_heads`` query heads are
+        uploaded here too, so the layers' launches upload nothing.
+        """
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
-        self._plan = build_kernel_plan(meta, self.num_blocks, self._buffers)
+        plan = self._plan = build_kernel_plan(meta, self.num_blocks, self._buffers, static)
+        if static is not None:
+            if num_heads < 1:
+                raise ValueError("a static step needs the number of query heads")
+            tile = triton_ops.default_tile_shape(plan, num_heads, self.num_kv_heads, self.device, self.head_dim)
+            plan.tiles(tile.block_q)
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

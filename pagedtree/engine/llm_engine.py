@@ -77,6 +77,8 @@ class LLMEngine:
             loaded.model, num_blocks, config.block_size, self.device, self.dtype, backend,
             fused_cpu_ops=not config.enforce_eager,
         )
+        if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:

@@ -170,6 +170,7 @@ class KernelPlan:
     slot_mapping: torch.Tensor  # [T] as given (int64), validated
     buffers: "PlanBuffers"
     tile_cache: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    slot_tag: str = ""  # suffix of this plan's buffer slots (a static shape's own)
 
     def tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(tile_req, tile_q, num_tiles)``: the request and first query of each program row."""
@@ -183,7 +184,7 @@ class KernelPlan:
             tile_req.extend([i] * len(starts))
             tile_q.extend(starts)
         num_tiles = len(tile_req)
-        views = _upload_sections(self.buffers, f"tiles{block_q}", [tile_req, tile_q])
+        views = _upload_sections(self.buffers, f"tiles{block_q}{self.slot_tag}", [tile_req, tile_q])
         result = (views[0], views[1], num_tiles)
         self.tile_cache[block_q] = result
         return result
@@ -267,8 +268,31 @@ def validate_step(
     return query_lens
 
 
-def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuffers) -> KernelPlan:
-    """Validate the step's metadata and upload it in one host-to-device copy."""
+@dataclass(frozen=True, slots=True)
+class StaticShape:
+    """A step padded to a fixed shape, whose plan must sit at the same addresses and
+    pick the same kernels every time (a CUDA graph replays its launches): ``bucket``
+    requests (the caller pads the batch), block tables ``max_blocks`` wide, and every
+    buffer in slots of its own bucket."""
+
+    bucket: int
+    max_blocks: int
+
+    @property
+    def tag(self) -> str:
+        """Suffix of this shape's buffer slots."""
+        return f":b{self.bucket}"
+
+
+def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuffers,
+                      static: StaticShape | None = None) -> KernelPlan:
+    """Validate the step's metadata and upload it in one host-to-device copy.
+
+    With ``static``, the plan has that fixed shape: tables padded to its width, the
+    context cap standing in for the longest context (so the tile and split choices
+    depend on the bucket alone; the kernel reads each request's real length), and
+    its own buffers.
+    """
     query_start_loc, context_lens = meta.query_start_loc, meta.context_lens
     block_tables, tree_parents, block_size = meta.block_tables, meta.tree_parents, meta.block_size
     slot_mapping = meta.slot_mapping
@@ -280,6 +304,14 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
     tree_sizes = [len(p) for p in tree_parents if p is not None]
     tree_words = max(1, cdiv(max(tree_sizes, default=1), 32))
     max_blocks = max(1, max((len(t) for t in block_tables), default=1))
+    max_context_len = max(context_lens, default=0)
+    tag = ""
+    if static is not None:
+        if num_requests != static.bucket or tree_sizes or max_blocks > static.max_blocks:
+            raise ValueError(f"a static plan needs {static.bucket} requests without trees and tables of at most "
+                             f"{static.max_blocks} blocks; got {num_requests} requests, "
+                             f"{len(tree_sizes)} trees, {max_blocks} blocks")
+        max_blocks, max_context_len, tag = static.max_blocks, static.max_blocks * block_size, static.tag
     tables = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
     # Non-tree tokens' rows are never read (the kernel masks the load by is_tree).
     if tree_sizes:
@@ -298,13 +330,13 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
         [b for t in tables for b in t],
         tree_flat,
     ]
-    views = _upload_sections(buffers, "step", sections)
+    views = _upload_sections(buffers, "step" + tag, sections)
     return KernelPlan(
         num_tokens=num_tokens,
         num_requests=num_requests,
         block_size=block_size,
         max_query_len=max(query_lens, default=0),
-        max_context_len=max(context_lens, default=0),
+        max_context_len=max_context_len,
         query_lens=query_lens,
         query_start=views[0],
         context_lens=views[1],
@@ -315,6 +347,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
         slot_mapping=slot_mapping,
         buffers=buffers,
         tile_cache={},
+        slot_tag=tag,
     )
 
 

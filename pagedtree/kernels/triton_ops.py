@@ -182,8 +182,8 @@ def unified_attention(
     splits = tile.num_splits
     if splits > 1:
         # Reused by every layer of the step (launches are stream-ordered).
-        part_acc = plan.buffers.scratch("part_acc", splits * plan.num_tokens * num_heads * head_dim_p)
-        part_ml = plan.buffers.scratch("part_ml", splits * plan.num_tokens * num_heads * 2)
+        part_acc = plan.buffers.scratch("part_acc" + plan.slot_tag, splits * plan.num_tokens * num_heads * head_dim_p)
+        part_ml = plan.buffers.scratch("part_ml" + plan.slot_tag, splits * plan.num_tokens * num_heads * 2)
     else:  # never touched: the kernel writes partials only when NUM_SPLITS > 1
         part_acc = part_ml = out
     K._unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
