@@ -139,8 +139,10 @@ class RowTests:
         self._coins = torch.rand(used + rows, generator=generator, dtype=torch.float64, device=device)
         self._uniforms = self._coins[used:]
 
-    def outcome(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(token, accepted)`` of ``row``, as 0-d device tensors (no host sync)."""
+    def outcome(self, row: int, read: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token, accepted)`` of ``row``, as 0-d device tensors, with no host sync;
+        ``read`` lets the host read as it goes and skip what cannot change the
+        outcome (the CPU way; same result)."""
         device = self.target_probs.device
         p = self.target_probs[row].double()
         chosen = torch.zeros((), dtype=torch.long, device=device)
@@ -166,6 +168,8 @@ class RowTests:
                 coin += 1
                 chosen = torch.where(hit, x, chosen)
                 decided = decided | hit
+                if read and bool(hit):  # the rest cannot change this row's outcome
+                    return chosen, decided
                 if q is None:
                     residual = p.clone()
                     residual[x] = 0.0
@@ -174,7 +178,10 @@ class RowTests:
                 total = residual.sum()
                 # A vanishing residual means p == q up to rounding: rejection had
                 # probability ~0, and p itself is the right distribution to continue with.
-                p = torch.where(total > _EPS, residual / total.clamp_min(_EPS), p)
+                if read:
+                    p = residual / total if float(total) > _EPS else p
+                else:
+                    p = torch.where(total > _EPS, residual / total.clamp_min(_EPS), p)
         bonus = _inverse_transform(p.reshape(1, -1), self._uniforms[row:row + 1])[0]
         return torch.where(decided, chosen, bonus), decided
 
@@ -191,7 +198,7 @@ class RowTests:
         accepted = torch.zeros(rows, dtype=torch.bool)
         node = ROOT
         while True:
-            token, hit = self.outcome(node + 1)
+            token, hit = self.outcome(node + 1, read=True)
             tokens[node + 1], accepted[node + 1] = token, hit
             if not bool(hit):
                 return tokens.to(self.target_probs.device), accepted.to(self.target_probs.device)
