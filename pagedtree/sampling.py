@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.uploads import upload
+from pagedtree.uploads import to_device, upload
 
 # Keys that separate the random streams derived from one request seed.
 NOISE_STREAM = 1  # Gumbel noise of seeded draws, per output position
@@ -109,9 +109,7 @@ def gumbel_noise_rows(
     the largest cost of seeded sampling at batch 32.
     """
     keys = [stream_seed(seed, NOISE_STREAM, position) for seed, position in seeds_and_positions]
-    u = uniform_streams(keys, vocab_size)
-    if torch.device(device).type == "cuda":  # from pinned memory: the host does not wait for the GPU
-        u = u.pin_memory().to(device, non_blocking=True)
+    u = to_device(uniform_streams(keys, vocab_size), torch.device(device))
     return u.log_().neg_().log_().neg_()  # -log(-log u), in place
 
 
@@ -189,9 +187,16 @@ def draw_token_tensor(probs: torch.Tensor, generators: Sequence[torch.Generator 
     at most), so the search always lands on a token with mass, the last one when
     ``u`` rounds up to the total.
     """
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=probs.device) for g in generators])
+    return inverse_transform(probs, u)
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [N, V]`` (non-negative weights) from the float64
+    uniforms ``u [N]``: the first index whose cumulative sum (float64) exceeds
+    ``u`` times the row's total, on the device."""
     cdf = probs.to(torch.float64).cumsum(-1)
     totals = cdf[:, -1:]
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=probs.device) for g in generators])
     target = torch.minimum(u.reshape(-1, 1) * totals, torch.nextafter(totals, torch.zeros_like(totals)))
     return torch.searchsorted(cdf, target, right=True).reshape(-1)
 

@@ -13,12 +13,16 @@ from collections.abc import Sequence
 import torch
 
 
-def upload(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A fresh device tensor of ``values``, queued from pinned memory (CPU: the host tensor)."""
-    host = torch.tensor(list(values), dtype=dtype)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host tensor ``host`` on ``device``, queued from pinned memory (CPU: itself)."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host
+
+
+def upload(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh device tensor of ``values``, queued from pinned memory (CPU: the host tensor)."""
+    return to_device(torch.tensor(list(values), dtype=dtype), device)
 
 
 class StagedUpload:

@@ -2,8 +2,10 @@
 
 The verifier computes, at each verify row, exactly the distribution plain sampling
 would draw from there (penalties and ``min_tokens`` with that node's own history),
-then accepts a path by the rule that matches how the children were proposed
-(``verify``), and reports each committed token's logprob from its parent's row.
+then gives every row the target's token by the rule that matches how the children
+were proposed (``row_outcomes``, on the device), and, once the step is read back,
+accepts a path (``walk``) and reports each committed token's logprob from its
+parent's row.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pagedtree.sampling import (
     SamplingRow,
     apply_penalties,
     coupled_draws,
-    read_back,
     row_results,
     stream_seed,
     target_probs,
@@ -99,12 +100,6 @@ class Verifier:
         # Each token was drawn at its parent's row: that row's token, logprob and tops.
         source = [rows[0]] + [rows[1 + n] for n in result.accepted_nodes]
         return VerifiedTokens(result, tokens, [r.logprob for r in source], [r.top_logprobs for r in source])
-
-    def verify(self, request: Request, tree: TokenTree, logits: torch.Tensor, rule: str) -> VerifiedTokens:
-        """``row_outcomes`` read back and walked: one request verified on its own
-        (the engine stages every tree of a step and reads them back together)."""
-        (rows, accepted), = read_back([self.row_outcomes(request, tree, logits, rule)])
-        return self.walk(tree, rows, accepted)
 
     def release(self, request_id: str) -> None:
         """Forget a request's stream (it ended)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.sampling import host_index
+from pagedtree.sampling import host_index, inverse_transform
 from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
 
 _EPS = 1e-12
@@ -182,7 +182,7 @@ class RowTests:
                     p = residual / total if float(total) > _EPS else p
                 else:
                     p = torch.where(total > _EPS, residual / total.clamp_min(_EPS), p)
-        bonus = _inverse_transform(p.reshape(1, -1), self._uniforms[row:row + 1])[0]
+        bonus = inverse_transform(p.reshape(1, -1), self._uniforms[row:row + 1]).clamp_max(p.shape[0] - 1)[0]
         return torch.where(decided, chosen, bonus), decided
 
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,14 +203,6 @@ class RowTests:
             if not bool(hit):
                 return tokens.to(self.target_probs.device), accepted.to(self.target_probs.device)
             node = self.tree.child(node, int(token))
-
-
-def _inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs [N, V]`` (non-negative weights) from uniforms ``u [N]``."""
-    cdf = probs.cumsum(-1)
-    totals = cdf[:, -1:]
-    target = torch.minimum(u.reshape(-1, 1) * totals, torch.nextafter(totals, torch.zeros_like(totals)))
-    return torch.searchsorted(cdf, target, right=True).reshape(-1).clamp_max(probs.shape[1] - 1)
 
 
 def walk_stochastic(tree: TokenTree, tokens: Sequence[int], accepted: Sequence[bool]) -> VerifyResult:

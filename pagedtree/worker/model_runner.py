@@ -277,11 +277,8 @@ class ModelRunner:
                 sampling.append(chunk)
                 rows.append(start + chunk.num_tokens - 1)
         rows += verify_rows
+        logits = self.forward(plan.chunks, rows)  # no rows: prefill chunks that need no logits yet
         out = StepOutput()
-        if not rows:
-            self.forward(plan.chunks, [])  # prefill chunks that need no logits yet
-            return out
-        logits = self.forward(plan.chunks, rows)
         if sampling:
             drawn = sample_rows(logits[: len(sampling)], [self._sampling_row(chunk) for chunk in sampling])
             out.sample_groups.append(([chunk.request.request_id for chunk in sampling], drawn))
