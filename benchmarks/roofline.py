@@ -69,15 +69,15 @@ class Model:
     block_size: int = 16
 
 
-def kernel_resources(compiled: dict, arch: int, dtype: str, head_dim: int, group: int, num_sub: int,
+def kernel_resources(compiled: dict, arch: int, dtype: str, head_dim: int, group: int, block_q: int,
                      splits: bool) -> dict:
     """The compiled attention kernel's registers, warps and shared memory for a tile
-    shape: the compiled case with the same head dim, group, sub-tiles and split-KV
+    shape: the compiled case with the same head dim, group, query tile and split-KV
     (the most registers among those)."""
     def matches(b: dict, strict: bool) -> bool:
         c = b["constexprs"]
         return (b["kernel"] == "_unified_attention_kernel" and b["arch"] == arch and b["dtype"] == dtype
-                and c.get("HEAD_DIM") == head_dim and c.get("GROUP") == group and c.get("NUM_SUB", 1) == num_sub
+                and c.get("HEAD_DIM") == head_dim and c.get("GROUP") == group and c.get("BLOCK_Q") == block_q
                 and (not strict or (c.get("NUM_SPLITS", 1) > 1) == splits))
 
     best = None
@@ -89,7 +89,7 @@ def kernel_resources(compiled: dict, arch: int, dtype: str, head_dim: int, group
             break
     if best is None:
         raise SystemExit(f"no compiled attention kernel for sm_{arch} {dtype} D{head_dim} G{group} "
-                         f"{num_sub} sub-tiles split={splits} in the JSON; compile with those cases")
+                         f"BLOCK_Q {block_q} split={splits} in the JSON; compile with those cases")
     return best
 
 
@@ -106,7 +106,8 @@ def estimate(gpu: Gpu, model: Model, compiled: dict, batch: int, context: int, n
     (1: decode; T: a tree) seeing ``context`` keys."""
     group = model.heads // model.kv_heads
     tile = choose_tile_shape(new, group, batch, model.kv_heads, context, interpreted=False, num_sms=gpu.sms,
-                             block_size=model.block_size, capability=gpu.arch, head_dim=model.head_dim)
+                             block_size=model.block_size, capability=gpu.arch, head_dim=model.head_dim,
+                             kv_elem_bytes=model.dtype_bytes)
     tiles_per_request = math.ceil(new / tile.block_q)
     programs = batch * tiles_per_request * model.kv_heads * tile.num_splits
     e = model.dtype_bytes
@@ -122,7 +123,7 @@ def estimate(gpu: Gpu, model: Model, compiled: dict, batch: int, context: int, n
         d_p = next_power_of_2(model.head_dim)
         partials = 2 * tile.num_splits * batch * new * model.heads * (d_p + 2) * 4
     dtype = {2: "bf16", 4: "fp32"}[e]
-    res = kernel_resources(compiled, gpu.arch, dtype, model.head_dim, group, tile.num_sub, tile.num_splits > 1)
+    res = kernel_resources(compiled, gpu.arch, dtype, model.head_dim, group, tile.block_q, tile.num_splits > 1)
     resident = programs_per_sm(gpu, res["registers"], res["num_warps"], res["shared_bytes"])
     busy_sms = min(gpu.sms, programs)
     total = kv + qo + partials
@@ -130,7 +131,7 @@ def estimate(gpu: Gpu, model: Model, compiled: dict, batch: int, context: int, n
     seconds += gpu.launch_us * 1e-6 * (2 if tile.num_splits > 1 else 1)
     return {
         "batch": batch, "context": context, "new": new, "block_q": tile.block_q, "tiles": tiles_per_request,
-        "num_sub": tile.num_sub,
+        "rows": tile.block_m,
         "splits": tile.num_splits, "programs": programs, "resident_per_sm": resident,
         "registers": res["registers"], "warps": res["num_warps"], "kv_reads": kv / ideal_kv,
         "bytes": total, "us": seconds * 1e6, "hbm_fraction": ideal_kv / seconds / (gpu.hbm_gbps * 1e9),

@@ -67,7 +67,8 @@ class TritonPagedAttention:
         if static is not None:
             if num_heads < 1:
                 raise ValueError("a static step needs the number of query heads")
-            tile = triton_ops.default_tile_shape(plan, num_heads, self.num_kv_heads, self.device, self.head_dim)
+            tile = triton_ops.default_tile_shape(plan, num_heads, self.num_kv_heads, self.device, self.head_dim,
+                                                 self._flat_caches[0].element_size())
             plan.tiles(tile.block_q)
 
     def __call__(

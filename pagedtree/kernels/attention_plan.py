@@ -44,7 +44,6 @@ class TileShape:
     group_p: int  # query heads per KV head, padded to a power of two
     tile_n: int  # keys per inner-loop iteration (== block size: one cache block per tile)
     num_splits: int  # KV segments per query tile (split-KV); > 1 adds a reduce kernel
-    num_sub: int = 1  # query sub-tiles (1, 2 or 4) that share every K/V tile the program loads
     num_warps: int | None = None  # None: Triton's default
 
     @property
@@ -52,27 +51,50 @@ class TileShape:
         """Rows of the query tile: tokens x heads of the group."""
         return self.block_q * self.group_p
 
-    @property
-    def sub_m(self) -> int:
-        """Rows of one query sub-tile."""
-        return self.block_m // self.num_sub
 
-
-# On a GPU: rows of one query sub-tile, and rows one program covers with sub-tiles
-# sharing every K/V tile. Two 64-row fp32 accumulators at head dim 128 fit 8 warps'
-# registers on sm_90 (its MMA reads operands from shared memory); on sm_80 (operands
-# in registers) they spill, so there one program takes one sub-tile at head dim 128.
-# Four sub-tiles spill everywhere (100-200 spill stores: `python -m
-# pagedtree.kernels.cuda_compile`).
-SUB_ROWS = 64
-MAX_ROWS = 128
-# Query runs up to this long (decodes, token trees) are cut into programs of up to
-# MAX_ROWS rows; longer ones (prefill chunks) into SUB_ROWS-row tiles, many programs,
-# which a compute-bound prefill needs.
+# Rows of a query tile on a GPU. Decodes and token trees (query runs of at most
+# MAX_TREE_QUERY tokens) take up to MAX_ROWS rows of one request and KV head per
+# program, so a 64-node tree at 4 query heads per KV head reads its KV prefix once;
+# the rows are spread over the warps (16 rows each), which keeps the fp32
+# accumulator at 64 registers per thread at head dim 128. On sm_80 at head dim 128
+# (mma.sync keeps operands in registers) 256 rows spill, so there tiles stop at
+# 128. Longer runs (prefill chunks) take PREFILL_ROWS-row tiles, many programs,
+# which a compute-bound prefill needs. Figures: `python -m
+# pagedtree.kernels.cuda_compile`.
+MAX_ROWS = 256
+MAX_ROWS_SM80_D128 = 128
+PREFILL_ROWS = 64
 MAX_TREE_QUERY = 64
 # Keys per tile on a GPU: 16, so a tile never crosses a cache block of 16, 32, ...
 # keys (one block id per tile) and its scores and mask stay small in registers.
 GPU_TILE_N = 16
+# Warps per tile: 16 rows each, at least 4 (so sm_90's warpgroup MMA applies).
+MIN_WARPS = 4
+
+
+# Split-KV: how many key segments a query tile may be cut into, and what the extra
+# reduce launch costs, as the bytes the GPU could have moved meanwhile (3 us at
+# the 3.35 TB/s of an H100, the launch cost benchmarks/roofline.py assumes).
+SPLIT_CHOICES = (1, 2, 4, 8, 16)
+MIN_SPLIT_KEYS = 256  # keys per segment at least: shorter ones are mostly prologue and epilogue
+REDUCE_LAUNCH_BYTES = 10_000_000
+
+
+def split_kv_cost(num_splits: int, programs: int, kv_bytes: int, partial_bytes: int, num_sms: int) -> float:
+    """Relative time of a launch cut into ``num_splits`` key segments, in bytes moved
+    at full bandwidth: the keys and values (``kv_bytes``, read once whatever the
+    split), plus with a split the fp32 partials of every query row written and read
+    back (``partial_bytes`` per segment) and the reduce launch, all over the share of
+    SMs the ``programs x num_splits`` programs keep busy (one program cannot
+    saturate HBM: an SM without a program leaves its share of bandwidth unused).
+
+    A decode's partials are small next to its KV (one row per head), so a small
+    batch of long contexts splits; a tree's are ``T`` rows per head and can cost more
+    than the idle SMs they would fill, so a mid-sized batch of trees does not.
+    """
+    busy = min(1.0, programs * num_splits / num_sms)
+    moved = kv_bytes + (num_splits * partial_bytes if num_splits > 1 else 0)
+    return moved / busy + (REDUCE_LAUNCH_BYTES if num_splits > 1 else 0)
 
 
 def choose_tile_shape(
@@ -86,6 +108,7 @@ def choose_tile_shape(
     block_size: int = 16,
     capability: int = 90,
     head_dim: int = 128,
+    kv_elem_bytes: int = 2,
 ) -> TileShape:
     """A tile shape for the step, from a table of rules (no autotuning: the
     interpreter has none, and the shapes must be known to compile them ahead).
@@ -93,17 +116,18 @@ def choose_tile_shape(
     On a GPU, ``tl.dot`` needs at least 16 rows, so short query runs (decodes, small
     trees) are padded with query-head rows rather than shrunk. In a step whose query
     runs are at most ``MAX_TREE_QUERY`` tokens (decodes, token trees), a program
-    takes up to ``MAX_ROWS`` rows of one request and KV head in sub-tiles of
-    ``SUB_ROWS`` that share each K/V tile: a tree of up to 32 nodes at 4 query heads
-    per KV head (64 at 2, 16 at 8) reads its KV prefix once, as a decode does; a
-    bigger one reads it once per ``MAX_ROWS`` rows. Steps with longer runs (prefill
-    chunks, and the trees that share a launch with them) take tiles of ``SUB_ROWS``
-    rows, many programs. Key tiles of ``GPU_TILE_N`` keys lie inside one cache block
-    when the block size is a multiple of it (one block id per tile, regular loads);
-    other block sizes gather keys one by one. Split-KV is used when the step has too
-    few programs to fill the GPU and the contexts are long (flash-decoding). In the
-    interpreter, cost is per executed op, so bigger tiles and fewer programs are
-    faster. ``capability`` (80 = sm_80) and ``head_dim`` decide what fits in registers.
+    takes up to ``MAX_ROWS`` rows (tokens x query heads of one KV head) of one
+    request: a tree of up to 64 nodes at 4 query heads per KV head (32 at 8) reads
+    its KV prefix once, as a decode does; a bigger one once per ``MAX_ROWS`` rows.
+    Steps with longer runs (prefill chunks, and the trees that share a launch with
+    them) take tiles of ``PREFILL_ROWS`` rows, many programs. Key tiles of
+    ``GPU_TILE_N`` keys lie inside one cache block when the block size is a multiple
+    of it (one block id per tile, regular loads); other block sizes gather keys one
+    by one. Split-KV (flash-decoding) is used where :func:`split_kv_cost` says it
+    pays: when the step has too few programs to fill the GPU and the partials it
+    writes and reads back cost less than the idle SMs. In the interpreter, cost is per executed
+    op, so bigger tiles and fewer programs are faster. ``capability`` (80 = sm_80)
+    and ``head_dim`` decide what fits in registers.
     """
     group_p = next_power_of_2(group)
     q = next_power_of_2(max(1, max_query_len))
@@ -111,27 +135,19 @@ def choose_tile_shape(
         block_q = max(1, min(q, 128 // group_p))
         return TileShape(block_q=block_q, group_p=group_p, tile_n=64, num_splits=1)
     tile_n = GPU_TILE_N if block_size % GPU_TILE_N == 0 else 32
-    max_rows = SUB_ROWS if capability < 90 and next_power_of_2(head_dim) >= 128 else MAX_ROWS
+    max_rows = MAX_ROWS_SM80_D128 if capability < 90 and next_power_of_2(head_dim) >= 128 else MAX_ROWS
     if q <= MAX_TREE_QUERY:
         block_q = max(1, 16 // group_p, min(q, max_rows // group_p))  # >= 16 rows for tl.dot
-        num_sub = 1
-        while block_q * group_p // num_sub > SUB_ROWS and num_sub * 2 <= block_q:
-            num_sub *= 2  # sub-tiles of at most SUB_ROWS rows
     else:
-        block_q = max(1, max(SUB_ROWS, group_p) // group_p)
-        num_sub = 1
-    # 8 warps for two sub-tiles; a 32-row tile spills with 4 warps and not with 2.
-    sub_rows = block_q * group_p // num_sub
-    num_warps = 8 if num_sub > 1 else (2 if sub_rows == 32 else 4)
+        block_q = max(1, max(PREFILL_ROWS, group_p) // group_p)
+    num_warps = max(MIN_WARPS, block_q * group_p // 16)
     num_tiles = num_requests * max(1, cdiv(max(1, max_query_len), block_q))
     programs = num_tiles * num_kv_heads
-    num_splits = 1
-    if programs < num_sms and max_context_len >= 1024:
-        want = cdiv(2 * num_sms, programs)
-        by_length = max_context_len // 512
-        num_splits = min(16, next_power_of_2(min(want, by_length)))
-    return TileShape(block_q=block_q, group_p=group_p, tile_n=tile_n, num_splits=num_splits, num_sub=num_sub,
-                     num_warps=num_warps)
+    kv_bytes = num_tiles * num_kv_heads * max_context_len * head_dim * 2 * kv_elem_bytes
+    partial_bytes = num_requests * max(1, max_query_len) * group * num_kv_heads * (next_power_of_2(head_dim) + 2) * 8
+    choices = [s for s in SPLIT_CHOICES if s == 1 or s * MIN_SPLIT_KEYS <= max_context_len]
+    num_splits = min(choices, key=lambda s: split_kv_cost(s, programs, kv_bytes, partial_bytes, num_sms))
+    return TileShape(block_q=block_q, group_p=group_p, tile_n=tile_n, num_splits=num_splits, num_warps=num_warps)
 
 
 def tree_ancestor_words(parents: Sequence[int], num_words: int) -> list[list[int]]:
@@ -272,16 +288,18 @@ def validate_step(
 class StaticShape:
     """A step padded to a fixed shape, whose plan must sit at the same addresses and
     pick the same kernels every time (a CUDA graph replays its launches): ``bucket``
-    requests (the caller pads the batch), block tables ``max_blocks`` wide, and every
-    buffer in slots of its own bucket."""
+    requests of ``tokens`` new tokens each (the caller pads the step), block tables
+    ``max_blocks`` wide, a tree-mask section for every token when ``tokens > 1``
+    (whether or not the step has trees), and every buffer in slots of its own shape."""
 
     bucket: int
     max_blocks: int
+    tokens: int = 1
 
     @property
     def tag(self) -> str:
         """Suffix of this shape's buffer slots."""
-        return f":b{self.bucket}"
+        return f":b{self.bucket}t{self.tokens}"
 
 
 def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuffers,
@@ -307,11 +325,18 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
     max_context_len = max(context_lens, default=0)
     tag = ""
     if static is not None:
-        if num_requests != static.bucket or tree_sizes or max_blocks > static.max_blocks:
-            raise ValueError(f"a static plan needs {static.bucket} requests without trees and tables of at most "
-                             f"{static.max_blocks} blocks; got {num_requests} requests, "
+        if (num_requests != static.bucket or any(n != static.tokens for n in query_lens)
+                or (tree_sizes and static.tokens == 1) or max_blocks > static.max_blocks):
+            raise ValueError(f"a static plan needs {static.bucket} requests of {static.tokens} tokens "
+                             f"{'(no trees) ' if static.tokens == 1 else ''}and tables of at most "
+                             f"{static.max_blocks} blocks; got query lengths {query_lens}, "
                              f"{len(tree_sizes)} trees, {max_blocks} blocks")
         max_blocks, max_context_len, tag = static.max_blocks, static.max_blocks * block_size, static.tag
+        if static.tokens > 1:  # the mask section has the same size whatever the trees
+            tree_words = cdiv(static.tokens, 32)
+            tree_sizes = tree_sizes or [static.tokens]
+    if num_tokens * tree_words >= 2**31:  # the kernel indexes mask words in int32
+        raise ValueError(f"{num_tokens} tokens x {tree_words} tree-mask words exceed 2**31")
     tables = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
     # Non-tree tokens' rows are never read (the kernel masks the load by is_tree).
     if tree_sizes:

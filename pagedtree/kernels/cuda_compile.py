@@ -209,7 +209,7 @@ def _launch_step(arch: int, dtype: torch.dtype, head_dim: int, group: int, block
     triton_ops.store_kv(key, key, cache[0], cache[1], plan.slot_mapping, slots_checked=True)
     tile = AP.choose_tile_shape(plan.max_query_len, group, plan.num_requests, NUM_KV_HEADS, plan.max_context_len,
                                 interpreted=False, num_sms=ARCH_SMS[arch], block_size=block_size, capability=arch,
-                                head_dim=head_dim)
+                                head_dim=head_dim, kv_elem_bytes=cache[0].element_size())
     triton_ops.unified_attention(query, cache[0], cache[1], plan, 1.0 / head_dim ** 0.5, tile=tile)
     if copies:
         table = triton_ops.pointer_table(cache, torch.device("cpu"))

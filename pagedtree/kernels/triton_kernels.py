@@ -98,10 +98,10 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_rows(
-    acc, m_i, l_i, q, k, v, pos, key_valid, prefix, tok, q_idx, row_valid, is_tree,
-    tree_mask_ptr, tree_words, scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
+    acc, m_i, l_i, q, k, v, start, pos, key_valid, prefix, tok, q_idx, row_valid, is_tree,
+    tree_mask_ptr, tree_words, scale_log2, TILE_N: tl.constexpr, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Online-softmax update of one query sub-tile with one K/V tile.
+    """Online-softmax update of the query tile with one K/V tile (keys from ``start``).
 
     ``MASKED`` tiles reach into the request's new tokens and apply the causal or
     tree mask; tiles wholly inside the prefix are visible to every query.
@@ -112,16 +112,25 @@ def _attend_rows(
         s = tl.dot(q, tl.trans(k))
     s = s * scale_log2
     if MASKED:
-        causal = pos[None, :] <= (prefix + q_idx)[:, None]
-        rel = tl.maximum(pos - prefix, 0)
-        in_new = (pos >= prefix) & key_valid
-        word = tl.load(
-            tree_mask_ptr + tok[:, None] * tree_words + (rel // 32)[None, :],
-            mask=row_valid[:, None] & in_new[None, :] & (is_tree != 0), other=0,
-        )
-        ancestor = ((word >> (rel % 32)[None, :]) & 1) != 0
-        in_tree = (pos < prefix)[None, :] | ancestor
-        allowed = tl.where(is_tree != 0, in_tree, causal) & key_valid[None, :]
+        if is_tree != 0:  # a branch, not a select: causal tiles need no mask words
+            rel = tl.maximum(pos - prefix, 0)
+            in_new = (pos >= prefix) & key_valid
+            if TILE_N <= 32:
+                # A tile of at most 32 keys spans at most two mask words of a row:
+                # load those two per row (not one per row and key, which costs a
+                # pointer register per element) and pick per key.
+                w0 = tl.maximum(start - prefix, 0) // 32
+                row_words = tree_mask_ptr + tok * tree_words + w0
+                lo = tl.load(row_words, mask=row_valid, other=0)
+                hi = tl.load(row_words + 1, mask=row_valid & (w0 + 1 < tree_words), other=0)
+                word = tl.where(((rel // 32) == w0)[None, :], lo[:, None], hi[:, None])
+            else:  # the interpreter's wide tiles: one word per row and key
+                word = tl.load(tree_mask_ptr + tok[:, None] * tree_words + (rel // 32)[None, :],
+                               mask=row_valid[:, None] & in_new[None, :], other=0)
+            ancestor = (((word >> (rel % 32)[None, :]) & 1) != 0) & in_new[None, :]
+            allowed = ((pos < prefix)[None, :] | ancestor) & key_valid[None, :]
+        else:
+            allowed = (pos[None, :] <= (prefix + q_idx)[:, None]) & key_valid[None, :]
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows that have seen no visible key yet (padding rows) keep m = -inf; shifting
@@ -138,21 +147,23 @@ def _attend_rows(
 
 
 @triton.jit
-def _sub_tile_rows(q_ptr, q_begin, q_len, q_start, kv_head, stride_qt, stride_qh,
-                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, SUB_M: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, DOT_FP32: tl.constexpr):
-    """A query sub-tile from query ``q_start`` on: ``SUB_M`` rows, token-major, each
-    token with the ``GROUP`` query heads of the KV head. Returns its queries, the
-    rows' query indices, validity, token ids and heads."""
-    rows = tl.arange(0, SUB_M)
+def _query_rows(q_ptr, q_begin, q_len, q_start, kv_head, stride_qt, stride_qh,
+                GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The program's query tile from query ``q_start`` on: ``BLOCK_M`` rows,
+    token-major, each token with the ``GROUP`` query heads of the KV head. Returns
+    its queries, the rows' query indices, validity, token ids (int32: the host keeps
+    ``num_tokens * tree_words`` below 2**31) and heads."""
+    rows = tl.arange(0, BLOCK_M)
     q_idx = q_start + rows // GROUP_P
     head_in_group = rows % GROUP_P
     row_valid = (q_idx < q_len) & (head_in_group < GROUP)
-    tok = (q_begin + q_idx).to(tl.int64)
+    tok = q_begin + q_idx
     head = kv_head * GROUP + head_in_group
     dims = tl.arange(0, HEAD_DIM_P)
     q_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    q_rows = q_ptr + tok.to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     return q, q_idx, row_valid, tok, head
@@ -163,50 +174,19 @@ def _finish_rows(acc, m_i, l_i, split, tok, head, row_valid, out_ptr, part_acc_p
                  num_tokens, num_heads, stride_ot, stride_oh,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  MANUAL_BF16: tl.constexpr):
-    """Write a sub-tile's output (or, with split-KV, its unnormalised partials)."""
+    """Write the tile's output (or, with split-KV, its unnormalised partials)."""
     dims = tl.arange(0, HEAD_DIM_P)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            _cast(out, out_ptr.dtype.element_ty, MANUAL_BF16), mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :],
-        )
+        out_rows = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_rows[:, None] + dims[None, :], _cast(out, out_ptr.dtype.element_ty, MANUAL_BF16),
+                 mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :])
     else:
-        part_row = (split * num_tokens + tok) * num_heads + head  # [SUB_M] int64
+        part_row = (split * num_tokens + tok.to(tl.int64)) * num_heads + head  # [BLOCK_M] int64
         # All HEAD_DIM_P columns (padding ones are 0) so the reduce reads no unwritten memory.
         tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_P + dims[None, :], acc, mask=row_valid[:, None])
         tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
-
-
-@triton.jit
-def _attend_kv_tile(
-    start, kv_end, prefix, req, kv_head, is_tree,
-    acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
-    q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
-    k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
-    stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_ALIGNED: tl.constexpr, COUNT_LOADS: tl.constexpr, NUM_SUB: tl.constexpr,
-    DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
-):
-    """One K/V tile, loaded once, against every query sub-tile of the program."""
-    k, v, pos, key_valid = _load_kv_tile(
-        start, kv_end, req, kv_head, block_tables_ptr, k_cache_ptr, v_cache_ptr, kv_loads_ptr,
-        stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS,
-    )
-    acc0, m0, l0 = _attend_rows(acc0, m0, l0, q0, k, v, pos, key_valid, prefix, tok0, qi0, ok0, is_tree,
-                                tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
-    if NUM_SUB > 1:
-        acc1, m1, l1 = _attend_rows(acc1, m1, l1, q1, k, v, pos, key_valid, prefix, tok1, qi1, ok1, is_tree,
-                                    tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
-    if NUM_SUB > 2:
-        acc2, m2, l2 = _attend_rows(acc2, m2, l2, q2, k, v, pos, key_valid, prefix, tok2, qi2, ok2, is_tree,
-                                    tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
-        acc3, m3, l3 = _attend_rows(acc3, m3, l3, q3, k, v, pos, key_valid, prefix, tok3, qi3, ok3, is_tree,
-                                    tree_mask_ptr, tree_words, scale_log2, DOT_FP32, MASKED)
-    return acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3
 
 
 # Integers that change from step to step are not specialised on (Triton would
@@ -221,7 +201,7 @@ def _unified_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, tree_words,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SUB: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, MANUAL_BF16: tl.constexpr,
     COUNT_LOADS: tl.constexpr,
@@ -230,17 +210,15 @@ def _unified_attention_kernel(
 
     Grid ``(num_tiles, num_kv_heads, NUM_SPLITS)``. A program takes ``BLOCK_Q``
     consecutive new tokens of one request and all ``GROUP`` query heads that share
-    one KV head, as ``NUM_SUB`` (1, 2 or 4) query sub-tiles of ``BLOCK_Q / NUM_SUB``
-    tokens; it walks that request's keys up to its last query, and every K/V tile
-    it loads serves all of its sub-tiles. A token tree whose nodes fit one program
-    thus reads its KV prefix once, as a decode does. Keys before the request's
-    prefix end are seen by everyone; among the new tokens the mask is causal, or
-    ancestors-only for a tree request. With ``NUM_SPLITS > 1`` each program takes
-    one segment of the keys and writes unnormalised partial results for
-    :func:`_reduce_splits_kernel`.
+    one KV head (``BLOCK_Q * GROUP_P`` rows, up to 256, spread over the program's
+    warps) and walks that request's keys up to its last query, so a token tree
+    whose nodes fit one program reads its KV prefix once, as a decode does. Keys
+    before the request's prefix end are seen by everyone; among the new tokens the
+    mask is causal, or ancestors-only for a tree request. With ``NUM_SPLITS > 1``
+    each program takes one segment of the keys and writes unnormalised partial
+    results for :func:`_reduce_splits_kernel`.
     """
-    SUB_Q: tl.constexpr = BLOCK_Q // NUM_SUB
-    SUB_M: tl.constexpr = SUB_Q * GROUP_P
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     BLOCK_ALIGNED: tl.constexpr = BLOCK_SIZE % TILE_N == 0
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -254,24 +232,8 @@ def _unified_attention_kernel(
     ctx = tl.load(context_lens_ptr + req)
     is_tree = tl.load(is_tree_ptr + req)
     prefix = ctx - q_len
-
-    # Sub-tiles the program does not have (NUM_SUB < 4) repeat sub-tile 0's values;
-    # they are never updated or written.
-    q0, qi0, ok0, tok0, head0 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start, kv_head, stride_qt, stride_qh,
-                                               GROUP, GROUP_P, SUB_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
-    q1, qi1, ok1, tok1, head1 = q0, qi0, ok0, tok0, head0
-    q2, qi2, ok2, tok2, head2 = q0, qi0, ok0, tok0, head0
-    q3, qi3, ok3, tok3, head3 = q0, qi0, ok0, tok0, head0
-    if NUM_SUB > 1:
-        q1, qi1, ok1, tok1, head1 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start + SUB_Q, kv_head, stride_qt,
-                                                   stride_qh, GROUP, GROUP_P, SUB_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
-    if NUM_SUB > 2:
-        q2, qi2, ok2, tok2, head2 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start + 2 * SUB_Q, kv_head,
-                                                   stride_qt, stride_qh, GROUP, GROUP_P, SUB_M, HEAD_DIM,
-                                                   HEAD_DIM_P, DOT_FP32)
-        q3, qi3, ok3, tok3, head3 = _sub_tile_rows(q_ptr, q_begin, q_len, q_tile_start + 3 * SUB_Q, kv_head,
-                                                   stride_qt, stride_qh, GROUP, GROUP_P, SUB_M, HEAD_DIM,
-                                                   HEAD_DIM_P, DOT_FP32)
+    q, q_idx, row_valid, tok, head = _query_rows(q_ptr, q_begin, q_len, q_tile_start, kv_head, stride_qt, stride_qh,
+                                                 GROUP, GROUP_P, BLOCK_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
 
     # Keys this tile needs: the prefix and the new tokens up to its last query
     # (tree parents precede their children, so a tree needs no more than causal).
@@ -281,12 +243,9 @@ def _unified_attention_kernel(
     seg_end = tl.minimum(seg_start + tiles_per_split * TILE_N, kv_end)
     unmasked_end = (prefix // TILE_N) * TILE_N
 
-    m0 = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
-    l0 = tl.zeros([SUB_M], dtype=tl.float32)
-    acc0 = tl.zeros([SUB_M, HEAD_DIM_P], dtype=tl.float32)
-    acc1, m1, l1 = acc0, m0, l0
-    acc2, m2, l2 = acc0, m0, l0
-    acc3, m3, l3 = acc0, m0, l0
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     # Two stages, unrolled at compile time: tiles wholly inside the prefix (no mask),
     # then the tiles that reach into the new tokens (causal or tree mask).
     for stage in tl.static_range(2):
@@ -295,25 +254,17 @@ def _unified_attention_kernel(
         else:
             lo, hi = tl.maximum(seg_start, unmasked_end), seg_end
         for start in range(lo, hi, TILE_N):
-            acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3 = _attend_kv_tile(
-                start, kv_end, prefix, req, kv_head, is_tree,
-                acc0, m0, l0, acc1, m1, l1, acc2, m2, l2, acc3, m3, l3,
-                q0, q1, q2, q3, qi0, qi1, qi2, qi3, ok0, ok1, ok2, ok3, tok0, tok1, tok2, tok3,
-                k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr, kv_loads_ptr,
-                stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, tree_words, scale_log2,
-                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS, NUM_SUB, DOT_FP32, stage == 1,
+            k, v, pos, key_valid = _load_kv_tile(
+                start, kv_end, req, kv_head, block_tables_ptr, k_cache_ptr, v_cache_ptr, kv_loads_ptr,
+                stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, BLOCK_ALIGNED, COUNT_LOADS,
             )
+            acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, k, v, start, pos, key_valid, prefix, tok, q_idx,
+                                         row_valid, is_tree, tree_mask_ptr, tree_words, scale_log2, TILE_N,
+                                         DOT_FP32, stage == 1)
 
-    _finish_rows(acc0, m0, l0, split, tok0, head0, ok0, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, num_heads,
-                 stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
-    if NUM_SUB > 1:
-        _finish_rows(acc1, m1, l1, split, tok1, head1, ok1, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
-                     num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
-    if NUM_SUB > 2:
-        _finish_rows(acc2, m2, l2, split, tok2, head2, ok2, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
-                     num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
-        _finish_rows(acc3, m3, l3, split, tok3, head3, ok3, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
-                     num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
+    _finish_rows(acc, m_i, l_i, split, tok, head, row_valid, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
+                 num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -101,7 +101,7 @@ def store_kv(
 
 
 def default_tile_shape(plan: KernelPlan, num_heads: int, num_kv_heads: int, device: torch.device,
-                       head_dim: int = 128) -> TileShape:
+                       head_dim: int = 128, kv_elem_bytes: int = 2) -> TileShape:
     """The tile shape :func:`unified_attention` uses when none is given."""
     num_sms, capability = 132, 90
     if device.type == "cuda" and not K.INTERPRETED:
@@ -110,7 +110,7 @@ def default_tile_shape(plan: KernelPlan, num_heads: int, num_kv_heads: int, devi
     return choose_tile_shape(
         plan.max_query_len, num_heads // num_kv_heads, plan.num_requests, num_kv_heads,
         plan.max_context_len, interpreted=K.INTERPRETED, num_sms=num_sms, block_size=plan.block_size,
-        capability=capability, head_dim=head_dim,
+        capability=capability, head_dim=head_dim, kv_elem_bytes=kv_elem_bytes,
     )
 
 
@@ -150,7 +150,7 @@ def unified_attention(
     if plan.query_start.device != device:
         raise ValueError(f"plan is on {plan.query_start.device}, the KV cache on {device}")
     group = num_heads // num_kv_heads
-    tile = tile or default_tile_shape(plan, num_heads, num_kv_heads, device, head_dim)
+    tile = tile or default_tile_shape(plan, num_heads, num_kv_heads, device, head_dim, key_cache.element_size())
     if tile.group_p < group or tile.group_p & (tile.group_p - 1):
         raise ValueError(f"tile group_p {tile.group_p} must be a power of two >= {group}")
     for name in ("block_q", "tile_n", "num_splits"):
@@ -158,10 +158,8 @@ def unified_attention(
             raise ValueError(f"tile {name} must be >= 1")
     if tile.block_q & (tile.block_q - 1) or tile.tile_n & (tile.tile_n - 1) or tile.tile_n < 16:
         raise ValueError("tile block_q and tile_n must be powers of two, tile_n >= 16")
-    if tile.num_sub not in (1, 2, 4) or tile.block_q % tile.num_sub:
-        raise ValueError(f"tile num_sub must be 1, 2 or 4 and divide block_q {tile.block_q}, got {tile.num_sub}")
-    if tile.sub_m < 16 and not K.INTERPRETED:
-        raise ValueError(f"tile has {tile.sub_m} rows per sub-tile; compiled tl.dot needs at least 16")
+    if tile.block_m < 16 and not K.INTERPRETED:
+        raise ValueError(f"tile has {tile.block_m} rows; compiled tl.dot needs at least 16")
     if kv_loads is not None and (kv_loads.dtype != torch.int32 or kv_loads.shape != (plan.num_requests,)
                                  or kv_loads.device != device):
         raise ValueError(f"kv_loads must be an int32 [{plan.num_requests}] tensor on {device}")
@@ -195,7 +193,7 @@ def unified_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         plan.block_tables.stride(0), plan.tree_words,
-        GROUP=group, GROUP_P=tile.group_p, BLOCK_Q=tile.block_q, NUM_SUB=tile.num_sub,
+        GROUP=group, GROUP_P=tile.group_p, BLOCK_Q=tile.block_q,
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
         TILE_N=tile.tile_n, NUM_SPLITS=splits, DOT_FP32=dot_fp32, MANUAL_BF16=K.INTERPRETED,
         COUNT_LOADS=kv_loads is not None, **({"num_warps": tile.num_warps} if tile.num_warps else {}),

@@ -55,10 +55,15 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_16bit_spills(report):
         assert {b["constexprs"]["GROUP"] for b in attention} == {1, 4, 8}
         assert {b["constexprs"]["BLOCK_SIZE"] for b in attention} == {16, 32}
         assert {b["constexprs"]["NUM_SPLITS"] > 1 for b in attention} == {True, False}
-        # Trees in two sub-tiles (on sm_80 only below head dim 128: see choose_tile_shape).
-        assert {b["constexprs"]["NUM_SUB"] for b in attention} <= {1, 2}
-        if arch == 90:
-            assert 2 in {b["constexprs"]["NUM_SUB"] for b in attention}
+        # Whole trees per program: up to 256 rows (128 on sm_80 at head dim 128: see
+        # choose_tile_shape), 16 rows per warp.
+        rows = {b["constexprs"]["BLOCK_Q"] * b["constexprs"]["GROUP_P"] for b in attention}
+        assert max(rows) == 256 if arch == 90 else max(rows) >= 128
+        assert all(b["num_warps"] == max(4, b["constexprs"]["BLOCK_Q"] * b["constexprs"]["GROUP_P"] // 16)
+                   for b in attention)
+        if arch == 80:
+            assert all(b["constexprs"]["BLOCK_Q"] * b["constexprs"]["GROUP_P"] <= 128
+                       for b in attention if b["constexprs"]["HEAD_DIM"] == 128)
 
 
 @pytest.mark.slow

@@ -127,10 +127,10 @@ def test_tree_shapes_in_one_launch(dtype):
         TileShape(block_q=8, group_p=2, tile_n=16, num_splits=1),  # several query tiles per request
         TileShape(block_q=8, group_p=4, tile_n=32, num_splits=3),  # padded group, split-KV
         TileShape(block_q=1, group_p=16, tile_n=16, num_splits=2),  # one token per program
-        TileShape(block_q=16, group_p=2, tile_n=16, num_splits=1, num_sub=2),  # sub-tiles share K/V tiles
-        TileShape(block_q=16, group_p=4, tile_n=16, num_splits=2, num_sub=4),  # ... with split-KV
+        TileShape(block_q=16, group_p=4, tile_n=16, num_splits=1),  # 64 rows: a whole tree per program
+        TileShape(block_q=64, group_p=4, tile_n=16, num_splits=2),  # 256 rows with split-KV
     ],
-    ids=["multi-tile", "padded-group-split", "one-token-split", "two-sub-tiles", "four-sub-tiles-split"],
+    ids=["multi-tile", "padded-group-split", "one-token-split", "whole-tree", "256-rows-split"],
 )
 def test_tile_shapes_match_reference(tile):
     kinds = [("prefill", 11, 16), ("decode", 1, 40), ("tree", 7, 16), ("star", 4, 0)]
@@ -142,11 +142,11 @@ def test_block_aligned_key_tiles(block_size, tile_n):
     """Key tiles of exactly one cache block (one block id per tile) and gathered ones."""
     kinds = [("prefill", 13, 2 * block_size), ("decode", 1, block_size - 1), ("tree", 12, block_size + 3)]
     Batch(kinds, block_size, 4, 2, 32, torch.float32, seed=7).check(
-        TileShape(block_q=16, group_p=2, tile_n=tile_n, num_splits=1, num_sub=2))
+        TileShape(block_q=16, group_p=2, tile_n=tile_n, num_splits=1))
 
 
-def _kv_loads(kinds, tile: TileShape, kv_heads: int = 2) -> list[int]:
-    batch = Batch(kinds, 16, 4 * kv_heads, kv_heads, 16, torch.float32, seed=8)
+def _kv_loads(kinds, tile: TileShape, kv_heads: int = 2, group: int = 4) -> list[int]:
+    batch = Batch(kinds, 16, group * kv_heads, kv_heads, 16, torch.float32, seed=8)
     loads = torch.zeros(len(kinds), dtype=torch.int32, device=DEVICE)
     out = triton_ops.unified_attention(batch.query, batch.k_cache, batch.v_cache, batch.plan(), batch.scale,
                                        tile=tile, kv_loads=loads)
@@ -154,27 +154,27 @@ def _kv_loads(kinds, tile: TileShape, kv_heads: int = 2) -> list[int]:
     return loads.tolist()
 
 
-@pytest.mark.parametrize("nodes,reads", [(16, 1), (32, 1), (64, 2)])
-def test_a_tree_reads_its_kv_once_like_a_decode(nodes, reads):
-    """With the tile shape a GPU gets, a tree of up to 32 nodes at 4 query heads per
-    KV head (128 rows: two sub-tiles sharing each K/V tile) loads as many K/V tiles
-    as a decode at the same KV length; a 64-node tree, in two programs, twice as
-    many (four 64-row accumulators spill registers: see choose_tile_shape)."""
+@pytest.mark.parametrize("nodes,group,reads", [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 2)])
+def test_a_tree_reads_its_kv_once_like_a_decode(nodes, group, reads):
+    """With the tile shape a GPU gets, a tree of up to 64 nodes at 4 query heads per
+    KV head (32 at 8: up to 256 rows in one program) loads as many K/V tiles as a
+    decode at the same KV length; a 64-node tree at 8, in two programs, about twice
+    as many (512-row programs would not fit the registers: see choose_tile_shape)."""
     length = 100
     tree = [("tree", nodes, length - nodes)] * 2
     decode = [("decode", 1, length - 1)] * 2
-    shape = lambda kinds: choose_tile_shape(max(n for _, n, _ in kinds), 4, len(kinds), 2, length,  # noqa: E731
+    shape = lambda kinds: choose_tile_shape(max(n for _, n, _ in kinds), group, len(kinds), 2, length,  # noqa: E731
                                             interpreted=False, block_size=16)
-    assert shape(tree).num_sub == (1 if nodes == 16 else 2)
-    tree_loads, decode_loads = _kv_loads(tree, shape(tree)), _kv_loads(decode, shape(decode))
+    assert shape(tree).block_m == min(256, nodes * group)
+    tree_loads = _kv_loads(tree, shape(tree), group=group)
+    decode_loads = _kv_loads(decode, shape(decode), group=group)
     assert decode_loads == [2 * -(-length // 16)] * 2  # KV heads x tiles of 16 keys
     if reads == 1:
         assert tree_loads == decode_loads
     else:  # the second program reads up to its own last query only
         assert all(d < t <= reads * d for t, d in zip(tree_loads, decode_loads))
-    # The counter counts: query tiles of 16 tokens (one sub-tile each, the shape before
-    # sub-tiles) re-read the prefix once per tile.
-    per_tile = _kv_loads(tree, TileShape(block_q=16, group_p=4, tile_n=16, num_splits=1))
+    # The counter counts: query tiles of 16 tokens re-read the prefix once per tile.
+    per_tile = _kv_loads(tree, TileShape(block_q=16, group_p=group, tile_n=16, num_splits=1), group=group)
     assert per_tile == tree_loads if nodes == 16 else all(a > t for a, t in zip(per_tile, tree_loads))
 
 
