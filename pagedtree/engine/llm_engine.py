@@ -78,7 +78,9 @@ class LLMEngine:
             fused_cpu_ops=not config.enforce_eager,
         )
         if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
-            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
+            # Verify steps hold a tree and its root.
+            tree_tokens = 1 + config.speculative.max_nodes if config.speculation_enabled else 1
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, tree_tokens, capture=True)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:

@@ -8,7 +8,9 @@ KV blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,36 +33,75 @@ def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log(target_probs(logits, params))
 
 
-def pick_children(
+@dataclass(slots=True)
+class StagedChildren:
+    """The children drawn below one fed node, still on the device until
+    :func:`read_children` brings every node's of a draft level back in one copy.
+
+    ``tokens`` in drawing order and each one's score increment: its draft
+    log-probability, or for coupled proposals its log-probability of being the
+    noisy argmax. An increment of ``-inf`` marks a token the rule could not have
+    drawn (top-k past the finite scores, a token of probability 0 without
+    replacement); reading back drops those.
+    """
+
+    node: int
+    tokens: torch.Tensor  # [k] int64
+    increments: torch.Tensor  # [k] float
+    draw: ChildDraw
+    host_tokens: list[int] = field(default_factory=list)
+    host_increments: list[float] = field(default_factory=list)
+
+
+def stage_children(
     logprobs: torch.Tensor,
     k: int,
     rule: str,
     generator: torch.Generator | None,
     noise: torch.Tensor | None = None,
-) -> tuple[list[int], ChildDraw, list[float]]:
-    """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``.
+) -> tuple[torch.Tensor, torch.Tensor, ChildDraw]:
+    """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``, on the
+    device: the tokens in drawing order, their score increments, and the draw (its
+    ``parent`` still to be set). Nothing is read back.
 
-    Returns the tokens in drawing order, the draw (its ``parent`` still to be set),
-    and each token's score increment: its draft log-probability, or for coupled
-    proposals its log-probability of being the noisy argmax.
+    Without replacement, the ``k`` tokens are the top ``k`` of the log-probabilities
+    plus Gumbel noise (the Gumbel-top-k trick: the same distribution, drawing order
+    included, as ``k`` successive draws each renormalised over what is left).
     """
+    k = min(k, logprobs.shape[-1])
     if rule in ("topk", "coupled"):
         scores = logprobs if rule == "topk" else logprobs + noise
-        k = min(k, int(torch.isfinite(scores).sum()))
-        if k <= 0:
-            return [], ChildDraw(rule, ROOT), []
-        tokens = torch.topk(scores, k).indices.tolist()
+        tokens = torch.topk(scores, k).indices
         ranked = logprobs if rule == "topk" else torch.log_softmax(scores, dim=-1)
-        return tokens, ChildDraw(rule, ROOT), ranked[torch.as_tensor(tokens)].tolist()
+        return tokens, ranked[tokens], ChildDraw(rule, ROOT)
     probs = logprobs.exp()
     if rule == "iid":
-        tokens = torch.multinomial(probs, k, replacement=True, generator=generator).tolist()
+        tokens = torch.multinomial(probs, k, replacement=True, generator=generator)
     elif rule == "without_replacement":
-        k = min(k, int((probs > 0).sum()))
-        tokens = torch.multinomial(probs, k, replacement=False, generator=generator).tolist()
+        u = torch.rand(logprobs.shape, generator=generator, device=logprobs.device, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        tokens = torch.topk(logprobs.double() + gumbel, k).indices
     else:
         raise ValueError(f"unknown draft sampling rule {rule!r}")
-    return tokens, ChildDraw(rule, ROOT, probs=probs), logprobs[torch.as_tensor(tokens)].tolist()
+    return tokens, logprobs[tokens], ChildDraw(rule, ROOT, probs=probs)
+
+
+def read_children(staged: Sequence[StagedChildren]) -> None:
+    """Fill every staged node's host tokens and increments in one device-to-host
+    copy (one sync per draft level, not two per fed node), dropping the tokens the
+    rule could not have drawn."""
+    if not staged:
+        return
+    flat = torch.cat([t for s in staged for t in (s.tokens.to(torch.float64), s.increments.to(torch.float64))])
+    host = flat.tolist()
+    offset = 0
+    for s in staged:
+        k = s.tokens.numel()
+        tokens, increments = host[offset:offset + k], host[offset + k:offset + 2 * k]
+        offset += 2 * k
+        keep = [i for i, inc in enumerate(increments) if inc != -math.inf]
+        s.host_tokens = [int(tokens[i]) for i in keep]
+        s.host_increments = [increments[i] for i in keep]
 
 
 class TreeBuilder:
@@ -89,29 +130,46 @@ class TreeBuilder:
         self.generator = generator
         self.noise = noise
 
-    def _add_children(self, node: int, logits: torch.Tensor, k: int) -> list[int | None]:
-        """Propose up to ``k`` children below ``node``; returns, per proposal, its new
-        node, or None where the token was already a child (a repeated i.i.d. draw)."""
+    def _stage_children(self, node: int, logits: torch.Tensor, k: int) -> StagedChildren:
+        """Draw up to ``k`` children below ``node`` on the device (``stage_children``)."""
         logprobs = draft_distribution(logits, self.params)
         depth = 1 if node == ROOT else self.tree.depths[node] + 1
         noise = self.noise(depth) if self.rule == "coupled" else None
-        tokens, draw, increments = pick_children(logprobs, k, self.rule, self.generator, noise)
+        tokens, increments, draw = stage_children(logprobs, k, self.rule, self.generator, noise)
+        return StagedChildren(node, tokens, increments, draw)
+
+    def _add_children(self, staged: StagedChildren) -> list[int | None]:
+        """Add the read-back children below their node; returns, per proposal, its new
+        node, or None where the token was already a child (a repeated i.i.d. draw)."""
+        node, tokens = staged.node, staged.host_tokens
         if not tokens:
             return []
+        draw = staged.draw
         draw.parent = node
         draw.tokens = tokens
         self.tree.draws.append(draw)
         base = 0.0 if node == ROOT else self.tree.scores[node]
         added: list[int | None] = []
-        for token, inc in zip(tokens, increments):
+        for token, inc in zip(tokens, staged.host_increments):
             new = self.tree.child(node, token) is None
             child = self.tree.add(node, token, base + inc)
             added.append(child if new else None)
         return added
 
-    def expand_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
-        """Add children below the nodes just fed; return the nodes to feed next."""
+    def stage_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[StagedChildren]:
+        """Draw, on the device, the children of the nodes just fed (their draft logits)."""
         raise NotImplementedError
+
+    def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
+        """Add the read-back children of a level; return the nodes to feed next."""
+        raise NotImplementedError
+
+    def expand_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
+        """``stage_level``, read back, ``grow``: one builder's level on its own (the
+        draft worker stages every request's level before one read-back)."""
+        staged = self.stage_level(fed)
+        read_children(staged)
+        return self.grow(staged)
 
     def finish(self) -> TokenTree:
         """The tree to verify."""
@@ -136,13 +194,15 @@ class ShapeTreeBuilder(TreeBuilder):
             kids.sort(key=lambda i: shape.ranks[i])
         self._shape_node = {ROOT: ROOT}  # tree node -> shape node
 
-    def expand_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
+    def stage_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[StagedChildren]:
+        return [self._stage_children(node, logits, len(self._children[self._shape_node[node]]))
+                for node, logits in fed if self._children[self._shape_node[node]]]
+
+    def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
         to_feed = []
-        for node, logits in fed:
-            shape_kids = self._children[self._shape_node[node]]
-            if not shape_kids:
-                continue
-            for tree_node, shape_node in zip(self._add_children(node, logits, len(shape_kids)), shape_kids):
+        for children in staged:
+            shape_kids = self._children[self._shape_node[children.node]]
+            for tree_node, shape_node in zip(self._add_children(children), shape_kids):
                 if tree_node is None:
                     continue
                 self._shape_node[tree_node] = shape_node
@@ -168,10 +228,13 @@ class DynamicTreeBuilder(TreeBuilder):
         self.depth = depth
         self.max_nodes = max_nodes
 
-    def expand_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
+    def stage_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[StagedChildren]:
+        return [self._stage_children(node, logits, self.top_k) for node, logits in fed]
+
+    def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
         frontier = []
-        for node, logits in fed:
-            frontier.extend(n for n in self._add_children(node, logits, self.top_k) if n is not None)
+        for children in staged:
+            frontier.extend(n for n in self._add_children(children) if n is not None)
         if not frontier or self.tree.depths[frontier[0]] >= self.depth:
             return []
         scores = self.tree.scores

@@ -5,7 +5,8 @@ grow a tree, the worker first feeds the tokens the draft has not seen yet (the
 request's newest token is the tree's root), then one tree level per forward: every
 node to expand becomes a forked sequence that shares its parent's blocks
 copy-on-write and decodes its own token. All requests' nodes of a level go into one
-batched draft forward.
+batched draft forward, and all their children are drawn on the device and read back
+in one copy (one sync per level).
 
 After verification, ``commit`` keeps the one branch that holds the longest accepted
 path (its KV is already in sequence order) and frees every other branch at once.
@@ -26,8 +27,9 @@ from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
-from pagedtree.speculative.builders import TreeBuilder
+from pagedtree.speculative.builders import TreeBuilder, read_children
 from pagedtree.speculative.tree import ROOT, TokenTree
+from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
 from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks, query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
@@ -92,10 +94,13 @@ class DraftWorker:
             fed_by_job: dict[int, tuple[DraftJob, list[tuple[int, torch.Tensor]]]] = {}
             for (job, node, _), row in zip(level, logits):
                 fed_by_job.setdefault(id(job), (job, []))[1].append((node, row))
+            # Every request's children of this level are drawn on the device, then
+            # read back in one copy: one sync per draft level.
+            staged = [(job, job.builder.stage_level(fed)) for job, fed in fed_by_job.values()]
+            read_children([children for _, picks in staged for children in picks])
             level = []
-            for job, fed in fed_by_job.values():
-                to_feed = job.builder.expand_level(fed)
-                level.extend(self._branch_chunks(job, to_feed, copies))
+            for job, picks in staged:
+                level.extend(self._branch_chunks(job, job.builder.grow(picks), copies))
         for job in jobs:
             rid = job.request.request_id
             if rid in self._branches:
@@ -274,6 +279,10 @@ def load_draft_worker(
     backend = resolve_backend_name(config.attention_backend, device, dtype)
     runner = ModelRunner(loaded.model, blocks, config.block_size, device, dtype, backend,
                          fused_cpu_ops=not config.enforce_eager)
+    if device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+        # A draft level is a step of one-token chunks, one per node fed: as many as the
+        # graphs' batch limit allows.
+        runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, 1, capture=True)
     block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
     logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
     return DraftWorker(runner, block_manager, name=f"draft{index}", index=index, model_path=str(loaded.path))

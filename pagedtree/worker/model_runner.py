@@ -13,7 +13,8 @@ from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedtree.sampling import DeviceRows, SampleResult, SamplingRow, read_back, sample_rows
 from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
 from pagedtree.uploads import StagedUpload
-from pagedtree.worker.cuda_graphs import DecodeGraphs
+from pagedtree.worker.step_inputs import host_step, query_starts, upload_step
+from pagedtree.worker.cuda_graphs import StepGraphs
 from pagedtree.worker.host_allocator import tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 
@@ -94,14 +95,6 @@ class StepOutput:
         self.sample_groups, self.verify_rows = [], {}
 
 
-def query_starts(chunks: Sequence[ScheduledChunk]) -> list[int]:
-    """Where each chunk's tokens start in the step's flat run, and the total at the end."""
-    starts = [0]
-    for chunk in chunks:
-        starts.append(starts[-1] + chunk.num_tokens)
-    return starts
-
-
 class ModelRunner:
     """Owns a model's KV cache and executes step plans against it."""
 
@@ -122,7 +115,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # The Triton backend's caches get one scratch block past the block manager's:
-        # padding rows of a CUDA-graph decode step write there (``cuda_graphs.py``).
+        # padding tokens of a CUDA-graph step write there (``cuda_graphs.py``).
         self.scratch_block = num_blocks if attention_backend == "triton" else None
         cache_blocks = num_blocks + (self.scratch_block is not None)
         shape = (cache_blocks, block_size, model.num_kv_heads, model.head_dim)
@@ -136,54 +129,15 @@ class ModelRunner:
         self.fused_cpu_ops = fused_cpu_ops and model.enable_fused_cpu_ops()
         self._generators: dict[str, torch.Generator] = {}
         self._upload = StagedUpload(device, torch.long)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.num_forward_passes = 0
 
     # ------------------------------------------------------------------ inputs
-    def step_inputs(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int], upload: StagedUpload,
-                    pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's token ids, positions, attention metadata and logit-row index.
-
-        Built on the host; the four index arrays reach the device in one
-        non-blocking copy from pinned memory (``upload``). The slots' range is known
-        here, so the attention backend checks it without reading the device.
-        ``pad_to`` adds one-token requests up to that many, writing to the scratch
-        block (a CUDA-graph bucket).
-        """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for chunk in chunks:
-            input_ids.extend(chunk.token_ids)
-            positions.extend(chunk.positions)
-            slots.extend(chunk.slot_mapping)
-        context_lens = [c.context_len for c in chunks]
-        block_tables = [c.block_table for c in chunks]
-        tree_parents = [c.tree_parents for c in chunks]
-        starts = query_starts(chunks)
-        if pad_to is not None and pad_to > len(chunks):
-            if self.scratch_block is None:
-                raise ValueError("padding a step needs the scratch block")
-            pad = pad_to - len(chunks)
-            input_ids += [0] * pad
-            positions += [0] * pad
-            slots += [self.scratch_block * self.block_size] * pad
-            context_lens += [1] * pad
-            block_tables += [[self.scratch_block]] * pad
-            tree_parents += [None] * pad
-            starts += [starts[-1] + i for i in range(1, pad + 1)]
-        n = len(input_ids)
-        dev = upload(torch.tensor(input_ids + positions + slots + list(logit_rows), dtype=torch.long))
-        meta = AttentionMetadata(
-            block_size=self.block_size,
-            slot_mapping=dev[2 * n:3 * n],
-            query_start_loc=starts,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            tree_parents=tree_parents,
-            slot_bounds=(min(slots), max(slots)) if slots else None,
-        )
-        return dev[:n], dev[n:2 * n], meta, dev[3 * n:]
+    def step_inputs(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int],
+                    upload: StagedUpload) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's token ids, positions, attention metadata and logit-row index,
+        built on the host and uploaded in one non-blocking copy (``step_inputs``)."""
+        return upload_step(host_step(chunks, logit_rows), upload, self.block_size)
 
     def generator_for(self, request_id: str, seed: int) -> torch.Generator:
         """The request's own RNG (kept across steps and preemptions until released)."""
@@ -205,17 +159,17 @@ class ModelRunner:
         """One forward over the chunks' new tokens; the logits ``[len(logit_rows), V]``
         of the given rows of the step's flat run of tokens (``query_starts``).
 
-        Decode steps go through the CUDA graphs when they are on."""
+        Decode and verify steps go through the CUDA graphs when they are on."""
         self.num_forward_passes += 1
         graphs = self.graphs
-        bucket = graphs.bucket_for(chunks, list(logit_rows)) if graphs is not None else None
-        if graphs is not None and bucket is not None:
+        shape = graphs.shape_for(chunks) if graphs is not None else None
+        if graphs is not None and shape is not None:
             try:
-                return graphs.forward(chunks, bucket)
+                return graphs.forward(chunks, list(logit_rows), shape)
             except Exception as exc:  # noqa: BLE001 - a capture that fails must not stop serving
                 if not graphs.capture:
                     raise
-                logger.warning("CUDA graph capture failed (%s: %s); decoding eagerly from now on",
+                logger.warning("CUDA graph capture failed (%s: %s); running steps eagerly from now on",
                                type(exc).__name__, exc)
                 self.graphs = None
         input_ids, positions, meta, rows = self.step_inputs(chunks, logit_rows, self._upload)
@@ -230,11 +184,13 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.attention)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
-        """Run decode steps padded to buckets from static buffers, captured as CUDA
-        graphs when ``capture`` (``cuda_graphs.py``); ``capture=False`` runs the same
-        padded steps eagerly (how a CPU tests them)."""
-        self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len, capture)
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_tree_tokens: int,
+                           capture: bool) -> None:
+        """Run decode and verify steps (trees of up to ``max_tree_tokens`` tokens with
+        their root) padded to static shapes, captured as CUDA graphs when ``capture``
+        (``cuda_graphs.py``); ``capture=False`` runs the same padded steps eagerly
+        (how a CPU tests them)."""
+        self.graphs = StepGraphs(self, max_num_seqs, max_model_len, max_tree_tokens, capture)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole KV blocks (copy-on-write orders) in every layer."""

@@ -109,13 +109,13 @@ def test_a_wrong_rule_fails_the_same_test(monkeypatch):
     (The converse mistake is harmless: the top-k rule is exact for any set of tried
     tokens chosen independently of the target's randomness, just less efficient.)
     """
-    real = builders.pick_children
+    real = builders.stage_children
 
     def mislabelled(logprobs, k, rule, generator, noise=None):
-        tokens, _, increments = real(logprobs, k, "topk", generator)
-        return tokens, ChildDraw("without_replacement", ROOT, probs=logprobs.exp()), increments
+        tokens, increments, _ = real(logprobs, k, "topk", generator)
+        return tokens, increments, ChildDraw("without_replacement", ROOT, probs=logprobs.exp())
 
-    monkeypatch.setattr(builders, "pick_children", mislabelled)
+    monkeypatch.setattr(builders, "stage_children", mislabelled)
     counts = _first_two_tokens("static", "without_replacement", seed=3)
     assert _pvalue(counts, _expected(3)) < 1e-6
 

@@ -118,3 +118,29 @@ def test_the_guard_sees_the_reads_of_the_cpu_walk(guarded_engine):
     outputs = _mixed_batch(llm)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
     assert any("along_walk" in read for read in guard.reads), guard.reads
+
+
+def test_drafting_reads_the_device_once_per_level(guarded_engine, monkeypatch):
+    """Every request's children of a draft level are drawn on the device and read
+    back in one copy: at most one read per draft forward, all in ``read_children``
+    (before, two reads per fed node: its top tokens and their logprobs)."""
+    llm, guard = guarded_engine
+    worker = llm.engine.speculator.proposer.drafts[0]
+    propose = type(worker).propose
+    levels = []
+
+    def guarded_propose(self, jobs):
+        before, guard.active, guard.reads = self.num_forward_passes, True, []
+        try:
+            return propose(self, jobs)
+        finally:
+            guard.active = False
+            levels.append((self.num_forward_passes - before, list(guard.reads), len(jobs)))
+
+    monkeypatch.setattr(type(worker), "propose", guarded_propose)
+    outputs = _mixed_batch(llm)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert levels and any(jobs > 1 for _, _, jobs in levels)
+    for forwards, reads, _ in levels:
+        assert 1 <= len(reads) <= forwards, reads
+        assert all("read_children" in read for read in reads), reads

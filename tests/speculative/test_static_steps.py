@@ -1,0 +1,35 @@
+"""Tree speculation through padded static steps (what CUDA graphs replay), on a CPU:
+every decode and verify step of the target and every draft level padded to a shape
+of ``worker/cuda_graphs.py``, run eagerly from the shape's static buffers."""
+
+from __future__ import annotations
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.speculative import SpeculativeConfig
+
+
+
+def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama, tiny_llama_draft):
+    """Tree speculation with every decode and verify step of the target (and every
+    draft level) padded to a static shape: the same tokens as eager steps."""
+    prompts = [{"prompt_token_ids": [3 + i, 17, 5 * i + 1, 40, 2][: 2 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def run(static: bool):
+        llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", attention_backend="triton",
+                  enforce_eager=True, max_num_seqs=4, block_size=4, draft_model=[str(tiny_llama_draft.path)],
+                  speculative=SpeculativeConfig(adaptive=False, tree="static", expansion=(2, 2)))
+        engine = llm.engine
+        if static:
+            engine.runner.enable_cuda_graphs(4, engine.max_model_len, 7, capture=False)
+            for draft in engine.speculator.drafts:
+                draft.runner.enable_cuda_graphs(16, engine.max_model_len, 1, capture=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_draft_tokens"] > 0
+        return [o.outputs[0].token_ids for o in outs], engine
+
+    eager, _ = run(False)
+    static, engine = run(True)
+    assert static == eager
+    assert engine.runner.graphs.num_steps >= 3 and engine.speculator.drafts[0].runner.graphs.num_steps >= 3
