@@ -148,8 +148,8 @@ class EngineConfig:
     ``enforce_eager=True`` runs every op eagerly in torch; by default fp32/bf16
     models on CPU fuse each layer's residual adds, RMSNorms and rotary embedding into
     numba kernels (``worker/models/cpu_fused.py``), and on CUDA with the Triton
-    backend decode steps are padded to a few batch sizes and replayed as CUDA
-    graphs (``worker/cuda_graphs.py``), as vLLM's flag switches off its graphs.
+    backend decode and verify steps are padded to a few shapes and replayed as
+    CUDA graphs (``worker/cuda_graphs.py``), as vLLM's flag switches off its graphs.
 
     ``quantization`` ("int8" or "int4") stores linear weights weight-only quantized
     (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16). The draft

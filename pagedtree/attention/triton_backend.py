@@ -57,7 +57,7 @@ class TritonPagedAttention:
     def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
         """Validate the step and upload its metadata once for every layer.
 
-        With ``static`` (a padded decode step that a CUDA graph replays), the plan
+        With ``static`` (a padded decode or verify step that a CUDA graph replays), the plan
         has that fixed shape and its program tiles for ``num_heads`` query heads are
         uploaded here too, so the layers' launches upload nothing.
         """

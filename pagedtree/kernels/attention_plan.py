@@ -125,9 +125,9 @@ def choose_tile_shape(
     of it (one block id per tile, regular loads); other block sizes gather keys one
     by one. Split-KV (flash-decoding) is used where :func:`split_kv_cost` says it
     pays: when the step has too few programs to fill the GPU and the partials it
-    writes and reads back cost less than the idle SMs. In the interpreter, cost is per executed
-    op, so bigger tiles and fewer programs are faster. ``capability`` (80 = sm_80)
-    and ``head_dim`` decide what fits in registers.
+    writes and reads back cost less than the idle SMs. In the interpreter, cost is
+    per executed op, so bigger tiles and fewer programs are faster. ``capability``
+    (80 = sm_80) and ``head_dim`` decide what fits in registers.
     """
     group_p = next_power_of_2(group)
     q = next_power_of_2(max(1, max_query_len))
@@ -143,7 +143,7 @@ def choose_tile_shape(
     num_warps = max(MIN_WARPS, block_q * group_p // 16)
     num_tiles = num_requests * max(1, cdiv(max(1, max_query_len), block_q))
     programs = num_tiles * num_kv_heads
-    kv_bytes = num_tiles * num_kv_heads * max_context_len * head_dim * 2 * kv_elem_bytes
+    kv_bytes = programs * max_context_len * head_dim * 2 * kv_elem_bytes  # K and V, read once per program
     partial_bytes = num_requests * max(1, max_query_len) * group * num_kv_heads * (next_power_of_2(head_dim) + 2) * 8
     choices = [s for s in SPLIT_CHOICES if s == 1 or s * MIN_SPLIT_KEYS <= max_context_len]
     num_splits = min(choices, key=lambda s: split_kv_cost(s, programs, kv_bytes, partial_bytes, num_sms))
@@ -321,6 +321,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
 
     tree_sizes = [len(p) for p in tree_parents if p is not None]
     tree_words = max(1, cdiv(max(tree_sizes, default=1), 32))
+    with_mask = bool(tree_sizes)  # a tree-mask section of a word row per token
     max_blocks = max(1, max((len(t) for t in block_tables), default=1))
     max_context_len = max(context_lens, default=0)
     tag = ""
@@ -333,13 +334,12 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
                              f"{len(tree_sizes)} trees, {max_blocks} blocks")
         max_blocks, max_context_len, tag = static.max_blocks, static.max_blocks * block_size, static.tag
         if static.tokens > 1:  # the mask section has the same size whatever the trees
-            tree_words = cdiv(static.tokens, 32)
-            tree_sizes = tree_sizes or [static.tokens]
+            tree_words, with_mask = cdiv(static.tokens, 32), True
     if num_tokens * tree_words >= 2**31:  # the kernel indexes mask words in int32
         raise ValueError(f"{num_tokens} tokens x {tree_words} tree-mask words exceed 2**31")
     tables = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
     # Non-tree tokens' rows are never read (the kernel masks the load by is_tree).
-    if tree_sizes:
+    if with_mask:
         tree_rows = [[0] * tree_words for _ in range(num_tokens)]
         for i, parents in enumerate(tree_parents):
             if parents is not None:
@@ -367,7 +367,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
         context_lens=views[1],
         is_tree=views[2],
         block_tables=views[3].view(num_requests, max_blocks) if num_requests else views[3].view(0, 1),
-        tree_mask=views[4].view(-1, tree_words) if tree_sizes else views[4].view(1, 1),
+        tree_mask=views[4].view(-1, tree_words) if with_mask else views[4].view(1, 1),
         tree_words=tree_words,
         slot_mapping=slot_mapping,
         buffers=buffers,

@@ -195,8 +195,12 @@ class ShapeTreeBuilder(TreeBuilder):
         self._shape_node = {ROOT: ROOT}  # tree node -> shape node
 
     def stage_level(self, fed: Sequence[tuple[int, torch.Tensor]]) -> list[StagedChildren]:
-        return [self._stage_children(node, logits, len(self._children[self._shape_node[node]]))
-                for node, logits in fed if self._children[self._shape_node[node]]]
+        staged = []
+        for node, logits in fed:
+            shape_kids = self._children[self._shape_node[node]]
+            if shape_kids:
+                staged.append(self._stage_children(node, logits, len(shape_kids)))
+        return staged
 
     def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
         to_feed = []

@@ -30,7 +30,8 @@ from pagedtree.scheduler.plan import Phase, ScheduledChunk
 from pagedtree.speculative.builders import TreeBuilder, read_children
 from pagedtree.speculative.tree import ROOT, TokenTree
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
-from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks, query_starts
+from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks
+from pagedtree.worker.step_inputs import query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")

@@ -26,7 +26,8 @@ import torch
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
-from pagedtree.worker.model_runner import ModelRunner, query_starts
+from pagedtree.worker.model_runner import ModelRunner
+from pagedtree.worker.step_inputs import query_starts
 
 logger = logging.getLogger("pagedtree")
 

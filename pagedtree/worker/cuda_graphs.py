@@ -106,14 +106,7 @@ class StepGraphs:
         """Logits ``[len(logit_rows), V]`` of the step, padded to ``shape`` and run from
         that shape's static buffers (a graph replay when capturing)."""
         runner = self.runner
-        requests, tokens = shape
-        step = pad_step(host_step(chunks, logit_rows), requests, tokens, runner.scratch_block, runner.block_size)
-        upload = self._uploads.get(shape)
-        if upload is None:
-            upload = self._uploads[shape] = StagedUpload(runner.device, torch.long)
-        input_ids, positions, meta, rows = upload_step(step, upload, runner.block_size)
-        runner.attention.begin_step(meta, StaticShape(requests, self.max_blocks, tokens),
-                                    runner.model.config.num_attention_heads)
+        input_ids, positions, rows = self.prepare(chunks, logit_rows, shape)
         self.num_steps += 1
         if not self.capture:
             hidden = runner.model(input_ids, positions, runner.attention)
@@ -124,6 +117,22 @@ class StepGraphs:
             graph[0].replay()
             hidden = graph[1]
         return runner.model.compute_logits(hidden[rows[:len(logit_rows)]])
+
+    def prepare(self, chunks: list[ScheduledChunk], logit_rows: list[int],
+                shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pad the step to ``shape``, upload its inputs to that shape's buffers and its
+        attention plan (``StaticShape``); its token ids, positions and logit-row index
+        (the step's rows first, then row 0 up to one per padded token)."""
+        runner = self.runner
+        requests, tokens = shape
+        step = pad_step(host_step(chunks, logit_rows), requests, tokens, runner.scratch_block, runner.block_size)
+        upload = self._uploads.get(shape)
+        if upload is None:
+            upload = self._uploads[shape] = StagedUpload(runner.device, torch.long)
+        input_ids, positions, meta, rows = upload_step(step, upload, runner.block_size)
+        runner.attention.begin_step(meta, StaticShape(requests, self.max_blocks, tokens),
+                                    runner.model.config.num_attention_heads)
+        return input_ids, positions, rows
 
     def _capture(self, shape: tuple[int, int], input_ids: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -18,9 +18,7 @@ from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
-from pagedtree.kernels.attention_plan import StaticShape
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_TOKENS, graph_buckets, token_buckets
-from pagedtree.worker.step_inputs import host_step, pad_step, upload_step
 from pagedtree.worker.model_runner import ModelRunner
 
 BLOCK = 4
@@ -79,15 +77,10 @@ def _tree_chunk(runner: ModelRunner, bm: BlockManager, context: int, parents: li
 
 def _addresses(runner: ModelRunner, chunks, rows) -> dict[str, int]:
     graphs = runner.graphs
-    requests, tokens = graphs.shape_for(chunks)
-    step = pad_step(host_step(chunks, rows), requests, tokens, runner.scratch_block, BLOCK)
-    upload = graphs._uploads.setdefault((requests, tokens), type(runner._upload)(runner.device, torch.long))
-    ids, positions, meta, _ = upload_step(step, upload, BLOCK)
-    runner.attention.begin_step(meta, StaticShape(requests, graphs.max_blocks, tokens),
-                                runner.model.config.num_attention_heads)
+    ids, positions, _ = graphs.prepare(chunks, list(rows), graphs.shape_for(chunks))
     plan = runner.attention._plan
     tiles = next(iter(plan.tile_cache.values()))
-    return {"input_ids": ids.data_ptr(), "positions": positions.data_ptr(), "slots": meta.slot_mapping.data_ptr(),
+    return {"input_ids": ids.data_ptr(), "positions": positions.data_ptr(), "slots": plan.slot_mapping.data_ptr(),
             "query_start": plan.query_start.data_ptr(), "context_lens": plan.context_lens.data_ptr(),
             "block_tables": plan.block_tables.data_ptr(), "tables_width": plan.block_tables.shape[1],
             "tree_mask": plan.tree_mask.data_ptr(), "tree_mask_shape": tuple(plan.tree_mask.shape),
