@@ -4,8 +4,9 @@ tree-speculation settings among them (plain data, validated on construction)."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -34,6 +35,7 @@ _DTYPES = {
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 QUANTIZATIONS = ("int8", "int4")  # weight-only, see pagedtree.worker.models.linear
+MAX_TENSOR_PARALLEL = 64
 
 TREE_KINDS = ("static", "chain", "dynamic", "sequoia")
 DRAFT_SAMPLING_RULES = ("without_replacement", "iid", "topk")
@@ -151,6 +153,15 @@ class EngineConfig:
     backend decode and verify steps are padded to a few shapes and replayed as
     CUDA graphs (``worker/cuda_graphs.py``), as vLLM's flag switches off its graphs.
 
+    ``tensor_parallel_size`` > 1 splits the target over that many ranks (processes)
+    Megatron-style on torch.distributed (gloo on CPU, NCCL on CUDA): ranks 1..N-1
+    are spawned here, or join from other machines through ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``WORLD_SIZE`` and ``RANK`` (``pagedtree worker``, or torchrun).
+    The drafts stay whole on rank 0 unless ``draft_tensor_parallel_size`` equals
+    ``tensor_parallel_size``. A collective that waits longer than
+    ``distributed_timeout`` seconds (a rank hung) or a rank that dies stops the
+    engine with ``TensorParallelError``.
+
     ``quantization`` ("int8" or "int4") stores linear weights weight-only quantized
     (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16). The draft
     models take the target's dtype and quantization unless ``draft_dtype`` /
@@ -180,6 +191,9 @@ class EngineConfig:
     draft_quantization: str | None = None
     speculative: SpeculativeConfig | None = None
     num_draft_kv_blocks: int | None = None
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int | None = None
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -229,10 +243,37 @@ class EngineConfig:
             self.speculative = SpeculativeConfig()
         if self.num_draft_kv_blocks is not None and self.num_draft_kv_blocks < 1:
             raise ValueError(f"num_draft_kv_blocks must be >= 1, got {self.num_draft_kv_blocks}")
+        if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)
+                or not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer in [1, {MAX_TENSOR_PARALLEL}], got {self.tensor_parallel_size!r}"
+            )
+        if self.draft_tensor_parallel_size is None:
+            self.draft_tensor_parallel_size = 1
+        if self.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(
+                "draft_tensor_parallel_size must be 1 (drafts whole on rank 0) or tensor_parallel_size "
+                f"({self.tensor_parallel_size}), got {self.draft_tensor_parallel_size!r}"
+            )
+        if not isinstance(self.distributed_timeout, (int, float)) or not 1 <= self.distributed_timeout <= 86400:
+            raise ValueError(f"distributed_timeout must be in [1, 86400] seconds, got {self.distributed_timeout!r}")
         self.resolve_device()
         self.resolve_dtype()
         if self.draft_dtype is not None:
             self.resolve_draft_dtype()
+
+    def to_json(self) -> str:
+        """This config as JSON (how rank 0 hands it to the other tensor-parallel ranks)."""
+        fields = asdict(self)
+        for name in ("dtype", "draft_dtype"):
+            if isinstance(fields[name], torch.dtype):
+                fields[name] = str(fields[name]).removeprefix("torch.")
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        """The config ``to_json`` wrote."""
+        return cls(**json.loads(text))
 
     @property
     def speculation_enabled(self) -> bool:

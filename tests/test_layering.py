@@ -1,7 +1,7 @@
 """The packages depend on each other one way only.
 
-entrypoints -> bench -> engine -> speculative -> loading -> worker -> scheduler/attention
--> kernels -> plain data (config, sampling_params, request, outputs, uploads, sampling). Every
+entrypoints -> bench -> engine -> speculative -> executor -> loading -> worker ->
+scheduler/attention/distributed -> kernels -> plain data (config, sampling_params, request, outputs, uploads, sampling). Every
 import (at module level or inside a function, but not under ``TYPE_CHECKING``) must
 point to a lower layer or stay in its own package; so there are no import cycles
 between packages.
@@ -21,13 +21,14 @@ LAYERS = {
     "config": 0, "sampling_params": 0, "outputs": 0, "uploads": 0,
     "request": 1, "sampling": 1,
     "kernels": 2,
-    "attention": 3, "scheduler": 3,
+    "attention": 3, "scheduler": 3, "distributed": 3,
     "worker": 4,
     "loading": 5,
-    "speculative": 6,
-    "engine": 7,
-    "bench": 8,
-    "entrypoints": 9,
+    "executor": 6,
+    "speculative": 7,
+    "engine": 8,
+    "bench": 9,
+    "entrypoints": 10,
 }
 
 

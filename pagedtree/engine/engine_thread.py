@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedtree.config import EngineConfig
+from pagedtree.distributed.group import TensorParallelError
 from pagedtree.engine.errors import EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import LLMEngine, PromptType
 from pagedtree.outputs import RequestOutput
@@ -163,6 +164,7 @@ class EngineThread(threading.Thread):
             self._sinks.clear()
         finally:
             self._close()
+            engine.shutdown()  # the tensor-parallel ranks stop with the thread
 
     def _close(self) -> None:
         """Refuse new commands, and answer the ones still queued so no caller waits forever."""
@@ -248,6 +250,8 @@ class EngineThread(threading.Thread):
     def _step(self, engine: LLMEngine) -> None:
         try:
             outputs = engine.step()
+        except TensorParallelError:
+            raise  # a rank is gone: nothing can run any more; the thread ends and fails everyone
         except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
             # Which request broke the step is unknown, so all in flight end; the
             # details (which may quote any request) go to the log, not to clients.

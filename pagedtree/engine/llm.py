@@ -20,10 +20,25 @@ class LLM:
 
     ``LLM()`` with no model loads the embedded default (Qwen2.5-Coder-1.5B-Instruct
     from its PyPI packages). Keyword arguments are those of ``EngineConfig``.
+
+    With ``tensor_parallel_size=N`` the ranks are spawned processes (spawn start
+    method): a script that creates the ``LLM`` at import time must do so under
+    ``if __name__ == "__main__":``, as with vLLM.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (also done when the ``LLM`` is collected or
+        the interpreter exits); the ``LLM`` cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         """The model's tokenizer (None for a folder that ships none)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
@@ -16,8 +17,10 @@ from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.attention import resolve_backend_name
-from pagedtree.loading.loader import load_model, load_tokenizer, resolve_model_path
+from pagedtree.distributed.group import TensorParallelError
+from pagedtree.executor.launcher import TensorParallelGroupHandle
+from pagedtree.executor.shards import load_target
+from pagedtree.loading.loader import load_tokenizer, resolve_model_path
 from pagedtree.scheduler.plan import StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedtree.loading import packaged_models as pm
@@ -25,7 +28,7 @@ from pagedtree.speculative.cost_calibration import calibrate_speculation
 from pagedtree.speculative.draft_worker import load_draft_worker
 from pagedtree.speculative.presets import acceptance_prior
 from pagedtree.speculative.speculator import Committed, Speculator
-from pagedtree.worker.model_runner import ModelRunner, StepOutput, num_kv_blocks
+from pagedtree.worker.model_runner import StepOutput
 
 logger = logging.getLogger("pagedtree")
 
@@ -56,31 +59,42 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = config.resolve_device()
         self.dtype = config.resolve_dtype()
         started = time.monotonic()
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device, quantization=config.quantization)
+        # Tensor parallelism: ranks 1..N-1 start (or join) first and load their
+        # shards while this process loads rank 0's.
+        self.tensor_parallel = TensorParallelGroupHandle.start(config) if config.tensor_parallel_size > 1 else None
+        self.device = self.tensor_parallel.device if self.tensor_parallel is not None else config.resolve_device()
+        self._finalizer = (weakref.finalize(self, self.tensor_parallel.shutdown)
+                           if self.tensor_parallel is not None else None)
+        try:
+            self._load(config)
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.group.mark_broken("rank 0 failed to start")
+                self.shutdown()
+            raise
+        self.load_seconds = time.monotonic() - started
+        logger.info(
+            "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d, attention %s%s",
+            self.model_path, self.load_seconds, self.block_manager.num_blocks, config.block_size,
+            self.max_model_len, self.attention_backend,
+            f", tensor parallel over {config.tensor_parallel_size} ranks" if self.tensor_parallel else "",
+        )
+
+    def _load(self, config: EngineConfig) -> None:
+        channel = self.tensor_parallel.channel if self.tensor_parallel is not None else None
+        target = load_target(config, self.device, self.dtype, channel)
+        loaded = target.loaded
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer)) if config.tokenizer else loaded.tokenizer
         self.vocab_size = int(loaded.config.vocab_size)
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.path, self.tokenizer)
-
-        model_limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
-        requested_len = config.max_model_len or model_limit
-        if requested_len > model_limit:
-            raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
-        num_blocks = num_kv_blocks(loaded.model, config, self.dtype, self.device, requested_len)
-        self.max_model_len = min(requested_len, num_blocks * config.block_size)
-        backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
-        self.runner = ModelRunner(
-            loaded.model, num_blocks, config.block_size, self.device, self.dtype, backend,
-            fused_cpu_ops=not config.enforce_eager,
-        )
-        if self.device.type == "cuda" and backend == "triton" and not config.enforce_eager:
-            # Verify steps hold a tree and its root.
-            tree_tokens = 1 + config.speculative.max_nodes if config.speculation_enabled else 1
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, tree_tokens, capture=True)
+        self.max_model_len = target.max_model_len
+        self.attention_backend = target.backend
+        self.runner = target.runner
+        num_blocks = target.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
@@ -96,12 +110,11 @@ class LLMEngine:
         )
         self.speculator = self._load_speculator(num_blocks) if config.speculation_enabled else None
         self.speculation_enabled = self.speculator is not None
-        if self.speculator is not None:
-            # A token's logits must not depend on whether a tree pass or a one-token
-            # decode computed them (greedy with speculation == without, in any dtype).
-            loaded.model.make_rows_consistent()
-            if config.speculative.adaptive:
-                calibrate_speculation(self.speculator, config, self.runner, loaded.path, self.dtype)
+        if self.tensor_parallel is not None:
+            sharded_drafts = self.speculator.drafts if config.draft_tensor_parallel_size > 1 else []
+            self.tensor_parallel.runners = [self.runner] + [draft.runner for draft in sharded_drafts]
+        if self.speculator is not None and config.speculative.adaptive:
+            calibrate_speculation(self.speculator, config, self.runner, loaded.path, self.dtype)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
@@ -109,17 +122,23 @@ class LLMEngine:
         self._request_counter = 0
         self.num_prompt_tokens = 0
         self.num_failed_requests = 0
-        self.load_seconds = time.monotonic() - started
-        logger.info(
-            "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d, attention %s",
-            self.model_path, self.load_seconds, num_blocks, config.block_size, self.max_model_len, backend,
-        )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op on one process). Idempotent; also
+        runs when the engine is garbage-collected or the interpreter exits."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def tensor_parallel_report(self) -> list[dict[str, object]]:
+        """Every rank's counters (``TensorParallelGroupHandle.report``); ``[]`` on one process."""
+        return self.tensor_parallel.report() if self.tensor_parallel is not None else []
 
     # ------------------------------------------------------------- set-up
     def _load_speculator(self, target_blocks: int) -> Speculator:
         cfg = self.config
+        channel = self.tensor_parallel.channel if self.tensor_parallel and cfg.draft_tensor_parallel_size > 1 else None
         drafts = [
-            load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks)
+            load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks, self.device, channel)
             for index in range(len(cfg.draft_model or ()))
         ]
         prior = acceptance_prior(cfg.model or pm.DEFAULT_MODEL, cfg.draft_model, cfg.speculative.drafter)
@@ -324,6 +343,8 @@ class LLMEngine:
     def _execute(self, plan: StepPlan) -> StepOutput:
         try:
             return self.runner.execute(plan)
+        except TensorParallelError:
+            raise  # a rank died or the ranks fell out of step: no request can run any more
         except Exception as exc:  # noqa: BLE001 - one bad request must not sink the batch
             if len(plan.chunks) == 1:
                 self._fail(plan.chunks[0].request, exc)
@@ -336,6 +357,8 @@ class LLMEngine:
             copies_done = True
             try:
                 out = self.runner.execute(single)
+            except TensorParallelError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 self._fail(chunk.request, exc)
                 continue
@@ -407,6 +430,7 @@ class LLMEngine:
             "num_failed_requests": self.num_failed_requests,
             "max_model_len": self.max_model_len,
             "num_target_forward_passes": self.runner.num_forward_passes,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
         if self.speculator is not None:
             stats.update(self.speculator.stats())

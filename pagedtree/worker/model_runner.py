@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.attention import AttentionMetadata, make_backend
+from pagedtree.attention import make_backend
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedtree.sampling import DeviceRows, SampleResult, SamplingRow, read_back, sample_rows
 from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
 from pagedtree.uploads import StagedUpload
-from pagedtree.worker.step_inputs import host_step, query_starts, upload_step
+from pagedtree.worker.step_inputs import HostStep, host_step, query_starts, upload_step
 from pagedtree.worker.cuda_graphs import StepGraphs
 from pagedtree.worker.host_allocator import tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
@@ -131,14 +131,16 @@ class ModelRunner:
         self._upload = StagedUpload(device, torch.long)
         self.graphs: StepGraphs | None = None
         self.num_forward_passes = 0
+        # Counted on every rank alike: tensor-parallel ranks that ran the same steps agree.
+        self.num_block_copies = 0
+        self.num_slot_copies = 0
 
-    # ------------------------------------------------------------------ inputs
-    def step_inputs(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int],
-                    upload: StagedUpload) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's token ids, positions, attention metadata and logit-row index,
-        built on the host and uploaded in one non-blocking copy (``step_inputs``)."""
-        return upload_step(host_step(chunks, logit_rows), upload, self.block_size)
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this runner holds on its device: weights (this rank's shard) and KV cache."""
+        kv = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+        return {"weights": self.model.weight_bytes(), "kv_cache": kv}
 
+    # ------------------------------------------------------------------ state
     def generator_for(self, request_id: str, seed: int) -> torch.Generator:
         """The request's own RNG (kept across steps and preemptions until released)."""
         gen = self._generators.get(request_id)
@@ -172,7 +174,15 @@ class ModelRunner:
                 logger.warning("CUDA graph capture failed (%s: %s); running steps eagerly from now on",
                                type(exc).__name__, exc)
                 self.graphs = None
-        input_ids, positions, meta, rows = self.step_inputs(chunks, logit_rows, self._upload)
+        return self.run_step(host_step(chunks, logit_rows))
+
+    @torch.inference_mode()
+    def run_step(self, step: HostStep) -> torch.Tensor:
+        """One eager forward over a step built on the host; the logits of its ``logit_rows``.
+
+        (The tensor-parallel runner of rank 0 overrides it to send the step to the
+        other ranks, which run this very method on their shards.)"""
+        input_ids, positions, meta, rows = upload_step(step, self._upload, self.block_size)
         self.attention.begin_step(meta)
         return self.run_model(input_ids, positions, rows)
 
@@ -195,11 +205,13 @@ class ModelRunner:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole KV blocks (copy-on-write orders) in every layer."""
         if src:
+            self.num_block_copies += len(src)
             self.attention.copy_blocks(src, dst)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Move single token slots in every layer (tree-path compaction)."""
         if src:
+            self.num_slot_copies += len(src)
             self.attention.copy_slots(src, dst)
 
     def apply_slot_moves(self, moves: list[SlotMove]) -> None:

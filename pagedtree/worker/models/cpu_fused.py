@@ -60,6 +60,7 @@ class FusedCpuForward:
         if dtype not in SUPPORTED_DTYPES or body.embed_tokens.weight.device.type != "cpu":
             raise ValueError(f"fused CPU ops need an fp32 or bf16 model on CPU, got {dtype}")
         self.model = model
+        self.reduce = model.reduce  # the row-parallel partial sums over the ranks (tensor parallelism)
         self.bf16 = dtype == torch.bfloat16
         self.eps = float(body.norm.eps)
         self.layers = [
@@ -123,8 +124,8 @@ class FusedCpuForward:
                 k.view(num_tokens, part.num_kv_heads, part.head_dim),
                 v.view(num_tokens, part.num_kv_heads, part.head_dim),
             )
-            x = part.o(out.reshape(num_tokens, part.num_heads * part.head_dim))
+            x = self.reduce(part.o(out.reshape(num_tokens, part.num_heads * part.head_dim)))
             normed = self._add_rms_norm(x, residual, part.post_norm)
             gate, up = part.gate_up(normed).chunk(2, dim=-1)
-            x = part.down(part.act(gate) * up)
+            x = self.reduce(part.down(part.act(gate) * up))
         return self._add_rms_norm(x, residual, self.final_weight)

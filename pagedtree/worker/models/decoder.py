@@ -7,19 +7,34 @@ mirror Hugging Face's so checkpoints load without renaming.
 
 Numerics follow transformers' implementation step for step (RMSNorm in fp32, rotary
 tables computed in fp32) so greedy outputs match it token for token.
+
+Under tensor parallelism (``pagedtree.distributed``) the same classes hold one rank's
+slice (``ShardLayout``): fewer heads, MLP features and vocabulary rows, an
+all-reduce after each row-parallel projection (o_proj, down_proj) and after the
+vocabulary-parallel embedding lookup, and the logits gathered on rank 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedtree.distributed.group import TensorParallelGroup
+from pagedtree.distributed.layout import ShardLayout
 from pagedtree.worker.models.linear import Linear
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,15 +103,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-class DecoderAttention(nn.Module):
-    """Multi-head (grouped-query) self-attention over the paged cache."""
+def head_dim_of(config) -> int:
+    """The attention head size of a Llama-family ``config``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    def __init__(self, config, spec: DecoderSpec, layer_index: int):
+
+class DecoderAttention(nn.Module):
+    """Multi-head (grouped-query) self-attention over the paged cache (this rank's heads)."""
+
+    def __init__(self, config, spec: DecoderSpec, layer_index: int, layout: ShardLayout):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = len(layout.q_heads)
+        self.num_kv_heads = len(layout.kv_heads)
+        self.head_dim = head_dim_of(config)
         hidden = config.hidden_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_sizes = (q_size, kv_size, kv_size)
@@ -120,11 +140,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """Gated feed-forward block: ``down(act(gate(x)) * up(x))``."""
+    """Gated feed-forward block: ``down(act(gate(x)) * up(x))`` (this rank's features)."""
 
-    def __init__(self, config, spec: DecoderSpec):
+    def __init__(self, config, spec: DecoderSpec, layout: ShardLayout):
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, len(layout.intermediate)
         # gate and up fused into one projection, like q/k/v (see ``FUSED_SHARDS``).
         self.gate_up_proj = Linear(hidden, 2 * inner, bias=spec.mlp_bias)
         self.down_proj = Linear(inner, hidden, bias=spec.mlp_bias)
@@ -136,32 +156,69 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block; ``reduce`` sums the row-parallel outputs over the ranks."""
 
-    def __init__(self, config, spec: DecoderSpec, layer_index: int):
+    def __init__(self, config, spec: DecoderSpec, layer_index: int, layout: ShardLayout, reduce: Reduce):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, spec, layer_index)
+        self.self_attn = DecoderAttention(config, spec, layer_index, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, spec)
+        self.mlp = DecoderMLP(config, spec, layout)
+        self.reduce = reduce
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.reduce(self.self_attn(self.input_layernorm(hidden), cos, sin, attention))
+        return hidden + self.reduce(self.mlp(self.post_attention_layernorm(hidden)))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding, or one rank's rows ``vocab`` of it: ids outside them look
+    up zeros and the all-reduce (``reduce``) fills each row from the rank that holds it."""
+
+    def __init__(self, vocab: range, hidden_size: int, reduce: Reduce | None):
+        super().__init__(len(vocab), hidden_size)
+        self.first = vocab.start
+        self.reduce = reduce
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return super().forward(input_ids)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.reduce(rows.masked_fill_(outside[:, None], 0))
 
 
 class DecoderBody(nn.Module):
     """Embeddings, the stack of layers and the final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, config, spec: DecoderSpec):
+    def __init__(self, config, spec: DecoderSpec, layout: ShardLayout, reduce: Reduce):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            layout.vocab, config.hidden_size, reduce if layout.is_sharded else None
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, i, layout, reduce) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointTarget:
+    """Where a checkpoint tensor goes in this model (one rank's model under tensor
+    parallelism).
+
+    ``rows`` is the block of the parameter's rows it fills (None: the whole
+    parameter); ``source`` what this rank reads of the checkpoint tensor (``()``:
+    all of it; a tuple of slices per dimension otherwise; None: nothing, the
+    destination is zeros: a row-parallel bias is added by rank 0 alone).
+    """
+
+    param: str
+    rows: slice | None = None
+    source: tuple[slice, ...] | None = ()
 
 
 # Checkpoint projections that this implementation stores fused: name -> (fused
@@ -186,15 +243,21 @@ class DecoderForCausalLM(nn.Module):
         """The architecture switches for ``config`` (overridden per architecture)."""
         return DecoderSpec()
 
-    def __init__(self, config):
+    def __init__(self, config, layout: ShardLayout | None = None, group: TensorParallelGroup | None = None):
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
         self.config = config
+        self.layout = layout or ShardLayout.whole(config)
+        if self.layout.is_sharded and (group is None or group.size != self.layout.size):
+            raise ValueError("a sharded model needs its tensor-parallel group")
+        self.group = group if self.layout.is_sharded else None
+        # Sums the row-parallel layers' partial outputs over the ranks.
+        self.reduce: Reduce = self.group.all_reduce if self.group is not None else _no_reduce
         spec = self.spec_for(config)
-        self.model = DecoderBody(config, spec)
+        self.model = DecoderBody(config, spec, self.layout, self.reduce)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, len(self.layout.vocab), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
@@ -205,22 +268,44 @@ class DecoderForCausalLM(nn.Module):
         # Set by ``enable_fused_cpu_ops``: the forward with fused element-wise work.
         self.fused_forward = None
 
-    def checkpoint_target(self, name: str) -> tuple[str, slice | None]:
+    def checkpoint_target(self, name: str) -> CheckpointTarget:
         """Where checkpoint tensor ``name`` (Hugging Face naming) goes in this model.
 
-        Returns the parameter name and, for the projections fused here, the block of
-        rows the tensor fills (``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` ->
-        ``gate_up_proj``); ``None`` rows means the whole parameter.
+        The projections fused here fill a block of rows of the fused parameter
+        (``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``); a
+        sharded model reads only its slice of each tensor (``ShardLayout``).
         """
         module_path, _, leaf = name.rpartition(".")
         parent_path, _, proj = module_path.rpartition(".")
+        source = self._shard_source(proj, leaf)
         if proj not in FUSED_SHARDS:
-            return name, None
+            return CheckpointTarget(name, None, source)
         fused, index = FUSED_SHARDS[proj]
         parent = self.get_submodule(parent_path)
         sizes = parent.qkv_sizes if fused == "qkv_proj" else (parent.down_proj.in_features,) * 2
         start = sum(sizes[:index])
-        return f"{parent_path}.{fused}.{leaf}", slice(start, start + sizes[index])
+        return CheckpointTarget(f"{parent_path}.{fused}.{leaf}", slice(start, start + sizes[index]), source)
+
+    def _shard_source(self, proj: str, leaf: str) -> tuple[slice, ...] | None:
+        """This rank's slice of a checkpoint tensor of module ``proj`` (see ``layout.py``)."""
+        layout = self.layout
+        if not layout.is_sharded:
+            return ()
+        d = self.head_dim
+        heads = {"q_proj": layout.q_heads, "k_proj": layout.kv_heads, "v_proj": layout.kv_heads}
+        if proj in heads:  # column-parallel: output rows
+            return (slice(heads[proj].start * d, heads[proj].stop * d),)
+        if proj in ("gate_proj", "up_proj"):
+            return (slice(layout.intermediate.start, layout.intermediate.stop),)
+        if proj in ("o_proj", "down_proj"):  # row-parallel: input columns; the bias once
+            if leaf != "weight":
+                return () if layout.rank == 0 else None
+            cols = layout.q_heads if proj == "o_proj" else layout.intermediate
+            scale = d if proj == "o_proj" else 1
+            return (slice(None), slice(cols.start * scale, cols.stop * scale))
+        if proj in ("embed_tokens", "lm_head"):
+            return (slice(layout.vocab.start, layout.vocab.stop),)
+        return ()  # norms: replicated
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
@@ -279,6 +364,25 @@ class DecoderForCausalLM(nn.Module):
         """
         return sum(module.pack_for_cpu() for module in self.modules() if isinstance(module, Linear))
 
+    def weight_bytes(self) -> int:
+        """Bytes of this model's (or shard's) weights in their current forms (tied
+        tensors counted once; packed and quantized layers by what they hold)."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        packed = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear) and m.weight is None)
+        return dense + packed
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits for hidden states ``[N, hidden]``."""
-        return self.lm_head(hidden)
+        """Vocabulary logits for hidden states ``[N, hidden]``.
+
+        Sharded: each rank computes its vocabulary slice and rank 0 gathers them
+        into ``[N, V]``; the other ranks get their own slice back."""
+        logits = self.lm_head(hidden)
+        if self.group is None:
+            return logits
+        layout = self.layout
+        pad = layout.vocab_rows - logits.shape[-1]
+        parts = self.group.gather_to_first(F.pad(logits, (0, pad)) if pad else logits)
+        if parts is None:
+            return logits
+        last = layout.vocab_size - (layout.size - 1) * layout.vocab_rows
+        return torch.cat(parts[:-1] + [parts[-1][:, :last]], dim=-1)

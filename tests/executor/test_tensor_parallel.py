@@ -1,0 +1,111 @@
+"""Tensor parallelism on CPU with gloo: N ranks give the tokens one rank gives.
+
+Every test here spawns real worker processes (torch.multiprocessing, spawn) that
+load their own shards; the greedy and seeded outputs are compared token for token
+with a one-process engine on the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.loading import packaged_models as pm
+from tests.conftest import random_prompts
+from tests.executor.conftest import assert_ranks_in_step, token_ids
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    shared = random_prompts(1, 256, 40, 40, seed=7)[0]  # four prompts share 40 tokens: prefix-cache hits
+    tails = random_prompts(4, 256, 2, 6, seed=8)
+    return [{"prompt_token_ids": p} for p in random_prompts(10, 256, 3, 40, seed=5)] + [
+        {"prompt_token_ids": shared + tail} for tail in tails
+    ]
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_under_preemption_and_prefix_caching(tiny_llama, prompts):
+    # 20 blocks of 16 tokens for 14 requests of up to 60 tokens: the scheduler preempts.
+    settings = dict(dtype="float32", num_kv_blocks=20, max_num_seqs=16)
+    one = LLM(str(tiny_llama.path), **settings)
+    expected = token_ids(one.generate(prompts, GREEDY, use_tqdm=False))
+    assert one.stats()["num_preemptions"] > 0
+    with LLM(str(tiny_llama.path), tensor_parallel_size=2, **settings) as two:
+        assert token_ids(two.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        stats = two.stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+        report = assert_ranks_in_step(two)
+        assert report[1]["models"][0]["forward_passes"] == stats["num_forward_passes"]
+        # Each rank holds half of every layer (norms replicated).
+        whole = one.engine.runner.memory_bytes()["weights"]
+        assert all(0.45 * whole < r["models"][0]["weight_bytes"] < 0.55 * whole for r in report)
+        assert all(r["all_reduces"] > 0 for r in report)
+
+
+@pytest.fixture(scope="module")
+def speculative_pair(tiny_llama, tp_draft):
+    """One rank decoding plainly, and two ranks with tree speculation (drafts whole on rank 0)."""
+    one = LLM(str(tiny_llama.path), dtype="float32")
+    two = LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, draft_model=str(tp_draft.path),
+              speculative={"tree": "static", "expansion": [2, 2, 1], "max_nodes": 8, "adaptive": False})
+    yield one, two
+    two.shutdown()
+
+
+def test_tree_speculation_on_two_ranks_gives_plain_one_rank_tokens(speculative_pair, prompts):
+    one, two = speculative_pair
+    expected = token_ids(one.generate(prompts, GREEDY, use_tqdm=False))
+    assert token_ids(two.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    stats = two.stats()
+    assert stats["num_accepted_tokens"] > 0
+    report = assert_ranks_in_step(two)
+    assert report[1]["models"][0]["slot_copies"] > 0  # accepted tree paths compacted on every rank
+
+
+def test_seeded_sampling_on_two_ranks_equals_one_rank(speculative_pair, prompts):
+    one, two = speculative_pair
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected = token_ids(one.generate(prompts, params, use_tqdm=False))
+    assert token_ids(two.generate(prompts, params, use_tqdm=False)) == expected
+    assert_ranks_in_step(two)
+
+
+def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts):
+    one = LLM(str(tiny_llama.path), dtype="float32")
+    expected = token_ids(one.generate(prompts[:6], GREEDY, use_tqdm=False))
+    with LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, draft_tensor_parallel_size=2,
+             draft_model=str(tp_draft.path), speculative={"tree": "chain", "depth": 4, "max_nodes": 4,
+                                                          "adaptive": False}) as two:
+        assert token_ids(two.generate(prompts[:6], GREEDY, use_tqdm=False)) == expected
+        report = assert_ranks_in_step(two, num_models=2)
+        assert report[1]["models"][1]["forward_passes"] > 0  # the draft's forwards ran on rank 1 too
+
+
+def test_four_ranks_replicate_kv_heads_with_biases_and_tied_embeddings(tiny_qwen2):
+    # tiny Qwen2: 4 query heads, 2 KV heads (each on 2 ranks), q/k/v biases, tied embeddings.
+    requests = [{"prompt_token_ids": p} for p in random_prompts(4, 256, 3, 20, seed=9)]
+    one = LLM(str(tiny_qwen2.path), dtype="float32")
+    expected = token_ids(one.generate(requests, GREEDY, use_tqdm=False))
+    with LLM(str(tiny_qwen2.path), dtype="float32", tensor_parallel_size=4) as four:
+        assert token_ids(four.generate(requests, GREEDY, use_tqdm=False)) == expected
+        assert_ranks_in_step(four)
+
+
+def test_smollm2_135m_on_two_ranks_equals_one_rank():
+    model = pm.SMOLLM2_135M  # 9 query heads over 3 KV heads: ranks hold 6 and 3 heads
+    if not pm.is_installed(model):
+        pytest.skip(f"{model.name} not installed: {pm.install_command(model)}")
+    prompts = ["def fibonacci(n):", "The capital of France is", "Paged attention stores"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    settings = dict(dtype="float32", max_model_len=256, kv_cache_memory=64 * 2**20)
+    one = LLM(model.name, **settings)
+    expected = token_ids(one.generate(prompts, params, use_tqdm=False))
+    with LLM(model.name, tensor_parallel_size=2, speculative={"drafter": "suffix", "adaptive": False},
+             **settings) as two:
+        assert token_ids(two.generate(prompts, params, use_tqdm=False)) == expected
+        two.engine.set_speculation(False)
+        assert token_ids(two.generate(prompts, params, use_tqdm=False)) == expected
+        assert_ranks_in_step(two)
