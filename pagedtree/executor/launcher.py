@@ -24,12 +24,15 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from transformers import AutoConfig
 
 from pagedtree.config import EngineConfig
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelError, TensorParallelGroup, connect_store
+from pagedtree.distributed.layout import ShardLayout
 from pagedtree.executor.commands import CommandChannel, Op, parse_report, report_values
 from pagedtree.executor.ranks import RankAddress, env_address, local_addresses, rank_device, set_threads, share_cores
 from pagedtree.executor.worker import error_key, joined_key, spawned_worker
+from pagedtree.loading.loader import resolve_model_path
 from pagedtree.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedtree")
@@ -62,6 +65,7 @@ class TensorParallelGroupHandle:
     def start(cls, config: EngineConfig) -> TensorParallelGroupHandle:
         """Start (or join) the group of ``config.tensor_parallel_size`` ranks as rank 0."""
         size = config.tensor_parallel_size
+        check_splittable(config)
         address = env_address(size)
         spawn = address is None
         if address is None:
@@ -141,6 +145,16 @@ class TensorParallelGroupHandle:
         self.group.close()
         self.group.mark_broken("the engine was shut down")
         set_threads(self._previous_threads)
+
+
+def check_splittable(config: EngineConfig) -> None:
+    """Raise ``ValueError`` before any rank starts when a model cannot be split
+    ``tensor_parallel_size`` ways (its config is all it takes to know)."""
+    models = [config.model] + (list(config.draft_model or ()) if config.draft_tensor_parallel_size > 1 else [])
+    for model in models:
+        model_config = AutoConfig.from_pretrained(str(resolve_model_path(model)))
+        for rank in range(config.tensor_parallel_size):
+            ShardLayout.for_rank(model_config, rank, config.tensor_parallel_size)
 
 
 def _wait_for_ranks(store, size: int, processes: dict[int, mp.Process]) -> None:

@@ -74,14 +74,21 @@ def test_seeded_sampling_on_two_ranks_equals_one_rank(speculative_pair, prompts)
 
 
 def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts):
-    one = LLM(str(tiny_llama.path), dtype="float32")
-    expected = token_ids(one.generate(prompts[:6], GREEDY, use_tqdm=False))
-    with LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, draft_tensor_parallel_size=2,
-             draft_model=str(tp_draft.path), speculative={"tree": "chain", "depth": 4, "max_nodes": 4,
-                                                          "adaptive": False}) as two:
-        assert token_ids(two.generate(prompts[:6], GREEDY, use_tqdm=False)) == expected
+    # Branching trees: the draft forks sequences, so its copy-on-write block copies
+    # must reach rank 1's draft cache too. A draft cache gone wrong on any rank
+    # would not change the (exact) tokens, but it would change what the draft
+    # proposes: the same trees must be proposed and accepted as on one rank.
+    settings = dict(dtype="float32", draft_model=str(tp_draft.path),
+                    speculative={"tree": "static", "expansion": [2, 2, 1], "max_nodes": 8, "adaptive": False})
+    one = LLM(str(tiny_llama.path), **settings)
+    expected = token_ids(one.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(str(tiny_llama.path), tensor_parallel_size=2, draft_tensor_parallel_size=2, **settings) as two:
+        assert token_ids(two.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        for counter in ("num_draft_tokens", "num_accepted_tokens"):
+            assert two.stats()[counter] == one.stats()[counter], counter
         report = assert_ranks_in_step(two, num_models=2)
-        assert report[1]["models"][1]["forward_passes"] > 0  # the draft's forwards ran on rank 1 too
+        draft = report[1]["models"][1]
+        assert draft["forward_passes"] > 0 and draft["block_copies"] > 0  # the draft ran on rank 1 too
 
 
 def test_four_ranks_replicate_kv_heads_with_biases_and_tied_embeddings(tiny_qwen2):
