@@ -28,6 +28,8 @@ COMMAND_WAIT = datetime.timedelta(days=365)
 # Start-up (joining, loading shards) may take long on big models; a rank that dies
 # meanwhile is still noticed at once (its sockets close).
 START_TIMEOUT = datetime.timedelta(minutes=30)
+# The tag of the all-reduce's point-to-point messages (gloo matches them per peer, in order).
+_SUM_TAG = 17
 # Prefix of this engine's keys in a store it may share (torchrun's agent store).
 STORE_PREFIX = "pagedtree"
 
@@ -108,13 +110,48 @@ class TensorParallelGroup:
 
     # -------------------------------------------------------- model collectives
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks in place (the row-parallel layers' partial sums)."""
+        """Sum ``tensor`` over the ranks in place (the row-parallel layers' partial sums).
+
+        NCCL runs its all-reduce. Over gloo, every rank sends its tensor to every other
+        and adds what it receives in rank order (so all ranks hold the same bits): one
+        exchange of point-to-point messages, where gloo's ring all-reduce takes
+        several rounds (0.6 ms against 1.5 ms an all-reduce inside a two-rank
+        SmolLM2 decode step on the 2-core machine; ``benchmarks/RESULTS.md``). The traffic is ``N - 1`` tensors
+        a rank instead of the ring's ``2 (N - 1) / N``: right for the few ranks and
+        small activations of CPU serving."""
         started = time.perf_counter()
-        self._run("all-reduce", lambda: self._compute.allreduce([tensor], dist.AllreduceOptions()))
+        if self._compute is self._commands:
+            self._exchange_sum(tensor)
+        else:
+            self._run("all-reduce", lambda: self._compute.allreduce([tensor], dist.AllreduceOptions()))
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         self.stats.seconds += time.perf_counter() - started
         return tensor
+
+    def _exchange_sum(self, tensor: torch.Tensor) -> None:
+        if self._broken is not None:
+            raise self._broken
+        mine = tensor.contiguous()
+        parts: list[torch.Tensor] = []
+        works = []
+        try:
+            for peer in range(self.size):
+                if peer == self.rank:
+                    parts.append(mine)
+                    continue
+                works.append(self._commands.send([mine], peer, _SUM_TAG))
+                received = torch.empty_like(mine)
+                works.append(self._commands.recv([received], peer, _SUM_TAG))
+                parts.append(received)
+            for work in works:
+                work.wait()
+        except Exception as exc:  # noqa: BLE001 - as in _run
+            raise self._fail(exc, "all-reduce") from exc
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        tensor.copy_(total)
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``tensor`` (same shape on all) on rank 0, in rank order; None elsewhere."""

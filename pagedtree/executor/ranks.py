@@ -8,6 +8,7 @@ itself on one machine, through a free port on 127.0.0.1.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+logger = logging.getLogger("pagedtree")
 
 @dataclass(frozen=True, slots=True)
 class RankAddress:
@@ -82,8 +84,36 @@ def share_cores(address: RankAddress) -> int:
     previous = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = max(1, cores // address.local_size)
+    if address.local_size > 1:
+        sleeping_thread_pools()  # before set_threads: numba's set_num_threads starts its pool
     set_threads(threads)
     return previous
+
+
+def sleeping_thread_pools() -> None:
+    """Thread pools whose idle threads sleep, for ranks that share a machine's cores.
+
+    numba's default (OpenMP) pool and libgomp in general spin for a while after
+    each parallel region; with two ranks on two cores the spinning took the core
+    the other rank computes on: a two-rank SmolLM2 decode step took 237 ms, 90 ms
+    with numba's workqueue pool (benchmarks/RESULTS.md, "Tensor parallelism").
+    numba's pool is chosen when its first parallel kernel runs, so this works in
+    a process that has not run one yet (every spawned rank; rank 0 when tensor
+    parallelism starts first, as in ``pagedtree serve``). The workqueue pool takes
+    kernels from one thread at a time, which is how the engine runs them.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # libgomp of processes started from here
+    try:
+        import numba
+        from numba.np.ufunc import parallel
+    except ImportError:  # numba is optional
+        return
+    if not parallel._is_initialized:
+        numba.config.THREADING_LAYER = "workqueue"
+    elif numba.threading_layer() == "omp":
+        logger.warning("numba's OpenMP pool already runs in this process; its idle threads spin and slow "
+                       "the other ranks (start tensor parallelism before running a model, or set "
+                       "NUMBA_THREADING_LAYER=workqueue)")
 
 
 def set_threads(threads: int) -> None:
