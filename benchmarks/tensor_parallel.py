@@ -116,14 +116,22 @@ def cell(ranks: int, batch: int, steps: int, seconds: float, before: list[dict],
 
 def measure_in_child(args: argparse.Namespace, ranks: int) -> list[Measured]:
     """``measure`` in a fresh process: each size starts from an untouched process, as
-    a server would (thread pools are chosen once per process)."""
+    a server would (thread pools are chosen once per process). One rank runs with
+    OpenMP's default (spinning idle threads: fastest alone); several ranks start
+    with ``OMP_WAIT_POLICY=PASSIVE``, as the README advises for ranks sharing cores."""
+    import os
     import subprocess
     import tempfile
+
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if ranks > 1 and not args.no_passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         command = [sys.executable, __file__, "--model", args.model, "--sizes", str(ranks), "--steps", str(args.steps),
                    "--dtype", args.dtype, "--cells-json", f.name, "--batches", *map(str, args.batches)]
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, env=env)
         return [Measured(**c) for c in json.loads(Path(f.name).read_text())]
 
 
@@ -201,7 +209,8 @@ def paper_table(tokens_per_step: list[int]) -> str:
 
 # ------------------------------------------------------------------- output
 def markdown(model: str, dtype: str, cells: list[Measured]) -> str:
-    lines = [f"Model {model}, {dtype}, decode steps (greedy), median machine noise not removed.", "",
+    lines = [f"Model {model}, {dtype}, decode steps (greedy), mean of the timed steps. One rank with OpenMP's "
+             "defaults, several with OMP_WAIT_POLICY=PASSIVE (unless --no-passive).", "",
              "| ranks | batch | step ms | rank 0 in collectives ms | other rank in collectives ms | "
              "all-reduces / step | all-reduce KiB / step | gather KiB / step |",
              "|---|---|---|---|---|---|---|---|"]
@@ -244,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per cell")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-passive", action="store_true",
+                        help="start the multi-rank runs without OMP_WAIT_POLICY=PASSIVE (rank 0 then uses "
+                             "numba's workqueue pool)")
     parser.add_argument("--paper-only", action="store_true", help="print the on-paper GPU estimate only")
     parser.add_argument("--out", default=str(RESULTS / "cpu_tensor_parallel"), help="output path stem (.md/.json/.png)")
     parser.add_argument("--cells-json", default=None, help=argparse.SUPPRESS)  # one size, in a child process

@@ -93,16 +93,21 @@ def share_cores(address: RankAddress) -> int:
 def sleeping_thread_pools() -> None:
     """Thread pools whose idle threads sleep, for ranks that share a machine's cores.
 
-    numba's default (OpenMP) pool and libgomp in general spin for a while after
-    each parallel region; with two ranks on two cores the spinning took the core
-    the other rank computes on: a two-rank SmolLM2 decode step took 237 ms, 90 ms
-    with numba's workqueue pool (benchmarks/RESULTS.md, "Tensor parallelism").
-    numba's pool is chosen when its first parallel kernel runs, so this works in
-    a process that has not run one yet (every spawned rank; rank 0 when tensor
-    parallelism starts first, as in ``pagedtree serve``). The workqueue pool takes
-    kernels from one thread at a time, which is how the engine runs them.
+    libgomp's idle threads (numba's default pool) spin for a while after each
+    parallel region; with two ranks on two cores the spinning took the core the
+    other rank computes on (a two-rank SmolLM2 decode step: 237 ms spinning;
+    benchmarks/RESULTS.md, "Tensor parallelism"). ``OMP_WAIT_POLICY=PASSIVE``
+    makes them sleep, but libgomp reads it once, when it loads: so it is put in
+    the environment here for the ranks spawned from this process (which then keep
+    numba's OpenMP pool), and a process that did not start with it (rank 0 inside
+    an application) moves numba to its workqueue pool instead, if numba has not
+    started a pool yet. (The workqueue pool costs about 0.1 ms a kernel launch
+    here, against a few microseconds for OpenMP's; it takes kernels from one
+    thread at a time, which is how the engine runs them.)
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # libgomp of processes started from here
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return  # set before this process started: its libgomp already sleeps
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # for the ranks spawned from here
     try:
         import numba
         from numba.np.ufunc import parallel
@@ -112,8 +117,8 @@ def sleeping_thread_pools() -> None:
         numba.config.THREADING_LAYER = "workqueue"
     elif numba.threading_layer() == "omp":
         logger.warning("numba's OpenMP pool already runs in this process; its idle threads spin and slow "
-                       "the other ranks (start tensor parallelism before running a model, or set "
-                       "NUMBA_THREADING_LAYER=workqueue)")
+                       "the other ranks (start with OMP_WAIT_POLICY=PASSIVE, or start tensor parallelism "
+                       "before running a model)")
 
 
 def set_threads(threads: int) -> None:
