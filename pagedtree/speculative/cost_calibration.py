@@ -35,12 +35,12 @@ def calibrate_speculation(speculator: Speculator, config: EngineConfig, target_r
     largest = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + spec.max_nodes), _MAX_CALIBRATED_TOKENS)
     cache = CalibrationCache(calibration_dir())
     device = target_runner.device
-    target_key = calibration_key(target_path, device, dtype, config.quantization, largest)
+    target_key = calibration_key(target_path, device, dtype, config.quantization, largest, config.tensor_parallel_size)
     target = calibrate(target_runner, cache, target_key, largest, label="target")
     draft = None
     if speculator.drafts:
         first = speculator.drafts[0]
         draft_key = calibration_key(first.model_path, device, config.resolve_draft_dtype(),
-                                    config.resolve_draft_quantization(), largest)
+                                    config.resolve_draft_quantization(), largest, config.draft_tensor_parallel_size)
         draft = calibrate(first.runner, cache, draft_key, largest, label="draft")
     speculator.budget.seed_costs(target, draft)

@@ -61,8 +61,8 @@ def _weights_identity(model_path: str | os.PathLike) -> list:
 
 
 def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
-                    quantization: str | None, max_tokens: int) -> dict:
-    """Everything a cost curve depends on."""
+                    quantization: str | None, max_tokens: int, tensor_parallel_size: int = 1) -> dict:
+    """Everything a cost curve depends on (a model split over ranks costs otherwise)."""
     return {
         "version": CALIBRATION_VERSION,
         "weights": _weights_identity(model_path),
@@ -75,6 +75,7 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "quantization": quantization,
         "torch": torch.__version__,
         "max_tokens": max_tokens,
+        "tensor_parallel_size": tensor_parallel_size,
     }
 
 

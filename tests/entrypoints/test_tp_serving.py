@@ -66,3 +66,33 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
+
+
+def test_a_dead_rank_fails_requests_and_health(chat_model_path):
+    import aiohttp
+
+    from pagedtree.entrypoints.api_server import build_app
+    from tests.entrypoints.conftest import make_engine, start_server
+
+    live = start_server(lambda engine: build_app(engine, model_name="tiny"),
+                        make_engine(chat_model_path, dtype="float32", tensor_parallel_size=2))
+    try:
+        async def call(method: str, path: str, body: dict | None = None) -> int:
+            async with aiohttp.ClientSession() as session:
+                async with session.request(method, live.url + path, json=body) as response:
+                    await response.read()
+                    return response.status
+
+        request = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+        assert live.run(lambda: call("POST", "/v1/completions", request)) == 200
+        worker = live.run(lambda: live.engine.call(lambda e: e.tensor_parallel.processes[1].pid))
+        os.kill(worker, signal.SIGKILL)
+        status = live.run(lambda: call("POST", "/v1/completions", request))
+        assert status in (500, 503)
+        deadline = time.monotonic() + 10
+        while live.run(lambda: call("GET", "/health")) != 503:
+            assert time.monotonic() < deadline, "/health still answers 200 with a dead rank"
+            time.sleep(0.1)
+        assert live.run(lambda: call("POST", "/v1/completions", request)) == 503
+    finally:
+        live.stop()

@@ -71,3 +71,12 @@ def test_a_model_that_cannot_be_split_fails_at_start_and_leaves_no_process(tiny_
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's 2 KV heads"):
         LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=3)
     assert set(multiprocessing.active_children()) == before
+
+
+def test_rank_0_failing_after_the_workers_loaded_stops_them(tiny_llama, tmp_path):
+    # The target loads on every rank, then rank 0 fails on its (whole) draft: the
+    # workers, already waiting for commands, must not be left behind.
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="not-a-model"):
+        LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, draft_model=str(tmp_path / "not-a-model"))
+    assert set(multiprocessing.active_children()) == before
