@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedtree.distributed.group import TensorParallelError
 from pagedtree.request import Request
 from pagedtree.speculative.budget import BudgetPolicy
 from pagedtree.speculative.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
@@ -134,6 +135,8 @@ class TreeProposer:
             return {}
         try:
             return draft.propose([DraftJob(r, self._builder(r, share, draft)) for r, share in wanted])
+        except TensorParallelError:
+            raise  # a sharded draft's rank is gone: fatal, not one request's failure
         except Exception as exc:  # noqa: BLE001
             if len(wanted) > 1:
                 logger.warning("%s failed on a batch of %d requests (%s: %s); drafting them one by one",
@@ -148,6 +151,8 @@ class TreeProposer:
         for request, share in wanted:
             try:
                 trees.update(draft.propose([DraftJob(request, self._builder(request, share, draft))]))
+            except TensorParallelError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 _log_draft_failure(draft, request, exc)
                 draft.release(request.request_id)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedtree.distributed.group import TensorParallelError
 from pagedtree.request import Request, RequestStatus
 from pagedtree.scheduler.plan import Phase, StepPlan
 from pagedtree.scheduler.scheduler import Scheduler
@@ -129,6 +130,8 @@ class Speculator:
         try:
             # Failures of single requests are handled inside (they decode plainly).
             trees = self.proposer.propose([(c.request, c.tree_budget) for c in drafting])
+        except TensorParallelError:
+            raise  # a rank is gone: the engine stops (LLMEngine._execute)
         except Exception as exc:  # noqa: BLE001 - a bug in drafting must not lose the step
             logger.exception("drafting failed (%s: %s); decoding this step without speculation",
                              type(exc).__name__, exc)

@@ -7,9 +7,13 @@ with a one-process engine on the same weights.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from pagedtree import LLM, SamplingParams
+from pagedtree.distributed.group import TensorParallelError
 from pagedtree.loading import packaged_models as pm
 from tests.conftest import random_prompts
 from tests.executor.conftest import assert_ranks_in_step, token_ids
@@ -73,7 +77,7 @@ def test_seeded_sampling_on_two_ranks_equals_one_rank(speculative_pair, prompts)
     assert_ranks_in_step(two)
 
 
-def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts):
+def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts, caplog):
     # Branching trees: the draft forks sequences, so its copy-on-write block copies
     # must reach rank 1's draft cache too. A draft cache gone wrong on any rank
     # would not change the (exact) tokens, but it would change what the draft
@@ -89,6 +93,20 @@ def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts):
         report = assert_ranks_in_step(two, num_models=2)
         draft = report[1]["models"][1]
         assert draft["forward_passes"] > 0 and draft["block_copies"] > 0  # the draft ran on rank 1 too
+        # A rank that dies while requests decode fails the sharded draft first: that is
+        # fatal at once, not a draft failure to retry request by request.
+        engine = two.engine
+        drafted = engine.stats()["num_drafts"]
+        for prompt in prompts[:3]:
+            engine.add_request(None, prompt, GREEDY)
+        while engine.stats()["num_drafts"] == drafted:  # prefill, then a first tree each
+            engine.step()
+        worker = engine.tensor_parallel.processes[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        with pytest.raises(TensorParallelError, match="killed by SIGKILL"):
+            engine.step()
+        assert "one by one" not in caplog.text and "without speculation" not in caplog.text
 
 
 def test_four_ranks_replicate_kv_heads_with_biases_and_tied_embeddings(tiny_qwen2):
