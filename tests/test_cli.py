@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedtree.entrypoints import cli
 from pagedtree.entrypoints.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +35,20 @@ def test_generate_with_the_suffix_drafter(tiny_text_model, capsys):
     assert "tree speculation: mean acceptance length" in capsys.readouterr().out
 
 
+def test_worker_without_a_rendezvous_is_a_clear_error(capsys, monkeypatch):
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["worker"]) == 2
+    assert "MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK" in capsys.readouterr().err
+
+
+def test_parallel_options_map_to_the_engine():
+    args = cli.build_parser().parse_args(["serve", "-tp", "2", "--draft-tensor-parallel-size", "2",
+                                          "--distributed-timeout", "5"])
+    kwargs = cli.engine_kwargs(args)
+    assert (kwargs["tensor_parallel_size"], kwargs["draft_tensor_parallel_size"], kwargs["distributed_timeout"]) == (2, 2, 5)
+
+
 def test_spec_options_map_to_the_engine():
     from pagedtree.entrypoints.cli import build_parser, engine_kwargs
 
@@ -56,9 +71,9 @@ def test_models_list(capsys):
 
 @pytest.mark.parametrize(
     "script", ["benchmarks/throughput.py", "benchmarks/precision.py", "benchmarks/step_profile.py",
-               "benchmarks/acceptance_prior.py",
+               "benchmarks/acceptance_prior.py", "benchmarks/tensor_parallel.py",
                "examples/offline_generate.py",
-               "-m pagedtree.entrypoints.cli"]
+               "-m pagedtree.entrypoints.cli", "-m pagedtree.entrypoints.cli worker"]
 )
 def test_scripts_have_help(script):
     args = script.split() if script.startswith("-m") else [str(ROOT / script)]
