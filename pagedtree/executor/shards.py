@@ -17,7 +17,7 @@ import torch
 
 from pagedtree.attention import resolve_backend_name
 from pagedtree.config import EngineConfig
-from pagedtree.distributed.group import TensorParallelGroup
+from pagedtree.distributed.group import START_TIMEOUT, TensorParallelGroup
 from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
 from pagedtree.loading.loader import LoadedModel, load_model
@@ -52,8 +52,10 @@ def _runner(loaded: LoadedModel, blocks: int, config: EngineConfig, device: torc
 
 
 def _agree(blocks: int, group: TensorParallelGroup | None) -> int:
-    """The smallest block count of the ranks (each sized its cache from its own memory)."""
-    return blocks if group is None else group.all_reduce_ints([blocks])[0]
+    """The smallest block count of the ranks (each sized its cache from its own memory).
+    Ranks get here when their shard is loaded, some later than others: the wait is
+    the start-up one, not a step's."""
+    return blocks if group is None else group.all_reduce_ints([blocks], timeout=START_TIMEOUT)[0]
 
 
 def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype,
