@@ -40,6 +40,8 @@ def test_serve_with_two_ranks(chat_model_path):
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         status, body = http(url + "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
         assert status == 200 and "generated_text" in body
+        assert stream_text(url, {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0,
+                                 "ignore_eos": True, "stream": True}) == expected
         assert http(url + "/health")[0] == 200
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
@@ -53,6 +55,22 @@ def test_serve_with_two_ranks(chat_model_path):
     while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the server"
+
+
+def stream_text(url: str, body: dict) -> str:
+    """The text of a streamed completion (server-sent events), pieces joined."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(request, timeout=30) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                pieces.append(json.loads(line[5:])["choices"][0]["text"])
+    return "".join(pieces)
 
 
 def children_of(pid: int) -> list[int]:
