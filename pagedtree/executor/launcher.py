@@ -17,10 +17,13 @@ terminates the ones that do not go.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import signal
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -30,7 +33,9 @@ from pagedtree.config import EngineConfig
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelError, TensorParallelGroup, connect_store
 from pagedtree.distributed.layout import ShardLayout
 from pagedtree.executor.commands import CommandChannel, Op, parse_report, report_values
-from pagedtree.executor.ranks import RankAddress, env_address, local_addresses, rank_device, set_threads, share_cores
+from pagedtree.executor.ranks import (
+    SPAWN_ENVIRONMENT, RankAddress, env_address, local_addresses, rank_device, set_threads, share_cores,
+)
 from pagedtree.executor.worker import error_key, joined_key, spawned_worker
 from pagedtree.loading.loader import resolve_model_path
 from pagedtree.worker.model_runner import ModelRunner
@@ -87,7 +92,8 @@ class TensorParallelGroupHandle:
                     process = context.Process(target=spawned_worker, daemon=True,
                                               args=(worker_address, logger.getEffectiveLevel()),
                                               name=f"pagedtree-rank{worker_address.rank}")
-                    process.start()
+                    with _environment(SPAWN_ENVIRONMENT):
+                        process.start()
                     processes[worker_address.rank] = process
             _wait_for_ranks(store, size, processes)
             group = TensorParallelGroup(store, 0, size, device, datetime.timedelta(seconds=config.distributed_timeout))
@@ -145,6 +151,18 @@ class TensorParallelGroupHandle:
         self.group.close()
         self.group.mark_broken("the engine was shut down")
         set_threads(self._previous_threads)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` (unless already set) while a process starts; restored after."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def check_splittable(config: EngineConfig) -> None:

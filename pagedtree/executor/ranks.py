@@ -18,6 +18,12 @@ import torch
 
 logger = logging.getLogger("pagedtree")
 
+# What ranks spawned on a machine shared with other ranks start with (see
+# ``sleeping_thread_pools``).
+SPAWN_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Whether this process started with it (read when this module is first imported).
+_PASSIVE_AT_START = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+
 @dataclass(frozen=True, slots=True)
 class RankAddress:
     """How one rank joins the group."""
@@ -97,17 +103,15 @@ def sleeping_thread_pools() -> None:
     parallel region; with two ranks on two cores the spinning took the core the
     other rank computes on (a two-rank SmolLM2 decode step: 237 ms spinning;
     benchmarks/RESULTS.md, "Tensor parallelism"). ``OMP_WAIT_POLICY=PASSIVE``
-    makes them sleep, but libgomp reads it once, when it loads: so it is put in
-    the environment here for the ranks spawned from this process (which then keep
-    numba's OpenMP pool), and a process that did not start with it (rank 0 inside
-    an application) moves numba to its workqueue pool instead, if numba has not
-    started a pool yet. (The workqueue pool costs about 0.1 ms a kernel launch
+    makes them sleep, but libgomp reads it once, when it loads: so the ranks the
+    engine spawns start with it (``SPAWN_ENVIRONMENT``) and keep numba's OpenMP
+    pool, and a process that did not start with it (rank 0 inside an application)
+    moves numba to its workqueue pool instead, if numba has not started a pool yet. (The workqueue pool costs about 0.1 ms a kernel launch
     here, against a few microseconds for OpenMP's; it takes kernels from one
     thread at a time, which is how the engine runs them.)
     """
-    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-        return  # set before this process started: its libgomp already sleeps
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # for the ranks spawned from here
+    if _PASSIVE_AT_START:
+        return  # this process started with it: its libgomp already sleeps
     try:
         import numba
         from numba.np.ufunc import parallel
