@@ -115,10 +115,10 @@ class TensorParallelGroup:
         NCCL runs its all-reduce. Over gloo, every rank sends its tensor to every other
         and adds what it receives in rank order (so all ranks hold the same bits): one
         exchange of point-to-point messages, where gloo's ring all-reduce takes
-        several rounds (0.6 ms against 1.5 ms an all-reduce inside a two-rank
-        SmolLM2 decode step on the 2-core machine; ``benchmarks/RESULTS.md``). The traffic is ``N - 1`` tensors
-        a rank instead of the ring's ``2 (N - 1) / N``: right for the few ranks and
-        small activations of CPU serving."""
+        several rounds (0.6 ms against 1.5 ms an all-reduce inside a two-rank SmolLM2
+        decode step on the 2-core machine; ``benchmarks/RESULTS.md``). The traffic is
+        ``N - 1`` tensors a rank instead of the ring's ``2 (N - 1) / N``: right for the
+        few ranks and small activations of CPU serving."""
         started = time.perf_counter()
         if self._compute is self._commands:
             self._exchange_sum(tensor)
