@@ -157,13 +157,17 @@ class TensorParallelGroup:
         """Every rank's ``tensor`` (same shape on all) on rank 0, in rank order; None elsewhere."""
         started = time.perf_counter()
         tensor = tensor.contiguous()
-        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
-        options = dist.GatherOptions()
-        options.rootRank = 0
-        self._run("logit gather", lambda: self._compute.gather(outputs, [tensor], options))
+        gathered = self._gather(self._compute, tensor, "logit gather")
         self.stats.gathers += 1
         self.stats.gather_bytes += tensor.numel() * tensor.element_size() * (self.size - 1)
         self.stats.seconds += time.perf_counter() - started
+        return gathered
+
+    def _gather(self, group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> list[torch.Tensor] | None:
+        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._run(what, lambda: group.gather(outputs, [tensor], options))
         return outputs[0] if self.rank == 0 else None
 
     def all_reduce_ints(self, values: list[int], op: dist.ReduceOp = dist.ReduceOp.MIN,
@@ -179,12 +183,8 @@ class TensorParallelGroup:
 
     def gather_ints_to_first(self, values: list[int]) -> list[list[int]] | None:
         """Every rank's integers (as many on each) on rank 0, over the CPU group (reports)."""
-        tensor = torch.tensor(values, dtype=torch.long)
-        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
-        options = dist.GatherOptions()
-        options.rootRank = 0
-        self._run("report gather", lambda: self._commands.gather(outputs, [tensor], options))
-        return [t.tolist() for t in outputs[0]] if self.rank == 0 else None
+        gathered = self._gather(self._commands, torch.tensor(values, dtype=torch.long), "report gather")
+        return [t.tolist() for t in gathered] if gathered is not None else None
 
     # ------------------------------------------------------------ commands
     def broadcast_command(self, tensor: torch.Tensor, wait: datetime.timedelta | None = None) -> None:

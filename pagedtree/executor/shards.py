@@ -58,6 +58,13 @@ def _agree(blocks: int, group: TensorParallelGroup | None) -> int:
     return blocks if group is None else group.all_reduce_ints([blocks], timeout=START_TIMEOUT)[0]
 
 
+def _graphs_wanted(config: EngineConfig, device: torch.device, backend: str,
+                   group: TensorParallelGroup | None) -> bool:
+    """CUDA graphs for decode and verify steps: Triton on CUDA, unless eager. (Sharded
+    steps run eagerly: their collectives are not captured.)"""
+    return device.type == "cuda" and backend == "triton" and not config.enforce_eager and group is None
+
+
 def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                 channel: CommandChannel | None = None) -> LoadedShard:
     """The target (this rank's shard with a ``channel``), its cache and runner.
@@ -75,9 +82,8 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     backend = resolve_backend_name(config.attention_backend, device, dtype)
     runner = _runner(loaded, blocks, config, device, dtype, backend, channel, TARGET)
     max_model_len = min(requested_len, blocks * config.block_size)
-    if device.type == "cuda" and backend == "triton" and not config.enforce_eager and group is None:
-        # Verify steps hold a tree and its root. (Sharded steps run eagerly: their
-        # collectives are not captured.)
+    if _graphs_wanted(config, device, backend, group):
+        # Verify steps hold a tree and its root.
         tree_tokens = 1 + config.speculative.max_nodes if config.speculation_enabled else 1
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len, tree_tokens, capture=True)
     if config.speculation_enabled:
@@ -110,7 +116,7 @@ def load_draft(config: EngineConfig, index: int, device: torch.device, target_bl
     blocks = num_draft_kv_blocks(config, target_blocks)
     backend = resolve_backend_name(config.attention_backend, device, dtype)
     runner = _runner(loaded, blocks, config, device, dtype, backend, channel, TARGET + 1 + index)
-    if device.type == "cuda" and backend == "triton" and not config.enforce_eager and group is None:
+    if _graphs_wanted(config, device, backend, group):
         # A draft level is a step of one-token chunks, one per node fed: as many as the
         # graphs' batch limit allows.
         runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, 1, capture=True)

@@ -48,11 +48,6 @@ class TensorParallelRunner(ModelRunner):
                 f"rank 0 failed in a {what} the other ranks had started ({type(exc).__name__}: {exc})"
             ) from exc
 
-    def _check_blocks(self, src: list[int], dst: list[int], limit: int, what: str) -> None:
-        bad = [b for b in (*src, *dst) if not 0 <= b < limit]
-        if len(src) != len(dst) or bad:
-            raise ValueError(f"{what}: {len(src)} sources for {len(dst)} destinations, out of range: {bad[:5]}")
-
     @torch.inference_mode()
     def run_step(self, step: HostStep) -> torch.Tensor:
         input_ids, positions, meta, rows = upload_step(step, self._upload, self.block_size)
@@ -61,15 +56,18 @@ class TensorParallelRunner(ModelRunner):
         return self._in_step("forward", lambda: self.run_model(input_ids, positions, rows))
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        if not src:
-            return
-        self._check_blocks(src, dst, self.num_blocks, "block copies")
-        self.channel.send(Op.COPY_BLOCKS, self.model_index, [src, dst])
-        self._in_step("block copy", lambda: ModelRunner.copy_blocks(self, src, dst))
+        self._copy(Op.COPY_BLOCKS, src, dst, self.num_blocks, ModelRunner.copy_blocks)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        self._copy(Op.COPY_SLOTS, src, dst, self.num_blocks * self.block_size, ModelRunner.copy_slots)
+
+    def _copy(self, op: Op, src: list[int], dst: list[int], limit: int,
+              apply: Callable[[ModelRunner, list[int], list[int]], None]) -> None:
+        """Check block or slot copies, send them to the other ranks, apply them here."""
         if not src:
             return
-        self._check_blocks(src, dst, self.num_blocks * self.block_size, "slot copies")
-        self.channel.send(Op.COPY_SLOTS, self.model_index, [src, dst])
-        self._in_step("slot copy", lambda: ModelRunner.copy_slots(self, src, dst))
+        bad = [i for i in (*src, *dst) if not 0 <= i < limit]
+        if len(src) != len(dst) or bad:
+            raise ValueError(f"{op.name}: {len(src)} sources for {len(dst)} destinations, out of range: {bad[:5]}")
+        self.channel.send(op, self.model_index, [src, dst])
+        self._in_step(op.name, lambda: apply(self, src, dst))
