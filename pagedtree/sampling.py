@@ -138,13 +138,31 @@ class SamplingRow:
     coupling_seed: int | None = None  # seeded rows: Gumbel-max with this seed's noise
 
 
+class NonFiniteDistributionError(RuntimeError):
+    """A row's next-token distribution was not finite (NaN or infinite logits), so no
+    token can be drawn from it; the request fails, the batch carries on."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's next-token distribution is not finite (NaN or infinite logits); "
+                         "no token can be drawn")
+
+
 @dataclass(slots=True)
 class SampleResult:
-    """The token drawn for one row, its raw logprob, and the top raw logprobs asked for."""
+    """The token drawn for one row, its raw logprob, and the top raw logprobs asked for;
+    ``valid`` is False when the row's distribution was not finite (the token means
+    nothing then, and the request must fail)."""
 
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] | None
+    valid: bool = True
+
+
+# Penalised logits are kept within +-1e30: divided by the smallest temperature (1e-5)
+# they stay finite in fp32 (3.4e38), so no penalty, however tiny or huge, can turn a
+# row into infinities (and its softmax into NaN).
+PENALISED_LOGIT_LIMIT = 1e30
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -153,11 +171,12 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         p = row.params
         if p.repetition_penalty != 1.0 and row.history:
             seen = host_index(sorted(set(row.history)), logits.device)
-            values = logits[i, seen]
+            # float64: a penalty such as 1e-300 is 0 in fp32 (x / 0 = inf, 0 * inf = NaN).
+            values = logits[i, seen].double()
             # Same rule as transformers and vLLM: shrink positive logits, grow negative ones.
-            logits[i, seen] = torch.where(
-                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-            )
+            penalised = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            limit = PENALISED_LOGIT_LIMIT
+            logits[i, seen] = penalised.clamp_(-limit, limit).to(logits.dtype)
         if row.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
@@ -194,11 +213,18 @@ def draw_token_tensor(probs: torch.Tensor, generators: Sequence[torch.Generator 
 def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs [N, V]`` (non-negative weights) from the float64
     uniforms ``u [N]``: the first index whose cumulative sum (float64) exceeds
-    ``u`` times the row's total, on the device."""
+    ``u`` times the row's total, on the device.
+
+    A row whose total is not a positive finite number (NaN or infinite weights, or
+    none at all) has no token: it gets ``V``, outside the vocabulary, which
+    ``row_results`` reports as an invalid row instead of indexing with it.
+    """
     cdf = probs.to(torch.float64).cumsum(-1)
     totals = cdf[:, -1:]
     target = torch.minimum(u.reshape(-1, 1) * totals, torch.nextafter(totals, torch.zeros_like(totals)))
-    return torch.searchsorted(cdf, target, right=True).reshape(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).reshape(-1)
+    usable = torch.isfinite(totals).reshape(-1) & (totals.reshape(-1) > 0)
+    return torch.where(usable, tokens, probs.shape[-1])
 
 
 def coupled_draws(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
@@ -261,6 +287,7 @@ class DeviceRows:
     top_ids: torch.Tensor | None = None  # [N, k_max]
     top_values: torch.Tensor | None = None  # [N, k_max]
     accepted: torch.Tensor | None = None  # [N] bool
+    valid: torch.Tensor | None = None  # [N] bool: a token from a finite distribution
 
     @property
     def num_rows(self) -> int:
@@ -274,12 +301,16 @@ class DeviceRows:
             out += [self.top_ids.to(torch.float64).reshape(-1), self.top_values.to(torch.float64).reshape(-1)]
         if self.accepted is not None:
             out.append(self.accepted.to(torch.float64))
+        if self.valid is not None:
+            out.append(self.valid.to(torch.float64))
         return out
 
     def unpack(self, host: Sequence[float]) -> tuple[list[SampleResult], list[bool] | None]:
         """The host values of ``packed()``: a ``SampleResult`` per row, and the flags."""
         n = self.num_rows
         k_max = 0 if self.top_ids is None else self.top_ids.shape[1]
+        flags_at = 2 * n + 2 * n * k_max
+        valid_at = flags_at + (n if self.accepted is not None else 0)
         results = []
         for i, k in enumerate(self.ks):
             token, logprob = int(host[i]), host[n + i]
@@ -290,19 +321,30 @@ class DeviceRows:
                     ids_at, values_at = 2 * n + i * k_max, 2 * n + n * k_max + i * k_max
                     top = {int(t): v for t, v in zip(host[ids_at:ids_at + k], host[values_at:values_at + k])}
                 top[token] = logprob
-            results.append(SampleResult(token, logprob, top))
+            valid = self.valid is None or bool(host[valid_at + i])
+            results.append(SampleResult(token, logprob, top, valid))
         flags = None
         if self.accepted is not None:
-            flags = [bool(x) for x in host[2 * n + 2 * n * k_max:]]
+            flags = [bool(x) for x in host[flags_at:flags_at + n]]
         return results, flags
 
 
 def row_results(tokens: torch.Tensor, raw_logprobs: torch.Tensor, ks: Sequence[int | None],
                 accepted: torch.Tensor | None = None) -> DeviceRows:
     """``DeviceRows`` for ``tokens [N]`` chosen from rows of ``raw_logprobs [N, V]``,
-    with the top logprobs each row asks for (``ks``); nothing leaves the device."""
+    with the top logprobs each row asks for (``ks``); nothing leaves the device.
+
+    A row is valid when its token is inside the vocabulary (a draw from a
+    distribution that was not finite is not: ``inverse_transform``) and the model's
+    logprob of it is finite (NaN or infinite logits are not); an invalid row's token
+    is clamped into the vocabulary so that nothing indexes outside it, and its
+    request is failed by whoever reads it (``SampleResult.valid``).
+    """
+    vocab = raw_logprobs.shape[-1]
+    in_range = (tokens >= 0) & (tokens < vocab)
+    tokens = tokens.clamp(0, vocab - 1)
     chosen = raw_logprobs.gather(1, tokens.reshape(-1, 1)).reshape(-1)
-    rows = DeviceRows(tokens, chosen, list(ks), accepted=accepted)
+    rows = DeviceRows(tokens, chosen, list(ks), accepted=accepted, valid=in_range & torch.isfinite(chosen))
     k_max = max((k for k in ks if k is not None), default=0)
     if k_max > 0:
         rows.top_values, rows.top_ids = torch.topk(raw_logprobs, k_max, dim=-1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedtree.text_checks import has_surrogate
+
 
 # Seeds are 63-bit so that every engine (and torch's generators) takes them.
 MAX_SEED = 2**63 - 1
@@ -83,6 +85,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if isinstance(self.stop, str) and has_surrogate(self.stop):
+            raise bad("stop", "must be valid Unicode text (no lone UTF-16 surrogates)")
         if self.stop is not None and not isinstance(self.stop, str):
             if not isinstance(self.stop, (list, tuple)) or not all(
                 isinstance(s, str) for s in self.stop
@@ -90,6 +94,8 @@ class SamplingParams:
                 raise bad("stop", "must be a string, a list of strings, or None")
             if any(s == "" for s in self.stop):
                 raise bad("stop", "must not contain empty strings")
+            if any(has_surrogate(s) for s in self.stop):
+                raise bad("stop", "must be valid Unicode text (no lone UTF-16 surrogates)")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids

@@ -1,7 +1,8 @@
 """The packages depend on each other one way only.
 
 entrypoints -> bench -> engine -> speculative -> executor -> loading -> worker ->
-scheduler/attention/distributed -> kernels -> plain data (config, sampling_params, request, outputs, uploads, sampling). Every
+scheduler/attention/distributed -> kernels -> plain data (config, sampling_params, request, outputs, uploads, sampling)
+-> text_checks. Every
 import (at module level or inside a function, but not under ``TYPE_CHECKING``) must
 point to a lower layer or stay in its own package; so there are no import cycles
 between packages.
@@ -18,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedtree"
 
 # Lower numbers are lower layers; each key is a package or a top-level module.
 LAYERS = {
+    "text_checks": -1,
     "config": 0, "sampling_params": 0, "outputs": 0, "uploads": 0,
     "request": 1, "sampling": 1,
     "kernels": 2,

@@ -32,6 +32,7 @@ from pagedtree.engine.engine_thread import (
 from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import LLMEngine, PromptType
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.text_checks import check_text
 
 logger = logging.getLogger("pagedtree.async")
 
@@ -256,6 +257,7 @@ class AsyncEngine:
             text = prompt.get("prompt")
         if not isinstance(text, str) or not text or self.tokenizer is None:
             return prompt  # the engine's validation says what is wrong
+        check_text(text, "prompt")
         if len(text) > self.max_prompt_chars:
             raise ValueError(
                 f"prompt is {len(text)} characters, more than the context of {self.max_model_len} tokens "

@@ -15,6 +15,7 @@ from pagedtree.config import EngineConfig
 from pagedtree.engine.output_processor import OutputProcessor
 from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
+from pagedtree.sampling import NonFiniteDistributionError
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.distributed.group import TensorParallelError
@@ -28,6 +29,7 @@ from pagedtree.speculative.cost_calibration import calibrate_speculation
 from pagedtree.speculative.draft_worker import load_draft_worker
 from pagedtree.speculative.presets import acceptance_prior
 from pagedtree.speculative.speculator import Committed, Speculator
+from pagedtree.text_checks import check_text
 from pagedtree.worker.model_runner import StepOutput
 
 logger = logging.getLogger("pagedtree")
@@ -154,6 +156,7 @@ class LLMEngine:
                 raise ValueError(
                     "prompt is text but the model has no tokenizer; pass {'prompt_token_ids': [...]}"
                 )
+            check_text(prompt, "prompt")
             text, ids = prompt, list(self.tokenizer.encode(prompt))
         elif isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
@@ -323,6 +326,10 @@ class LLMEngine:
             else:
                 sample = result.samples.get(rid)
                 if sample is None:
+                    continue
+                if not sample.valid:
+                    self._fail(request, NonFiniteDistributionError())
+                    touched[rid] = self._child_to_parent[rid]
                     continue
                 tokens = [(sample.token_id, sample.logprob, sample.top_logprobs)]
             for token_id, logprob, top in tokens:

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from pagedtree.entrypoints.fields import BadRequest, kind_of
+from pagedtree.text_checks import has_surrogate
 
 # Bodies up to this size are parsed on the event loop; larger ones in a thread.
 _PARSE_INLINE_BYTES = 64 * 1024
@@ -115,7 +116,36 @@ def _parse(raw: bytes, max_depth: int) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
     if json_depth(body, max_depth) > max_depth:
         raise BadRequest(f"the request body nests JSON more than {max_depth} levels deep (--max-json-depth)")
+    where = invalid_text_path(body)
+    if where is not None:
+        raise BadRequest(f"{where or 'the request body'} is not valid Unicode text: it contains a lone UTF-16 "
+                         "surrogate (a \\ud800-\\udfff escape that is not half of a pair)", where or None)
     return body
+
+
+def invalid_text_path(value: Any) -> str | None:
+    """The field path (``messages[0].content``) of a string, or object key, in a parsed
+    JSON value that holds a lone surrogate; ``None`` when all text is valid.
+
+    A pair of surrogate escapes is decoded by ``json`` into one character, so whatever
+    is left is unencodable. Iterative, so depth costs no recursion.
+    """
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if has_surrogate(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                key_name = key if len(key) <= 64 else key[:61] + "..."  # paths go into messages
+                name = f"{path}.{key_name}" if path else key_name
+                if has_surrogate(key):
+                    return f"{path}.<key>" if path else "<key>"
+                stack.append((child, name))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
 
 
 def json_depth(value: Any, stop_above: int) -> int:

@@ -14,8 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from pagedtree import __version__
-from pagedtree.engine.async_stream import CompletionDelta, RequestStream, StreamOutput
-from pagedtree.engine.errors import EngineStoppedError
+from pagedtree.engine.async_stream import CompletionDelta, RequestStream
 from pagedtree.entrypoints.fields import BadRequest, Fields
 from pagedtree.entrypoints.openai_params import (
     parse_messages,
@@ -24,7 +23,7 @@ from pagedtree.entrypoints.openai_params import (
     parse_stream_options,
     parse_template_kwargs,
 )
-from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, merge_streams, request_id_of, sse_event
+from pagedtree.entrypoints.server_context import ServerContext, merge_streams, request_id_of, sse_event
 
 _DONE = sse_event("[DONE]")
 
@@ -100,7 +99,7 @@ class OpenAIRoutes:
         choices: dict[int, _Choice] = {}
         prompt_tokens = 0
         async for i, out in merge_streams(streams):
-            _raise_if_failed(out)
+            self.ctx.check_finished(out)
             for c in out.outputs:
                 choice = choices.setdefault(i * n + c.index, _Choice())
                 _accumulate(choice, c)
@@ -128,8 +127,9 @@ class OpenAIRoutes:
         prompt_tokens = completion_tokens = 0
         try:
             async for i, out in merge_streams(streams):
-                if out.finished and (out.error or _aborted(out)):
-                    await response.write(sse_event(self._stream_error(out)))
+                error = self.ctx.stream_error("openai", request, out)
+                if error is not None:
+                    await response.write(sse_event(error))
                     break
                 events = []  # one write per engine step: a write is a syscall
                 for c in out.outputs:
@@ -218,7 +218,7 @@ class OpenAIRoutes:
         choices: dict[int, _Choice] = {}
         prompt_tokens = 0
         async for out in stream:
-            _raise_if_failed(out)
+            self.ctx.check_finished(out)
             for c in out.outputs:
                 _accumulate(choices.setdefault(c.index, _Choice()), c)
             prompt_tokens = len(out.prompt_token_ids)
@@ -244,8 +244,9 @@ class OpenAIRoutes:
         try:
             async for out in stream:
                 prompt_tokens = len(out.prompt_token_ids)
-                if out.finished and (out.error or _aborted(out)):
-                    await response.write(sse_event(self._stream_error(out)))
+                error = self.ctx.stream_error("openai", request, out)
+                if error is not None:
+                    await response.write(sse_event(error))
                     break
                 chunks = []
                 for c in out.outputs:
@@ -289,11 +290,6 @@ class OpenAIRoutes:
             return prompt
         tokenizer = self.ctx.engine.tokenizer
         return tokenizer.decode(prompt_token_ids) if tokenizer is not None else ""
-
-    def _stream_error(self, out: StreamOutput) -> dict[str, Any]:
-        if out.error:
-            return self.ctx.error_body("openai", 500, f"generation failed: {out.error}")
-        return self.ctx.error_body("openai", 503, "the request was aborted (the server is shutting down)")
 
     def _completion_logprobs(self, pairs: list[tuple[int, dict[int, float]]], offset: int) -> dict[str, Any]:
         text = self.ctx.token_text
@@ -349,16 +345,3 @@ def _accumulate(choice: _Choice, c: CompletionDelta) -> None:
     if c.delta_logprobs is not None:
         choice.logprobs.extend(zip(c.delta_token_ids, c.delta_logprobs))
     choice.finish_reason = c.finish_reason
-
-
-def _aborted(out: StreamOutput) -> bool:
-    return any(c.finish_reason == "abort" for c in out.outputs)
-
-
-def _raise_if_failed(out: StreamOutput) -> None:
-    if not out.finished:
-        return
-    if out.error:
-        raise GenerationFailed(f"generation failed: {out.error}")
-    if _aborted(out):
-        raise EngineStoppedError("the request was aborted (the server is shutting down)")

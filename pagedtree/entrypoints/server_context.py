@@ -24,6 +24,7 @@ from pagedtree.engine.async_engine import AsyncEngine, new_request_id
 from pagedtree.engine.async_stream import RequestStream, StreamOutput
 from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import PromptType
+from pagedtree.entrypoints.error_log import RateLimitedErrorLog
 from pagedtree.entrypoints.fields import BadRequest
 from pagedtree.entrypoints.limits import ServerLimits, read_json_object
 from pagedtree.entrypoints.metrics import ServerMetrics
@@ -47,7 +48,8 @@ _TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 408: 
 
 
 class GenerationFailed(Exception):
-    """A request ended with ``finish_reason="error"`` (answered with a 500)."""
+    """A request ended with ``finish_reason="error"`` (answered with a 500); the
+    engine's own message is logged, never sent."""
 
 
 @dataclass(slots=True)
@@ -78,7 +80,9 @@ class ServerContext:
         engine.add_metrics_listener(self.metrics.observe)
         tokenizer = engine.tokenizer
         self.special_ids: frozenset[int] = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+        # One entry per vocabulary id at most: bounded by the vocabulary.
         self._token_texts: dict[int, str] = {}
+        self.error_log = RateLimitedErrorLog(logger)
 
     # ----------------------------------------------------------- wrapping
     def endpoint(self, handler: Handler, style: ErrorStyle, auth: bool = True) -> Handler:
@@ -99,7 +103,7 @@ class ServerContext:
             except EngineStoppedError as exc:
                 response = self.error(style, 503, str(exc), request_id)
             except GenerationFailed as exc:
-                response = self.error(style, 500, str(exc), request_id)
+                response = self.error(style, 500, self.generation_failed(request_id, str(exc)), request_id)
             except ValueError as exc:  # the engine's validation (prompt too long, ...)
                 response = self.error(style, 400, str(exc), request_id, _param_of(str(exc)))
             except (asyncio.CancelledError, ConnectionError):
@@ -108,8 +112,9 @@ class ServerContext:
             except web.HTTPException:
                 raise
             except Exception as exc:  # noqa: BLE001 - answer with JSON, keep serving
-                logger.exception("request %s failed", request_id)
-                response = self.error(style, 500, f"internal error: {type(exc).__name__}: {exc}", request_id)
+                # The exception's text may quote internals (or the request): log only.
+                self.error_log.exception(exc, "request %s: %s %s failed", request_id, request.method, request.path)
+                response = self.error(style, 500, internal_error_message(request_id), request_id)
             if not response.prepared:
                 response.headers[REQUEST_ID_HEADER] = request_id
             # Probes and scrapers would drown the log at INFO.
@@ -161,6 +166,33 @@ class ServerContext:
             return {"error": message, "error_type": _TGI_TYPES.get(status, "generation")}
         return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "internal_server_error"),
                           "param": param, "code": code or status}}
+
+    def generation_failed(self, request_id: str, engine_error: str) -> str:
+        """Log why the engine failed a request; the message for its client (generic)."""
+        logger.warning("request %s: generation failed: %s", request_id, engine_error)
+        return f"generation failed: {internal_error_message(request_id)}"
+
+    def check_finished(self, out: StreamOutput) -> None:
+        """Raise when a final output ended in an error or an abort (shutdown)."""
+        if not out.finished:
+            return
+        if out.error:
+            raise GenerationFailed(out.error)
+        if aborted(out):
+            raise EngineStoppedError(ABORTED_MESSAGE)
+
+    def stream_error(self, style: ErrorStyle, request: web.Request, out: StreamOutput) -> dict[str, Any] | None:
+        """The error event that ends a stream whose final output failed or was
+        aborted, or None when ``out`` is not such an output."""
+        if not out.finished:
+            return None
+        if out.error:
+            message = self.generation_failed(request_id_of(request), out.error)
+            self.metrics.count_error(500)
+            return self.error_body(style, 500, message)
+        if aborted(out):
+            return self.error_body(style, 503, ABORTED_MESSAGE)
+        return None
 
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON object body, within the server's limits."""
@@ -258,6 +290,19 @@ class ServerContext:
             text = tokenizer.decode([token_id]) if tokenizer is not None else ""
             self._token_texts[token_id] = text
         return text
+
+
+ABORTED_MESSAGE = "the request was aborted (the server is shutting down)"
+
+
+def internal_error_message(request_id: str) -> str:
+    """What a client is told of an internal error: nothing but where to look."""
+    return f"internal server error (request id {request_id}; the details are in the server log)"
+
+
+def aborted(out: StreamOutput) -> bool:
+    """Whether any continuation of a final output was aborted."""
+    return any(c.finish_reason == "abort" for c in out.outputs)
 
 
 def request_id_of(request: web.Request) -> str:

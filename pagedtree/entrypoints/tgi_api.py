@@ -16,10 +16,9 @@ from aiohttp import web
 
 from pagedtree import __version__
 from pagedtree.engine.async_stream import CompletionDelta, StreamOutput
-from pagedtree.engine.errors import EngineStoppedError
 from pagedtree.entrypoints.fields import BadRequest, Fields
 from pagedtree.entrypoints.limits import ServerLimits
-from pagedtree.entrypoints.server_context import GenerationFailed, ServerContext, sse_event
+from pagedtree.entrypoints.server_context import ServerContext, sse_event
 from pagedtree.sampling_params import MAX_SEED, SamplingParams
 
 MAX_TOP_N_TOKENS = 10
@@ -116,7 +115,7 @@ class TGIRoutes:
             async for out in streams[0]:
                 c = out.outputs[0]
                 if out.finished:
-                    _raise_if_failed(out)
+                    self.ctx.check_finished(out)
                     final = out
                 self._add_tokens(records, c, parsed.top_n_tokens)
         assert final is not None
@@ -139,8 +138,9 @@ class TGIRoutes:
             records = _Tokens()
             try:
                 async for out in streams[0]:
-                    if out.finished and (out.error or _aborted(out)):
-                        await response.write(_event(self._stream_error(out)))
+                    error = self.ctx.stream_error("tgi", request, out)
+                    if error is not None:
+                        await response.write(_event(error))
                         break
                     c = out.outputs[0]
                     first_new = len(records.tokens)
@@ -195,25 +195,9 @@ class TGIRoutes:
     def _full_text(self, parsed: _TGIRequest, c: CompletionDelta) -> str:
         return parsed.inputs + c.text if parsed.return_full_text else c.text
 
-    def _stream_error(self, out: StreamOutput) -> dict[str, Any]:
-        if out.error:
-            return self.ctx.error_body("tgi", 500, f"generation failed: {out.error}")
-        return self.ctx.error_body("tgi", 503, "the request was aborted (the server is shutting down)")
-
 
 def _event(data: dict[str, Any]) -> bytes:
     return sse_event(data, prefix=b"data:")  # TGI writes no space after the colon
-
-
-def _aborted(out: StreamOutput) -> bool:
-    return out.outputs[0].finish_reason == "abort"
-
-
-def _raise_if_failed(out: StreamOutput) -> None:
-    if out.error:
-        raise GenerationFailed(f"generation failed: {out.error}")
-    if _aborted(out):
-        raise EngineStoppedError("the request was aborted (the server is shutting down)")
 
 
 def _finish_reason(c: CompletionDelta) -> str:

@@ -18,6 +18,7 @@ from pagedtree.request import Request
 from pagedtree.sampling import (
     VERIFY_STREAM,
     DeviceRows,
+    NonFiniteDistributionError,
     SampleResult,
     SamplingRow,
     apply_penalties,
@@ -94,6 +95,8 @@ class Verifier:
         """Accept a path from the row outcomes read back (``row_outcomes``): the
         longest path whose tokens are the rows' tokens, stochastic verification's
         trials when ``accepted`` flags are given."""
+        if not all(r.valid for r in rows):
+            raise NonFiniteDistributionError()
         targets = [r.token_id for r in rows]
         result = verify_greedy(tree, targets) if accepted is None else walk_stochastic(tree, targets, accepted)
         tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]

@@ -182,7 +182,8 @@ class RowTests:
                     p = residual / total if float(total) > _EPS else p
                 else:
                     p = torch.where(total > _EPS, residual / total.clamp_min(_EPS), p)
-        bonus = inverse_transform(p.reshape(1, -1), self._uniforms[row:row + 1]).clamp_max(p.shape[0] - 1)[0]
+        # A row without a finite distribution gets V here, reported invalid by row_results.
+        bonus = inverse_transform(p.reshape(1, -1), self._uniforms[row:row + 1])[0]
         return torch.where(decided, chosen, bonus), decided
 
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,8 @@ def llm(tiny_text_model):
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
+        ({"stop": "a\ud800"}, "stop"),
+        ({"stop": ["ok", "\udfff"]}, "stop"),
     ],
 )
 def test_sampling_params_reject_bad_values(kwargs, field):
@@ -58,6 +60,8 @@ def test_sampling_params_reject_bad_values(kwargs, field):
         ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
         (42, "prompt must be"),
         ({"foo": 1}, "prompt"),
+        ("Hello \ud800 world", "prompt is not valid Unicode text: character 6 is a lone UTF-16 surrogate"),
+        ({"prompt": "\udc80"}, "not valid Unicode"),
     ],
 )
 def test_bad_prompts_raise_before_any_work(llm, prompt, message):
@@ -207,4 +211,54 @@ def test_child_ids_cannot_collide(llm):
         engine.add_request("x", "Hello", SamplingParams(n=2, max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-38, 5e-324, 1e300, 1.7e308])
+def test_extreme_repetition_penalties_sample_valid_tokens(llm, penalty):
+    """A penalty of 1e-300 is 0 in fp32: the penalised logits were infinite, the
+    probabilities NaN and the draw index V (an IndexError). Penalties are applied in
+    float64 and kept finite now, so every penalty > 0 samples valid tokens."""
+    vocab = llm.engine.vocab_size
+    params = [SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, repetition_penalty=penalty),
+              SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, repetition_penalty=penalty, seed=5),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=penalty)]
+    outs = llm.generate(["Hello hello world"] * 3, params, use_tqdm=False)
+    for out in outs:
+        assert out.error is None and out.outputs[0].finish_reason == "length", out.error
+        assert all(0 <= t < vocab for t in out.outputs[0].token_ids)
+    assert_no_leaks(llm)
+
+
+def test_a_non_finite_distribution_fails_its_request_alone(tiny_llama, monkeypatch):
+    """Logits that are NaN for one request (a model that overflowed) give no token: the
+    request fails with a clear error, its neighbours finish, no block leaks."""
+    from pagedtree.sampling import NonFiniteDistributionError
+
+    import pagedtree.worker.model_runner as model_runner
+
+    llm = LLM(str(tiny_llama.path), block_size=4)
+    poison = 250
+    real_sample_rows = model_runner.sample_rows
+
+    def poisoned_sample_rows(logits, rows):
+        # The poisoned prompt's rows get NaN logits (its history starts [8, 250, 9]:
+        # a repetition penalty keeps the history in the sampling rows).
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if poison in row.history[:3]:
+                logits[i] = float("nan")
+        return real_sample_rows(logits, rows)
+
+    monkeypatch.setattr("pagedtree.worker.model_runner.sample_rows", poisoned_sample_rows)
+    prompts = [[5, 6, 7], [8, poison, 9], [10, 11]]
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, repetition_penalty=1.1),
+              SamplingParams(temperature=0.9, max_tokens=5, ignore_eos=True, repetition_penalty=1.1),
+              SamplingParams(temperature=0.9, max_tokens=5, ignore_eos=True, repetition_penalty=1.1, seed=1)]
+    for p in params:
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+        assert outs[1].outputs[0].finish_reason == "error"
+        assert str(NonFiniteDistributionError()) in outs[1].error
+        assert [len(outs[i].outputs[0].token_ids) for i in (0, 2)] == [5, 5]
+        assert outs[0].error is None and outs[2].error is None
     assert_no_leaks(llm)

@@ -124,7 +124,7 @@ def test_a_failed_step_fails_its_requests_with_a_message_that_quotes_nobody(live
 
     live.run(lambda: live.engine.call(break_next_step))
     status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
-    assert status == 500 and "swordfish" not in text and "internal engine error" in text
+    assert status == 500 and "swordfish" not in text and "internal server error (request id" in text
     assert post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
     assert live.engine.is_healthy
     wait_until_idle(live)
@@ -295,6 +295,79 @@ def test_gauges_follow_requests_during_a_long_step(live):
     assert 'pagedtree:num_requests_waiting{model_name="tiny"} 1.0' in text
     assert status == 200
     wait_until_idle(live)
+
+
+LONE = "\ud800"  # valid JSON ("\\ud800"), but no character: not encodable as UTF-8
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/v1/completions", {"prompt": f"Hi {LONE}"}, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", LONE]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["x", LONE]}, "stop[1]"),
+    ("/v1/completions", {"prompt": "Hi", "model": LONE}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": LONE, "content": "Hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "chat_template_kwargs": {"name": LONE}}, "chat_template_kwargs.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", LONE: 1}]}, "messages[0].<key>"),
+    ("/generate", {"inputs": LONE}, "inputs"),
+    ("/generate", {"inputs": "Hi", "parameters": {"stop": [LONE]}}, "parameters.stop[0]"),
+    ("/generate_stream", {"inputs": f"{LONE}x"}, "inputs"),
+    ("/", {"inputs": LONE, "stream": True}, "inputs"),
+])
+def test_lone_surrogates_in_any_text_field_are_a_400_naming_it(live, route, body, field):
+    """A lone surrogate reached the tokenizer and came back as a 500 (with the
+    tokenizer's internal message and a traceback per request)."""
+    status, _, text = post(live, route, raw=json.dumps(body).encode())  # ensure_ascii writes \ud800
+    assert status == 400, text
+    error = json.loads(text)
+    if route.startswith("/v1"):
+        assert error["error"]["param"] == field and "surrogate" in error["error"]["message"], error
+    else:
+        assert error["error_type"] == "validation" and field in error["error"] and "surrogate" in error["error"]
+    # A surrogate pair is one real character, and fine.
+    status, _, text = post(live, "/v1/completions", raw=b'{"prompt": "Hi \\ud83d\\ude00", "max_tokens": 2}')
+    assert status == 200, text
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-38, 1e300])
+def test_extreme_repetition_penalties_are_valid_completions(live, penalty):
+    """1e-300 with sampling overflowed fp32, drew index V and answered 500."""
+    for body in ({"temperature": 0.8}, {"temperature": 0.8, "seed": 3}, {"temperature": 0}):
+        status, _, text = post(live, "/v1/completions", {"prompt": "Hello Hello world", "max_tokens": 6,
+                                                          "ignore_eos": True, "repetition_penalty": penalty} | body)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["finish_reason"] == "length"
+    status, _, text = post(live, "/generate", {"inputs": "Hello Hello", "parameters": {
+        "max_new_tokens": 4, "do_sample": True, "repetition_penalty": penalty}})
+    assert status == 200, text
+
+
+def test_internal_errors_answer_a_generic_500_and_log_one_traceback(live, caplog, monkeypatch):
+    """An unexpected exception in a route: the client gets a generic message with its
+    request id (never the exception's text), the log gets the traceback once per
+    kind and minute, not once per request."""
+    from pagedtree.entrypoints.api_server import CONTEXT_KEY
+
+    ctx = live.app[CONTEXT_KEY]
+
+    async def broken(*args, **kwargs):
+        raise TypeError("TextEncodeInput must be Union[...] (internal detail of someone's prompt)")
+
+    monkeypatch.setattr(ctx.engine, "add_requests", broken)
+    with caplog.at_level("DEBUG", logger="pagedtree.server"):
+        answers = [post(live, "/v1/completions", {"prompt": "Hi"}, headers={"X-Request-Id": f"mine-{i}"})
+                   for i in range(3)]
+        answers.append(post(live, "/generate", {"inputs": "Hi"}, headers={"X-Request-Id": "tgi-1"}))
+    for (status, headers, text), rid in zip(answers, ["mine-0", "mine-1", "mine-2", "tgi-1"]):
+        assert status == 500 and headers["X-Request-Id"] == rid
+        assert "TextEncodeInput" not in text and "internal detail" not in text
+        assert f"internal server error (request id {rid}" in text
+    tracebacks = [r for r in caplog.records if r.exc_info and r.levelname == "ERROR"]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    assert "mine-0" in tracebacks[0].getMessage()
 
 
 # ------------------------------------------------------------------- fuzzing

@@ -20,6 +20,8 @@ input's dtype. Nothing here is hand-written GEMM: these are torch's own CPU kern
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,23 @@ _PACK_ROWS_HINT = 16
 _ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 # The int4 kernel's packing tiles the input dimension by this many 16-element tiles.
 _INT4_INNER_K_TILES = 8
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack (and run) ``dtype`` weights on this CPU.
+
+    fp32 packs on any x86 CPU; oneDNN's bf16 inner product needs AVX512 (BW, VL and
+    DQ) or AVX-NE-CONVERT, so on older CPUs bf16 weights stay dense and torch's own
+    GEMM runs them. Probed once per dtype on a tiny weight.
+    """
+    if not _ONEDNN_PACKING or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), _PACK_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +106,8 @@ class Linear(nn.Linear):
         if (weight is None or not _ONEDNN_PACKING or weight.device.type != "cpu"
                 or weight.dtype not in (torch.float32, torch.bfloat16)):
             return False
+        if not onednn_packs(weight.dtype):
+            return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
         self.weight = None
         return True
@@ -131,6 +152,8 @@ class Linear(nn.Linear):
                 out = out + self.bias.to(out.dtype)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.packed_weight is None:
+            if self.pad_single_rows and x.dim() == 2 and x.shape[0] == 1:
+                return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
             return F.linear(x, self.weight, self.bias)
         if x.dim() == 2:  # the model's flat [tokens, features] rows: no reshapes to dispatch
             # oneDNN's one-row kernel accumulates in another order than its multi-row one
