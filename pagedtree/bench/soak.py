@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import socket
@@ -42,11 +43,11 @@ CLIENT_KINDS = ("valid", "disconnect", "logprobs", "hostile", "long", "huge", "s
 # Gauges of pagedtree's /metrics that a soak records beside the RSS.
 MEMORY_GAUGES = (
     "process_resident_memory_bytes",
-    "pagedtree:malloc_in_use_bytes",
-    "pagedtree:malloc_free_bytes",
+    "pagedtree:malloc_bytes",
     "pagedtree:python_allocated_blocks",
     "pagedtree:suffix_tree_nodes",
     "pagedtree:kv_cache_usage_perc",
+    "pagedtree:malloc_trims_total",
 )
 _WORDS = ("alpha beta gamma delta query index table select join where group order limit value record "
           "stream buffer cache thread socket parse token model layer vector matrix kernel tensor block "
@@ -65,18 +66,21 @@ class SoakClients:
     huge: int = 0
     slowloris: int = 2
     max_tokens: int = 24  # upper bound of a valid request's max_tokens
-    long_prompt_words: tuple[int, int] = (200, 600)
-    huge_prompt_chars: int = 1_000_000
+    long_min_words: int = 200  # a long prompt's length in words, drawn in [min, max]
+    long_max_words: int = 600
+    huge_chars: int = 1_000_000
 
     @classmethod
     def parse(cls, text: str) -> SoakClients:
-        """``"valid=4,disconnect=2,..."`` (kinds left out keep their default)."""
+        """``"valid=4,disconnect=2,long_max_words=300"``: loops per kind and sizes
+        (anything left out keeps its default)."""
         out = cls()
+        names = [f.name for f in dataclasses.fields(cls)]
         for item in filter(None, (part.strip() for part in text.split(","))):
-            kind, _, count = item.partition("=")
-            if kind not in CLIENT_KINDS:
-                raise ValueError(f"unknown client kind {kind!r}; kinds: {', '.join(CLIENT_KINDS)}")
-            setattr(out, kind, int(count))
+            key, _, value = item.partition("=")
+            if key not in names:
+                raise ValueError(f"unknown soak client setting {key!r}; settings: {', '.join(names)}")
+            setattr(out, key, int(value))
         return out
 
 
@@ -191,7 +195,7 @@ async def _hostile(session: aiohttp.ClientSession, url: str, rng: random.Random,
 async def _long(session: aiohttp.ClientSession, url: str, rng: random.Random, cfg: SoakClients,
                 counts: SoakCounts) -> None:
     # New text every time: random words with a random number in each line.
-    low, high = cfg.long_prompt_words
+    low, high = cfg.long_min_words, cfg.long_max_words
     lines = [f"{rng.randrange(10**6)} {_words(rng, 12)}" for _ in range(rng.randint(low, high) // 13 + 1)]
     body = {"prompt": "\n".join(lines), "max_tokens": rng.randint(8, 2 * cfg.max_tokens), "temperature": 0,
             "stream": True}
@@ -202,7 +206,7 @@ async def _long(session: aiohttp.ClientSession, url: str, rng: random.Random, cf
 
 async def _huge(session: aiohttp.ClientSession, url: str, rng: random.Random, cfg: SoakClients,
                 counts: SoakCounts) -> None:
-    text = "".join(rng.choice(string.ascii_lowercase + "      ") for _ in range(cfg.huge_prompt_chars))
+    text = "".join(rng.choice(string.ascii_lowercase + "      ") for _ in range(cfg.huge_chars))
     async with session.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 2}) as r:
         await r.read()
         counts.add("huge", r.status)
@@ -274,16 +278,21 @@ def rss_bytes(pid: int) -> int:
 
 
 def read_gauges(metrics_url: str, names: Sequence[str] = MEMORY_GAUGES) -> dict[str, float]:
-    """The named gauges of a Prometheus text page (labels ignored; summed if repeated)."""
+    """The named series of a Prometheus text page, keyed ``name`` or ``name{label=value}``
+    by their labels other than ``model_name``."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("#"):
+        if line.startswith("#") or not line.strip():
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        if name not in names:
+            continue
+        kept = [item for item in labels.rstrip("}").split(",") if item and not item.startswith("model_name=")]
+        key = name + ("{" + ",".join(item.replace('"', "") for item in kept) + "}" if kept else "")
+        out[key] = float(value)
     return out
 
 

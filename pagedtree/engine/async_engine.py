@@ -77,7 +77,11 @@ class AsyncEngine:
     * ``freeze_gc`` (True): once the model is loaded, ``gc.collect()`` then
       ``gc.freeze()``, so later full garbage collections skip the hundreds of
       thousands of long-lived torch/transformers objects. Without it a full
-      collection stops every thread (the event loop too) for 100+ ms now and then.
+      collection stops every thread (the event loop too) for 100+ ms now and then;
+    * ``warm_up`` (True): before the constructor returns, run a small batch through
+      the engine (``engine/warm_up.py``) so that first-use costs (kernels loaded or
+      compiled, oneDNN primitives, the long-prompt attention path) are paid before
+      any client is served.
 
     The constructor blocks while the model loads; from a running event loop use
     ``await asyncio.to_thread(AsyncEngine, ...)`` to keep the loop responsive.
@@ -89,20 +93,23 @@ class AsyncEngine:
         *,
         max_waiting_requests: int | None = None,
         freeze_gc: bool = True,
+        warm_up: bool = True,
         **kwargs: Any,
     ):
-        self._start(EngineConfig(model=model, **kwargs), max_waiting_requests, freeze_gc)
+        self._start(EngineConfig(model=model, **kwargs), max_waiting_requests, freeze_gc, warm_up)
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, *, max_waiting_requests: int | None = None, freeze_gc: bool = True
+        cls, config: EngineConfig, *, max_waiting_requests: int | None = None, freeze_gc: bool = True,
+        warm_up: bool = True,
     ) -> AsyncEngine:
         """An engine for an already-built ``EngineConfig``."""
         self = cls.__new__(cls)
-        self._start(config, max_waiting_requests, freeze_gc)
+        self._start(config, max_waiting_requests, freeze_gc, warm_up)
         return self
 
-    def _start(self, config: EngineConfig, max_waiting_requests: int | None, freeze_gc: bool) -> None:
+    def _start(self, config: EngineConfig, max_waiting_requests: int | None, freeze_gc: bool,
+               warm_up: bool) -> None:
         if max_waiting_requests is not None and (
             not isinstance(max_waiting_requests, int) or max_waiting_requests < 1
         ):
@@ -115,7 +122,7 @@ class AsyncEngine:
         self._listeners: list[MetricsListener] = []
         self._stopping = False
         self._shutdown_deadline = float("inf")
-        self._thread = EngineThread(config)
+        self._thread = EngineThread(config, warm_up=warm_up)
         engine = self._thread.start_and_wait()
         # Read-only facts about the model, safe to read from any thread.
         self.tokenizer = engine.tokenizer

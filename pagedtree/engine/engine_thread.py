@@ -22,8 +22,10 @@ from pagedtree.config import EngineConfig
 from pagedtree.distributed.group import TensorParallelError
 from pagedtree.engine.errors import EngineStoppedError, InvalidRequestError
 from pagedtree.engine.llm_engine import LLMEngine, PromptType
+from pagedtree.engine.warm_up import warm_up
 from pagedtree.outputs import RequestOutput
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.worker.host_allocator import IDLE_TRIM_DELAY, HeapTrimmer
 
 logger = logging.getLogger("pagedtree.async")
 
@@ -94,9 +96,10 @@ Command = AddCommand | AbortCommand | CallCommand | StopCommand
 class EngineThread(threading.Thread):
     """Loads the engine, then loops: run queued commands, step while there is work, repeat."""
 
-    def __init__(self, config: EngineConfig, name: str = "pagedtree-engine"):
+    def __init__(self, config: EngineConfig, name: str = "pagedtree-engine", warm_up: bool = False):
         super().__init__(name=name, daemon=True)
         self._config = config
+        self._warm_up = warm_up
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._ready: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         self._sinks: dict[str, OutputSink] = {}
@@ -104,6 +107,8 @@ class EngineThread(threading.Thread):
         self._close_lock = threading.Lock()
         self._stopping = False
         self.engine: LLMEngine | None = None
+        # Free heap back to the OS when idle (and now and then when busy); see host_allocator.
+        self.trimmer = HeapTrimmer()
         # Replaced (never mutated) after every loop turn, so readers on other threads
         # always see a consistent dict without a lock.
         self.stats_snapshot: dict[str, Any] = {}
@@ -142,20 +147,38 @@ class EngineThread(threading.Thread):
             self._ready.set_exception(exc)
             self._close()
             return
+        if self._warm_up:
+            try:
+                report = warm_up(engine)
+            except BaseException as exc:  # noqa: BLE001 - an engine that cannot run a step cannot serve
+                self.error = exc
+                self._ready.set_exception(exc)
+                self._close()
+                engine.shutdown()
+                return
+            logger.info("warmed up in %.1fs (%d requests, %d steps)", report.seconds, report.num_requests,
+                        report.num_steps)
         self.engine = engine
-        self.stats_snapshot = engine.stats()
+        self.stats_snapshot = self._stats(engine)
         self._ready.set_result(engine)
         try:
             stats_time = 0.0
             while not self._stopping:
-                self._run_commands(block=not engine.has_unfinished_requests())
+                if engine.has_unfinished_requests():
+                    self._run_commands(block=False)
+                elif not self._run_commands(block=True, timeout=IDLE_TRIM_DELAY):
+                    # Idle for a while: hand the free heap of the last burst back to the OS.
+                    self.trimmer.idle()
+                    self.stats_snapshot = self._stats(engine)
+                    self._run_commands(block=True)
                 if not self._stopping and engine.has_unfinished_requests():
                     self._step(engine)
+                    self.trimmer.worked()
                 now = time.monotonic()
                 # stats() copies lists (speculation histories): refresh it at a bounded
                 # rate while stepping, and always before sleeping on the queue.
                 if not engine.has_unfinished_requests() or now - stats_time >= STATS_INTERVAL_S:
-                    self.stats_snapshot = engine.stats()
+                    self.stats_snapshot = self._stats(engine)
                     stats_time = now
         except BaseException as exc:  # noqa: BLE001 - the engine is unusable; fail everyone
             logger.exception("the engine thread died")
@@ -165,6 +188,9 @@ class EngineThread(threading.Thread):
         finally:
             self._close()
             engine.shutdown()  # the tensor-parallel ranks stop with the thread
+
+    def _stats(self, engine: LLMEngine) -> dict[str, Any]:
+        return engine.stats() | {"num_heap_trims": self.trimmer.num_trims}
 
     def _close(self) -> None:
         """Refuse new commands, and answer the ones still queued so no caller waits forever."""
@@ -180,18 +206,19 @@ class EngineThread(threading.Thread):
             elif command.future.set_running_or_notify_cancel():
                 command.future.set_exception(EngineStoppedError(self._stopped_message()))
 
-    def _run_commands(self, block: bool) -> None:
-        # When idle, sleep on the queue instead of spinning; when busy, only drain it.
+    def _run_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Run the queued commands; whether there were any. When idle, sleep on the
+        queue (up to ``timeout`` seconds) instead of spinning; when busy, only drain it."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
-            return
+            return False
         while True:
             self._run_command(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _run_command(self, command: Command) -> None:
         engine = self.engine

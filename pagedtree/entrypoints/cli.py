@@ -180,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             chat_template = f.read()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(args.model, max_waiting_requests=args.max_waiting_requests,
-                         max_logprobs=args.max_logprobs, **kwargs)
+                         max_logprobs=args.max_logprobs, warm_up=args.warm_up, **kwargs)
     app = build_app(
         engine, model_name=args.served_model_name, api_key=args.api_key, grace_period=args.grace_period,
         limits=limits, metrics_require_key=args.metrics_require_key, chat_template=chat_template,
@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="queued requests beyond which new ones get HTTP 429")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish at shutdown")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--warm-up", default=True, action=argparse.BooleanOptionalAction,
+                       help="run a small batch before serving, so that no client pays first-use costs (default: on)")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template file replacing the tokenizer's (clients cannot send templates)")
     serve.add_argument("--metrics-require-key", default=None, action=argparse.BooleanOptionalAction,

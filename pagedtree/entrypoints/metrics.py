@@ -8,15 +8,17 @@ when each request ends.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedtree.engine.async_engine import AsyncEngine
 from pagedtree.engine.async_stream import RequestMetrics
+from pagedtree.worker.host_allocator import heap_stats
 
 PREFIX = "pagedtree:"
 
@@ -81,6 +83,34 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(stats.get("accepted_tokens_per_position", []) or []):
             per_pos.add_metric([self.model_name, str(position)], float(count))
         yield per_pos
+        yield from self._memory(stats)
+
+    def _memory(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        """Where the process's memory is (the RSS itself is ``process_resident_memory_bytes``)."""
+        heap = heap_stats()
+        if heap is not None:
+            family = GaugeMetricFamily(PREFIX + "malloc_bytes", "glibc heap over all arenas: in use, free but "
+                                       "still mapped (handed back by malloc_trim), mapped one by one.",
+                                       labels=["model_name", "state"])
+            for state, value in (("in_use", heap.in_use), ("free", heap.free), ("mmapped", heap.mmapped)):
+                family.add_metric([self.model_name, state], float(value))
+            yield family
+        blocks = GaugeMetricFamily(PREFIX + "python_allocated_blocks",
+                                   "Memory blocks the Python interpreter has allocated (objects and buffers).",
+                                   labels=["model_name"])
+        blocks.add_metric([self.model_name], float(sys.getallocatedblocks()))
+        yield blocks
+        if "suffix_global_nodes" in stats:
+            nodes = GaugeMetricFamily(PREFIX + "suffix_tree_nodes", "Nodes of the suffix drafter's trees: the "
+                                      "global tree of recent outputs, and the running requests' own trees.",
+                                      labels=["model_name", "tree"])
+            nodes.add_metric([self.model_name, "global"], float(stats.get("suffix_global_nodes", 0)))
+            nodes.add_metric([self.model_name, "requests"], float(stats.get("suffix_request_nodes", 0)))
+            yield nodes
+        trims = CounterMetricFamily(PREFIX + "malloc_trims", "Times the engine handed free heap back to the OS.",
+                                    labels=["model_name"])
+        trims.add_metric([self.model_name], float(stats.get("num_heap_trims", 0)))
+        yield trims
 
 
 class ServerMetrics:
@@ -90,6 +120,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))
+        # process_resident_memory_bytes, process_cpu_seconds_total, open fds, ...
+        ProcessCollector(registry=self.registry)
         labels = ["model_name"]
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to first token.",

@@ -51,6 +51,14 @@ class OpenAIRoutes:
         if tokenizer is not None:
             reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
         self._reserved_template_args = frozenset(reserved)
+        self._warm_chat_template()
+
+    def _warm_chat_template(self) -> None:
+        """Compile the chat template now (transformers caches it), not on the first chat."""
+        try:
+            self._render_chat([{"role": "user", "content": "Hello"}], True, {})
+        except Exception:  # noqa: BLE001 - no template, or one that wants other messages: chats will say
+            pass
 
     def add_to(self, app: web.Application, prefix: str) -> None:
         """Register the routes under ``prefix``."""

@@ -187,6 +187,7 @@ class SuffixDrafter:
             "suffix_num_proposals": self.num_proposals,
             "suffix_global_tokens": self.global_cache.num_tokens,
             "suffix_global_nodes": self.global_cache.tree.num_nodes,
+            "suffix_request_nodes": sum(stream.tree.num_nodes for stream in self._streams.values()),
             "suffix_num_requests": self.num_requests,
         }
 

@@ -1,17 +1,31 @@
-"""glibc's malloc tuned for an inference loop on CPU.
+"""Host memory of a CPU engine: glibc's malloc tuned for the decode loop, bounded oneDNN
+caches, free heap handed back to the OS, and the figures ``/metrics`` reports.
 
-Every decode step allocates and frees the same few multi-megabyte tensors (a batch's
-logits and log-probabilities are 6 MB each at 32 x 49k fp32). glibc serves blocks
-above its mmap threshold with a fresh ``mmap`` and returns them on free, and trims
-the heap top back to the OS, so each step page-faults its buffers in again. Raising
-the mmap threshold to glibc's maximum (32 MiB) and the trim threshold keeps those
-pages mapped and reused: SmolLM2 at batch 32 ran 8% faster in fp32 (366 against 396
-tokens/s, same machine, same sitting), and unseeded sampling took 5.0 ms a step
-instead of 8.7. vLLM's CPU guide gets the same effect by preloading tcmalloc.
+**malloc thresholds.** Every decode step allocates and frees the same few
+multi-megabyte tensors (a batch's logits and log-probabilities are 6 MB each at
+32 x 49k fp32). glibc serves blocks above its mmap threshold with a fresh ``mmap``
+and returns them on free, and trims the heap top back to the OS, so each step
+page-faults its buffers in again. Raising the mmap threshold to glibc's maximum
+(32 MiB) and the trim threshold to ``TRIM_THRESHOLD`` keeps those pages mapped and
+reused: SmolLM2 at batch 32 ran 8% faster in fp32, and unseeded sampling took 5.0 ms
+a step instead of 8.7. vLLM's CPU guide gets the same effect by preloading tcmalloc.
+Set ``PAGEDTREE_MALLOC_TUNING=0`` to leave malloc alone.
 
-The cost: memory freed below the thresholds stays in the process (its peak RSS),
-which an engine that repeats the same step sizes reuses anyway. Set
-``PAGEDTREE_MALLOC_TUNING=0`` to leave malloc alone.
+**oneDNN caches.** oneDNN (behind every CPU linear layer) keeps a compiled primitive
+per weight shape *and row count*, about 600 KiB each, in two caches of 1024 entries
+by default (ideep's ``LRU_CACHE_CAPACITY`` and oneDNN's
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). A server sees a new row count with nearly every
+new mix of prompts, so both caches grew for hours towards about 1.2 GB. pagedtree
+caps both at ``ONEDNN_CACHE_CAPACITY`` entries when it is imported (unless the
+variables are already set): decoding and tree speculation ran as fast at 64 entries
+as at 1024 (benchmarks/RESULTS.md, "Server memory"). The caps apply when pagedtree
+is imported before the process runs its first oneDNN operation.
+
+**Trimming.** ``trim_heap`` (glibc's ``malloc_trim``) returns free heap pages to the
+OS, from every thread's arena (tokenizer threads that parsed a huge prompt keep their
+pages otherwise). The engine thread calls it when it goes idle and, while busy, at
+most once per ``BUSY_TRIM_INTERVAL`` seconds when the free heap is over
+``MAX_FREE_HEAP`` (``HeapTrimmer``).
 """
 
 from __future__ import annotations
@@ -20,6 +34,8 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import time
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +45,42 @@ _M_MMAP_THRESHOLD = -3
 # glibc caps the mmap threshold at 32 MiB on 64-bit systems.
 MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 512 * 2**20
+# Entries of each oneDNN cache (a compiled primitive per weight shape and row count).
+ONEDNN_CACHE_CAPACITY = 128
+# Free heap the engine thread lets stay mapped while busy, and how often it checks.
+MAX_FREE_HEAP = 256 * 2**20
+BUSY_TRIM_INTERVAL = 60.0
+# Seconds without work after which the engine thread trims (once per idle period).
+IDLE_TRIM_DELAY = 1.0
 
 _tuned: bool | None = None
+_libc: ctypes.CDLL | None = None
+_libc_loaded = False
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap both oneDNN primitive caches at ``capacity`` entries, unless the process
+    environment already sets them (read once, at the first oneDNN operation)."""
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (with ``mallopt``, ``malloc_trim`` and ``mallinfo2``)."""
+    global _libc, _libc_loaded
+    if not _libc_loaded:
+        _libc_loaded = True
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            libc.mallopt.restype = ctypes.c_int
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            libc.malloc_trim.restype = ctypes.c_int
+            libc.mallinfo2.restype = _MallInfo2
+            _libc = libc
+        except (OSError, AttributeError):  # not glibc (musl, macOS, Windows), or glibc < 2.33
+            _libc = None
+    return _libc
 
 
 def tune_host_allocator() -> bool:
@@ -42,15 +92,84 @@ def tune_host_allocator() -> bool:
     _tuned = False
     if os.environ.get("PAGEDTREE_MALLOC_TUNING", "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
+    libc = _glibc()
+    if libc is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if _tuned:
         logger.info("malloc: mmap threshold %d MiB, trim threshold %d MiB", MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return _tuned
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@dataclass(slots=True)
+class HeapStats:
+    """glibc's heap over all arenas (``mallinfo2``), in bytes."""
+
+    in_use: int  # allocated and not freed (heap chunks)
+    free: int  # freed but still mapped: what ``trim_heap`` can hand back
+    mmapped: int  # large blocks mapped one by one (returned on free)
+
+
+def heap_stats() -> HeapStats | None:
+    """The heap's figures now, or None off glibc."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    info = libc.mallinfo2()
+    return HeapStats(int(info.uordblks), int(info.fordblks), int(info.hblkhd))
+
+
+def trim_heap() -> bool:
+    """Return free heap pages of every arena to the OS (``malloc_trim(0)``); whether
+    any were returned (False off glibc)."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+class HeapTrimmer:
+    """When the engine thread trims the heap: once each time it goes idle (after
+    ``IDLE_TRIM_DELAY`` seconds without work), and while busy at most once per
+    ``BUSY_TRIM_INTERVAL`` seconds, only when the free heap is over ``MAX_FREE_HEAP``."""
+
+    def __init__(self, enabled: bool | None = None, busy_interval: float = BUSY_TRIM_INTERVAL,
+                 max_free: int = MAX_FREE_HEAP):
+        if enabled is None:
+            enabled = os.environ.get("PAGEDTREE_MALLOC_TUNING", "1") != "0" and _glibc() is not None
+        self.enabled = enabled
+        self.busy_interval = busy_interval
+        self.max_free = max_free
+        self.num_trims = 0
+        self._trimmed_since_work = True  # nothing to trim before the first request
+        self._last_busy_check = time.monotonic()
+
+    def worked(self) -> None:
+        """The engine ran a step; trim if busy long enough with too much free heap."""
+        self._trimmed_since_work = False
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last_busy_check < self.busy_interval:
+            return
+        self._last_busy_check = now
+        stats = heap_stats()
+        if stats is not None and stats.free > self.max_free:
+            self._trim()
+
+    def idle(self) -> None:
+        """The engine has had nothing to do for ``IDLE_TRIM_DELAY`` seconds."""
+        if self.enabled and not self._trimmed_since_work:
+            self._trim()
+        self._trimmed_since_work = True
+
+    def _trim(self) -> None:
+        started = time.perf_counter()
+        trim_heap()
+        self.num_trims += 1
+        logger.debug("malloc_trim in %.1f ms", (time.perf_counter() - started) * 1e3)

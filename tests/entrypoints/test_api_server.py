@@ -264,6 +264,50 @@ def test_metrics_page_has_vllm_names(server):
         assert name in text, name
 
 
+def test_metrics_report_where_the_memory_is(server):
+    """Process RSS, glibc's heap (in use / free / mmapped), Python's allocated blocks,
+    and the heap trims: what an operator needs to tell a leak from a cache."""
+    import platform
+
+    post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    wait_until_idle(server)
+    text = get(server, "/metrics")[2]
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["process_resident_memory_bytes"] > 50 * 2**20
+    assert values['pagedtree:python_allocated_blocks{model_name="tiny"}'] > 10_000
+    assert 'pagedtree:malloc_trims_total{model_name="tiny"}' in values
+    assert "pagedtree:suffix_tree_nodes" not in text  # no suffix drafter here
+    if platform.libc_ver()[0] == "glibc":
+        heap = {state: values[f'pagedtree:malloc_bytes{{model_name="tiny",state="{state}"}}']
+                for state in ("in_use", "free", "mmapped")}
+        assert heap["in_use"] > 10 * 2**20 and heap["free"] >= 0 and heap["mmapped"] >= 0
+
+
+def test_the_engine_trims_the_heap_once_idle(chat_model_path):
+    """A burst of work, then a second without any: the engine thread hands the free
+    heap back to the OS (counted in /metrics), once per idle period."""
+    import platform
+    import time
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    live = start_server(lambda e: build_app(e, model_name="tiny"), make_engine(chat_model_path))
+    try:
+        trims = lambda: live.engine.stats()["num_heap_trims"]  # noqa: E731
+        assert trims() == 0  # nothing ran since start: nothing to trim
+        post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        deadline = time.monotonic() + 10
+        while trims() < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.5)
+        assert trims() == 1
+        assert 'pagedtree:malloc_trims_total{model_name="tiny"} 1.0' in get(live, "/metrics")[2]
+    finally:
+        live.stop()
+
+
 def test_metrics_read_speculative_counters_when_present(server):
     from pagedtree.entrypoints.metrics import ServerMetrics
 

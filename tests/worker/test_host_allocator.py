@@ -1,10 +1,18 @@
-"""The malloc tuning of CPU runs: applied once, and switched off by the environment."""
+"""Host memory: malloc tuning, bounded oneDNN caches, heap figures and trimming."""
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import sys
 
+import pytest
+
+from pagedtree.worker import host_allocator
+from pagedtree.worker.host_allocator import HeapStats, HeapTrimmer
+
+GLIBC = platform.libc_ver()[0] == "glibc"
 SNIPPET = """
 import ctypes, sys
 from pagedtree.worker.host_allocator import tune_host_allocator
@@ -12,30 +20,99 @@ print(tune_host_allocator(), tune_host_allocator())
 """
 
 
-def _run(env_value: str | None) -> str:
-    import os
-
+def _run(code: str, **env_values: str | None) -> str:
     env = dict(os.environ)
-    env.pop("PAGEDTREE_MALLOC_TUNING", None)
-    if env_value is not None:
-        env["PAGEDTREE_MALLOC_TUNING"] = env_value
-    return subprocess.run([sys.executable, "-c", SNIPPET], env=env, capture_output=True, text=True,
+    for key, value in env_values.items():
+        env.pop(key, None)
+        if value is not None:
+            env[key] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip()
 
 
 def test_tuning_applies_on_glibc_and_can_be_switched_off():
-    import platform
-
-    if platform.libc_ver()[0] == "glibc":
-        assert _run(None) == "True True"
-    assert _run("0") == "False False"
+    if GLIBC:
+        assert _run(SNIPPET, PAGEDTREE_MALLOC_TUNING=None) == "True True"
+    assert _run(SNIPPET, PAGEDTREE_MALLOC_TUNING="0") == "False False"
 
 
 def test_cpu_runner_tunes_malloc(tiny_llama):
     from pagedtree import LLM
-    from pagedtree.worker import host_allocator
 
     LLM(str(tiny_llama.path), dtype="float32")
-    import platform
+    assert host_allocator._tuned is GLIBC
 
-    assert host_allocator._tuned is (platform.libc_ver()[0] == "glibc")
+
+# 300 products with as many row counts: oneDNN compiles (and by default caches, up to
+# 1024 of them) a primitive per row count, about 600 KiB each.
+ONEDNN_SNIPPET = """
+import torch
+import pagedtree  # caps both oneDNN caches unless the environment sets them
+from pagedtree.worker.host_allocator import heap_stats
+from pagedtree.worker.models.linear import Linear
+layer = Linear(256, 128, bias=False)
+layer.pack_for_cpu()
+for rows in range(1, 4):
+    layer(torch.randn(rows, 256))
+before = heap_stats()
+with torch.inference_mode():
+    for rows in range(4, 304):
+        layer(torch.randn(rows, 256))
+after = heap_stats()
+print((after.in_use + after.mmapped - before.in_use - before.mmapped) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="heap figures come from glibc")
+def test_onednn_caches_are_bounded_when_pagedtree_is_imported():
+    """A server sees a new row count with nearly every new mix of prompts: with
+    oneDNN's default caches the heap grew by ~600 KiB per row count, for hours."""
+    bounded = float(_run(ONEDNN_SNIPPET, LRU_CACHE_CAPACITY=None, ONEDNN_PRIMITIVE_CACHE_CAPACITY=None))
+    unbounded = float(_run(ONEDNN_SNIPPET, LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024"))
+    assert unbounded > 100, unbounded  # the growth the bound removes is real here
+    assert bounded < unbounded / 2, (bounded, unbounded)
+    # The cap stays below what 300 row counts would take (128 entries of each cache).
+    assert bounded < 0.6 * host_allocator.ONEDNN_CACHE_CAPACITY * 2
+
+
+def test_the_environment_sets_the_caps_first(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    host_allocator.bound_onednn_caches()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(host_allocator.ONEDNN_CACHE_CAPACITY)
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallinfo2 and malloc_trim are glibc's")
+def test_heap_figures_and_trimming():
+    if not host_allocator.tune_host_allocator():  # below its trim threshold, glibc keeps freed heap
+        pytest.skip("malloc tuning is switched off")
+    stats = host_allocator.heap_stats()
+    assert stats is not None and stats.in_use > 0 and stats.free >= 0 and stats.mmapped >= 0
+    blocks = [bytearray(64 * 1024) for _ in range(2000)]  # 128 MiB of heap, then freed
+    del blocks
+    assert host_allocator.heap_stats().free > 64 * 2**20
+    host_allocator.trim_heap()
+    assert host_allocator.heap_stats().free < 64 * 2**20
+
+
+def test_the_trimmer_trims_once_per_idle_period_and_rarely_when_busy(monkeypatch):
+    calls = []
+    free = [0]
+    monkeypatch.setattr(host_allocator, "trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(host_allocator, "heap_stats", lambda: HeapStats(0, free[0], 0))
+    trimmer = HeapTrimmer(enabled=True, busy_interval=0.0, max_free=100)
+    trimmer.idle()
+    assert trimmer.num_trims == 0  # nothing ran since start
+    trimmer.worked()  # free heap under the bound: no trim while busy
+    assert trimmer.num_trims == 0
+    trimmer.idle()
+    trimmer.idle()
+    assert trimmer.num_trims == 1  # once per idle period
+    free[0] = 1000
+    trimmer.worked()
+    assert trimmer.num_trims == 2  # busy with too much free heap
+    trimmer = HeapTrimmer(enabled=True, busy_interval=3600.0, max_free=100)
+    trimmer.worked()
+    assert trimmer.num_trims == 0  # checked at most once per interval
+    assert not HeapTrimmer(enabled=False).enabled
