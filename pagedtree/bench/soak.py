@@ -90,10 +90,17 @@ class SoakCounts:
 
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def add(self, kind: str, outcome: str | int) -> None:
-        """Count one outcome (an HTTP status, or a word such as ``dropped``)."""
+    def add(self, kind: str, outcome: str | int, count: int = 1) -> None:
+        """Count an outcome (an HTTP status, or a word such as ``dropped``)."""
         counts = self.by_kind.setdefault(kind, {})
-        counts[str(outcome)] = counts.get(str(outcome), 0) + 1
+        counts[str(outcome)] = counts.get(str(outcome), 0) + count
+
+    def merge(self, other: SoakCounts) -> None:
+        """Add another run's counts to these."""
+        for kind, by_outcome in other.by_kind.items():
+            counts = self.by_kind.setdefault(kind, {})
+            for outcome, count in by_outcome.items():
+                counts[outcome] = counts.get(outcome, 0) + count
 
     def total(self, outcome: str | int) -> int:
         """The outcome's count over every kind."""
@@ -370,6 +377,53 @@ def plateau(samples: Sequence[MemorySample], warm_up: float = 0.0, fraction: flo
     slope = sum((t - mean_t) * (y - mean_y) for t, y in zip(ts, ys)) / var if var > 0 else 0.0
     return Plateau(kept[0].rss / 1e6, kept[-1].rss / 1e6, max(s.rss for s in kept) / 1e6, slope,
                    ts[-1] - ts[0] if ts else 0.0)
+
+
+@dataclass
+class IdleReading:
+    """The server's memory at a quiet moment: after a round of load, once every request
+    has ended and the engine has trimmed its heap."""
+
+    round: int
+    rss: int
+    python_blocks: float
+    heap_in_use: float | None
+    suffix_nodes: float
+
+
+def wait_idle(metrics_url: str, timeout: float = 120.0) -> None:
+    """Until no request runs or waits and every KV block is free (from ``/metrics``)."""
+    deadline = time.monotonic() + timeout
+    names = ("pagedtree:num_requests_running", "pagedtree:num_requests_waiting", "pagedtree:kv_cache_usage_perc")
+    while True:
+        gauges = read_gauges(metrics_url, names)
+        if len(gauges) == len(names) and not any(gauges.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not go idle: {gauges}")
+        time.sleep(0.2)
+
+
+def soak_rounds(url: str, pid: int, clients: SoakClients, rounds: int, round_seconds: float,
+                settle_seconds: float = 2.0, seed: int = 0) -> tuple[list[IdleReading], SoakCounts]:
+    """``rounds`` rounds of ``round_seconds`` of load, each followed by a reading once
+    the server is idle (``settle_seconds`` after, past its idle heap trim). Readings at
+    idle moments do not see requests in flight, so a per-request leak shows as growth
+    from round to round however small the load's own noise."""
+    readings = []
+    total = SoakCounts()
+    for index in range(rounds):
+        counts = asyncio.run(run_clients(url, clients, round_seconds, seed=seed * 1000 + index))
+        total.merge(counts)
+        wait_idle(url + "/metrics")
+        time.sleep(settle_seconds)
+        gauges = read_gauges(url + "/metrics")
+        readings.append(IdleReading(
+            index, rss_bytes(pid), gauges.get("pagedtree:python_allocated_blocks", 0.0),
+            gauges.get("pagedtree:malloc_bytes{state=in_use}"),
+            sum(v for k, v in gauges.items() if k.startswith("pagedtree:suffix_tree_nodes")),
+        ))
+    return readings, total
 
 
 def main(argv: Sequence[str] | None = None) -> int:
