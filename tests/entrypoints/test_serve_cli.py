@@ -72,6 +72,7 @@ def test_pagedtree_serve_runs_and_exits_gracefully(chat_model_path):
     assert process.returncode == 0, stderr[-3000:]
     assert "cli-req-1" in stderr  # request ids reach the logs
     assert "shutting down" in stderr
+    assert "warmed up in" in stderr  # before it served anyone
 
 
 def test_speculation_options_reach_the_engine():
