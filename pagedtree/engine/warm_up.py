@@ -8,9 +8,9 @@ server that takes those on its first clients answers them late; ``warm_up`` runs
 small batch through the real step loop instead (a prompt longer than the in-place
 attention kernel takes, greedy, seeded and unseeded sampling with logprobs,
 penalties and ``n=2``), then puts the user-visible counters back, so ``/metrics``
-and ``stats()`` count clients' requests only. Speculation is off during the
-warm-up (its acceptance statistics must come from real requests; its forwards were
-already timed by the load-time calibration).
+and ``stats()`` count clients' requests only. The speculator sits the warm-up out
+(its acceptance statistics and step timings must come from real requests; its
+forwards were already run by the load-time calibration).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def warm_up(engine) -> WarmUpReport:
         raise RuntimeError("warm_up needs an idle engine")
     started = time.monotonic()
     counters = _Counters.read(engine)
-    speculation = engine.speculation_enabled
-    engine.speculation_enabled = False
+    # The speculator sits out: no acceptance evidence, suffix outputs or step timings
+    # (cold ones would skew its cost model) from random prompts.
+    speculator, engine.speculator = engine.speculator, None
     rng = random.Random(0)
     room = engine.max_model_len - _NEW_TOKENS
     long_len = max(1, min(_LONG_PROMPT, room))
@@ -69,11 +70,8 @@ def warm_up(engine) -> WarmUpReport:
     finally:
         for index in range(len(jobs)):
             engine.abort_request(f"warm-up-{index}")
-        engine.speculation_enabled = speculation
+        engine.speculator = speculator
         counters.restore(engine)
-        suffix = engine.speculator.proposer.suffix if engine.speculator is not None else None
-        if suffix is not None:
-            suffix.clear_global()  # the warm-up's random outputs are nothing to match against
     return WarmUpReport(len(jobs), steps, time.monotonic() - started)
 
 
