@@ -89,8 +89,9 @@ class EngineStatsCollector(Collector):
         """Where the process's memory is (the RSS itself is ``process_resident_memory_bytes``)."""
         heap = heap_stats()
         if heap is not None:
-            family = GaugeMetricFamily(PREFIX + "malloc_bytes", "glibc heap over all arenas: in use, free but "
-                                       "still mapped (handed back by malloc_trim), mapped one by one.",
+            family = GaugeMetricFamily(PREFIX + "malloc_bytes", "glibc heap over all arenas: in use, in free "
+                                       "chunks (an upper bound on what malloc_trim can hand back: pages it "
+                                       "already returned still count), mapped one by one.",
                                        labels=["model_name", "state"])
             for state, value in (("in_use", heap.in_use), ("free", heap.free), ("mmapped", heap.mmapped)):
                 family.add_metric([self.model_name, state], float(value))
