@@ -7,7 +7,7 @@ same requests every round). After every round it waits until the engine is idle,
 collects garbage, and records the RSS, glibc's heap in use (``mallinfo2``), Python's
 allocated blocks, the objects the collector tracks by type, and a tracemalloc
 snapshot. It prints, and writes as JSON and markdown under ``--out-dir``, the figures
-per round and the top growth sites between the end of the warm-up round and the
+per round (with the objects only the cycle collector frees) and the top growth sites between the end of the warm-up round and the
 last round.
 
     python benchmarks/memory_trace.py --model smollm2-135m-instruct --rounds 5
@@ -98,13 +98,20 @@ def child(args: argparse.Namespace) -> dict:
         while engine.num_active_requests:
             time.sleep(0.2)
         time.sleep(2.0)  # past the idle heap trim, where there is one
+        # What only the cycle collector frees (it grows between full collections).
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        garbage = collections.Counter(type(o).__name__ for o in gc.garbage)
+        gc.garbage.clear()
+        gc.set_debug(0)
         gc.collect()
         counts = json.loads(out.stdout)["by_kind"]
         # Read before this round's snapshot exists (snapshots are Python objects too).
         reading = {"round": index, "seconds": time.monotonic() - started, "rss": _rss(),
                    "heap_in_use": _heap_in_use(), "python_blocks": sys.getallocatedblocks() - own_blocks,
                    "traced": tracemalloc.get_traced_memory()[0] - own_traced,
-                   "requests": sum(sum(v.values()) for v in counts.values())}
+                   "requests": sum(sum(v.values()) for v in counts.values()),
+                   "cyclic_garbage": sum(garbage.values()), "garbage_types": dict(garbage.most_common(8))}
         reading["by_type"] = collections.Counter(type(o).__name__ for o in gc.get_objects())
         rounds.append(reading)
         if index == args.warm_rounds or index == args.rounds - 1:
@@ -117,7 +124,8 @@ def child(args: argparse.Namespace) -> dict:
             own_traced += tracemalloc.get_traced_memory()[0] - traced
         print(f"round {index}: RSS {rounds[-1]['rss'] / 2**20:.0f} MiB, heap in use "
               f"{(rounds[-1]['heap_in_use'] or 0) / 2**20:.0f} MiB, Python blocks {rounds[-1]['python_blocks']}, "
-              f"traced {rounds[-1]['traced'] / 2**20:.1f} MiB", flush=True)
+              f"traced {rounds[-1]['traced'] / 2**20:.1f} MiB, cyclic garbage {rounds[-1]['cyclic_garbage']} objects",
+              flush=True)
     base = args.warm_rounds
     stats = snapshots[-1].compare_to(snapshots[0], "lineno")
     top = [{"site": str(s.traceback[0]), "size_diff": s.size_diff, "count_diff": s.count_diff}
@@ -132,10 +140,11 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict, warm_rounds: int) -> str:
-    rows = ["| round | requests | RSS MiB | heap in use MiB | Python blocks | traced MiB |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| round | requests | RSS MiB | heap in use MiB | Python blocks | traced MiB | cyclic garbage (objects) |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rounds"]:
         rows.append(f"| {r['round']} | {r['requests']} | {r['rss'] / 2**20:.0f} | {(r['heap_in_use'] or 0) / 2**20:.0f} | "
-                    f"{r['python_blocks']} | {r['traced'] / 2**20:.1f} |")
+                    f"{r['python_blocks']} | {r['traced'] / 2**20:.1f} | {r.get('cyclic_garbage', '')} |")
     rows += ["", f"Top growth sites (tracemalloc, round {warm_rounds} -> round {result['rounds'][-1]['round']}):", "",
              "| site | size | blocks |", "|---|---:|---:|"]
     rows += [f"| `{t['site']}` | {t['size_diff'] / 1024:+.1f} KiB | {t['count_diff']:+d} |" for t in result["top_growth"]]

@@ -235,6 +235,9 @@ class AsyncEngine:
             if command is not None and (not command.future.done() or command.future.cancelled()):
                 for rid in ids:
                     self.abort_nowait(rid)  # they may have been queued all the same
+            # The exception's traceback holds this frame, and the command's future the
+            # exception: a cycle that would keep the prompt until a full collection.
+            command = ready = None
             raise
         for stream, num_prompt_tokens in zip(streams, lengths):
             stream.metrics.num_prompt_tokens = num_prompt_tokens

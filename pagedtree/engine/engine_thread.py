@@ -241,7 +241,14 @@ class EngineThread(threading.Thread):
                 command.future.set_result(self._abort(engine, command.request_id))
             else:
                 command.future.set_result(command.fn(engine))
-        except Exception as exc:  # noqa: BLE001 - the caller gets it (ValueError for bad input)
+        except InvalidRequestError as exc:
+            # A client's mistake, which the message says in full. Passed on without its
+            # traceback, it does not hold this frame, whose command's future holds the
+            # exception: that cycle kept each refused prompt (its token ids and text)
+            # alive until the next full garbage collection.
+            exc.__cause__ = exc.__context__ = None
+            command.future.set_exception(exc.with_traceback(None))
+        except Exception as exc:  # noqa: BLE001 - the caller gets it
             command.future.set_exception(exc)
 
     def _add(self, engine: LLMEngine, command: AddCommand) -> list[int]:

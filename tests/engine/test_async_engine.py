@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -155,6 +156,37 @@ def test_bad_input_raises_value_error_before_streaming(engine, prompt, params, m
 
     assert asyncio.run(main())[-1].finished
     assert engine.num_active_requests == 0 and engine.num_waiting_requests == 0
+
+
+def test_a_refused_prompt_is_freed_at_once(engine):
+    """A refused request leaves nothing for the cycle collector: its exception crosses
+    from the engine thread through a future, and a traceback holding the frames that
+    hold that future kept each refused prompt's token ids until a full collection."""
+
+    async def refuse(prompt):
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request(prompt, greedy(3))
+
+    async def main():
+        await refuse("word " * 300)  # too many tokens once tokenized (the engine thread refuses it)
+        await refuse({"prompt_token_ids": [5] * 300})  # refused before the engine thread
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                await refuse("word " * 300)
+                await refuse({"prompt_token_ids": [5] * 300})
+            gc.collect()
+            kept = [type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("pagedtree")
+                    or type(o).__name__ == "frame"]
+        finally:
+            gc.garbage.clear()
+            gc.set_debug(0)
+            gc.enable()
+        return kept
+
+    assert asyncio.run(main()) == []
 
 
 def test_check_context_rejects_max_tokens_over_the_context(engine):
