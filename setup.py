@@ -22,6 +22,8 @@ setup(
         "numpy",
         "numba>=0.60",  # the CPU attention kernel (pagedtree/attention/cpu_kernels.py)
         "tqdm",
+        "onnxruntime>=1.22",  # the q4/q8 formats: MatMulNBits (MLAS) kernels (pagedtree/worker/models/block_quant.py)
+        "onnx",  # builds the one-node graphs those kernels run in
         "aiohttp",
         "uvloop",
         "prometheus-client",

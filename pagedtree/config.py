@@ -34,7 +34,9 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-QUANTIZATIONS = ("int8", "int4")  # weight-only, see pagedtree.worker.models.linear
+QUANTIZATIONS = ("int8", "int4", "q4", "q8")  # see pagedtree.worker.models.linear
+# Formats whose kernels take bf16 activations (the others take fp32).
+_BF16_QUANTIZATIONS = ("int8", "int4")
 MAX_TENSOR_PARALLEL = 64
 
 TREE_KINDS = ("static", "chain", "dynamic", "sequoia")
@@ -162,8 +164,10 @@ class EngineConfig:
     ``distributed_timeout`` seconds (a rank hung) or a rank that dies stops the
     engine with ``TensorParallelError``.
 
-    ``quantization`` ("int8" or "int4") stores linear weights weight-only quantized
-    (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16). The draft
+    ``quantization`` stores linear weights quantized: "int8" or "int4" weight-only
+    (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16), "q4" or
+    "q8" in blocks of 32 with int8 activations (ONNX Runtime's MLAS kernels, fp32
+    activations; ``dtype="auto"`` is then fp32 on CPUs without native bf16). The draft
     models take the target's dtype and quantization unless ``draft_dtype`` /
     ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts).
     """
@@ -209,6 +213,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or one of {allowed}, got {value!r}")
         if self.quantization == "none":
             self.quantization = None
+        uses_blocks = {self.quantization, self.draft_quantization} & {"q4", "q8"}
+        if uses_blocks and self.resolve_device().type != "cpu":
+            raise ValueError(f"quantization {sorted(uses_blocks)[0]!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
+        if uses_blocks and not _block_quant_available():
+            raise ValueError(f"quantization {sorted(uses_blocks)[0]!r} needs onnxruntime and onnx: "
+                             "pip install onnxruntime onnx")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -316,9 +326,20 @@ class EngineConfig:
         if isinstance(dtype, torch.dtype):
             return dtype
         if dtype == "auto":
-            if quantization is not None or self.resolve_device().type == "cuda" or cpu_has_native_bf16():
+            if (quantization in _BF16_QUANTIZATIONS or self.resolve_device().type == "cuda"
+                    or cpu_has_native_bf16()):
                 return torch.bfloat16
             return torch.float32
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
+
+
+def _block_quant_available() -> bool:
+    """Whether the q4/q8 formats' libraries import (config stays free of worker imports)."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True

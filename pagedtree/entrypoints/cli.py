@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from pagedtree.config import QUANTIZATIONS
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
 from pagedtree.speculative.presets import TREE_PRESETS, tree_preset
@@ -24,8 +25,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="eager torch ops only: no numba-fused element-wise kernels on CPU")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantized linear layers (bf16 activations)")
+    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                        help="quantized linear layers: int8/int4 weight-only (torch's kernels, bf16 "
+                             "activations) or q4/q8 blocks of 32 with int8 activations (ONNX Runtime's kernels)")
     parallel = parser.add_argument_group(
         "tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA; other machines join with "
         "`pagedtree worker` and MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or all run under torchrun)")
@@ -49,7 +51,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-max-nodes", type=int, default=None, help="tree node budget per request")
     spec.add_argument("--no-spec-adaptive", action="store_true", help="always use the full budget")
     spec.add_argument("--draft-dtype", default=None, help="the drafts' dtype (default: the target's)")
-    spec.add_argument("--draft-quantization", default=None, choices=["int8", "int4", "none"],
+    spec.add_argument("--draft-quantization", default=None, choices=[*QUANTIZATIONS, "none"],
                       help="the drafts' quantization (default: the target's)")
 
 

@@ -5,7 +5,11 @@ the 4-bit blocks (Q4_0, Q4_1, Q4_K: an affine grid per 32 weights) become torch'
 int4 layout exactly (same codes, same scale and minimum per group of 32); the 5- to
 8-bit blocks (Q5_*, Q6_K, Q8_0) and dense tensors become per-row int8, which loses
 less than rounding them to 4 bits would. For ``quantization="int8"`` every linear
-weight is per-row int8. Norms, biases and the embedding table stay dense (bf16).
+weight is per-row int8. For ``quantization="q4"`` the layers whose tensors are all
+4-bit become q4 blocks and the others q8 blocks; for ``"q8"`` every layer becomes q8
+blocks (``block_quant``); both are rounded again from the file's values (q4 blocks
+have integer zero points where Q4_K has a real minimum: not bit-exact to the file).
+Norms, biases and the embedding table stay dense (bf16, or the model's dtype).
 
 Only the tensors being converted are ever dense, one at a time: the 1.5B model needs
 its quantized weights plus the embedding table, not its 6 GB of fp32.
@@ -25,8 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedtree.worker.models import block_quant
 from pagedtree.worker.models.decoder import DecoderForCausalLM
-from pagedtree.worker.models.linear import INT4_GROUP_SIZE, Linear, int4_scales_and_zeros, quantize_int8
+from pagedtree.worker.models.linear import (
+    INT4_GROUP_SIZE,
+    Linear,
+    int4_scales_and_zeros,
+    quantize_int8,
+)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -150,6 +160,17 @@ def _int8_rows(tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def _blocks(pieces: list, bits: int) -> block_quant.BlockWeights:
+    """A layer's checkpoint tensors as ``bits``-bit blocks, a chunk of rows at a time."""
+    parts = []
+    for _, tensor, heads in pieces:
+        if heads is not None:  # permuted rows (small Q/K projections): whole, then rounded
+            parts.append(block_quant.quantize_blocks(_unpermute_rows(_dense(tensor), heads), bits))
+        else:
+            parts += [block_quant.quantize_blocks(chunk, bits) for _, chunk in _dense_chunks(tensor)]
+    return block_quant.concat_blocks(parts)
+
+
 def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (rows are ``[heads, 2, head_dim/2]`` there)."""
     half = x.shape[0] // heads // 2
@@ -214,6 +235,10 @@ def _set_dense(net: nn.Module, target: str, rows: slice | None, value: torch.Ten
 def _set_linear(layer: Linear, pieces: list, quantization: str) -> None:
     """Quantize a linear layer from its checkpoint tensors (several for a fused one)."""
     pieces = sorted(pieces, key=lambda p: 0 if p[0] is None else p[0].start)
+    if quantization in block_quant.BITS:
+        four_bit = quantization == "q4" and all(t.tensor_type.name in _INT4_TYPES for _, t, _ in pieces)
+        layer.set_blocks(_blocks(pieces, 4 if four_bit else 8))
+        return
     exact_int4 = quantization == "int4" and all(t.tensor_type.name in _INT4_TYPES for _, t, _ in pieces)
     if exact_int4:
         rows = []

@@ -114,3 +114,17 @@ def test_peak_rss_counts_child_processes():
         child.wait()
     assert alone.peak_bytes > 0
     assert with_child.peak_bytes >= alone.peak_bytes + 150 * 2**20
+
+
+def test_linear_rows_times_every_format_on_a_small_shape(tmp_path, monkeypatch):
+    """The row-curve benchmark runs each format (a thin call into its library) and
+    writes its table and plot."""
+    pytest.importorskip("onnxruntime")
+    module = load_benchmark("linear_rows")
+    monkeypatch.setitem(module.SHAPES, "tiny", (64, 96))
+    out = tmp_path / "rows.json"
+    assert module.main(["--shapes", "tiny", "--rows", "1,2,16", "--reps", "2", "--out", str(out)]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert {c["format"] for c in cells} == set(module.FORMATS)
+    assert all(len(c["ms"]) == 3 and c["rel_error"] < 0.2 for c in cells), cells
+    assert out.with_suffix(".png").exists() and "| tiny | q4 |" in out.with_suffix(".md").read_text()

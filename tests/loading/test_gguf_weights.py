@@ -93,3 +93,28 @@ def test_a_quantized_engine_decodes_like_fp32(tensors_of):
         diffs = max(diffs, max((abs(lx[t] - ly[t]) for t, lx, ly in zip(tx[:n], x.outputs[0].logprobs, y.outputs[0].logprobs)), default=0))
     assert agreed >= 0.75 * 12 * len(prompts), agreed
     assert diffs < 0.5
+
+
+
+@pytest.mark.parametrize("mode,least", [("q8", 0.75), ("q4", 0.25)])
+def test_block_engines_read_the_file_and_decode_like_fp32(tensors_of, mode, least):
+    """q4/q8 from a GGUF: SmolLM2's Q4_1 tensors (the Q/K rows unpermuted) become q4
+    blocks (q8 under "q8"), its Q8_0 head q8 blocks. q8 holds the file's 4-bit grid
+    within 1/17 of its step and follows fp32 like int4 does; q4 rounds the grid again
+    (integer zero points where Q4_1 has a real minimum) and follows it less closely."""
+    pytest.importorskip("onnxruntime")
+    tensors_of(pm.SMOLLM2_135M)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    dense = LLM(pm.SMOLLM2_135M.name, dtype="float32", max_model_len=128, kv_cache_memory=2**26)
+    blocks = LLM(pm.SMOLLM2_135M.name, quantization=mode, max_model_len=128, kv_cache_memory=2**26)
+    model = blocks.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.quantization for m in layers if m is not model.lm_head} == {mode}
+    assert model.lm_head.quantization == "q8"
+    a = dense.generate(prompts, params, use_tqdm=False)
+    b = blocks.generate(prompts, params, use_tqdm=False)
+    agreed = sum(next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q),
+                      12) for x, y in zip(a, b))
+    print(mode, agreed, "of", 12 * len(prompts))
+    assert agreed >= least * 12 * len(prompts), agreed

@@ -24,6 +24,9 @@ def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
         assert EngineConfig(model=path, device="cpu", draft_model=path).resolve_draft_dtype() == expected
     assert EngineConfig(model=path, device="cpu", dtype="float32").resolve_dtype() == torch.float32
     assert EngineConfig(model=path, device="cpu", quantization="int4").resolve_dtype() == torch.bfloat16
+    # q4/q8 take fp32 activations: bf16 only where the CPU has it natively.
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
+    assert EngineConfig(model=path, device="cpu", quantization="q4").resolve_dtype() == torch.float32
     cfg = EngineConfig(model=path, device="cpu", quantization="int8", draft_model=path)
     assert cfg.resolve_draft_quantization() == "int8" and cfg.resolve_draft_dtype() == torch.bfloat16
     cfg = EngineConfig(model=path, device="cpu", quantization="int8", draft_model=path,
@@ -39,8 +42,12 @@ def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
     (dict(dtype="bfloat16"), dict()),
     (dict(quantization="int8"), dict(draft_quantization="none", draft_dtype="float32")),
     (dict(quantization="int4"), dict(draft_quantization="int8")),
+    (dict(quantization="q4"), dict()),
+    (dict(quantization="q8"), dict(draft_quantization="q4")),
 ])
 def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, target, draft):
+    if "q" in str(target.get("quantization")):
+        pytest.importorskip("onnxruntime")
     prompts = random_prompts(6, 256, 2, 30, seed=9)
     llm = LLM(str(tiny_llama.path), device="cpu", block_size=4, draft_model=str(tiny_llama_draft.path),
               speculative=SPEC, **target, **draft)

@@ -1,11 +1,18 @@
-"""CPU linear layers: packed fp32/bf16 and weight-only int8/int4 against their references."""
+"""CPU linear layers: packed fp32/bf16, weight-only int8/int4 and q4/q8 blocks against their references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedtree.worker.models.linear import INT4_GROUP_SIZE, Linear, onednn_packs, quantize_int4, quantize_int8
+from pagedtree.worker.models import block_quant
+from pagedtree.worker.models.linear import (
+    INT4_GROUP_SIZE,
+    Linear,
+    onednn_packs,
+    quantize_int4,
+    quantize_int8,
+)
 
 
 def _layer(n: int, k: int, bias: bool, seed: int = 0) -> Linear:
@@ -101,3 +108,60 @@ def test_speculating_engines_make_the_target_rows_consistent(tiny_llama):
     packed = lambda model: [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
     assert packed(spec) and all(m.pad_single_rows for m in packed(spec))
     assert not any(m.pad_single_rows for m in packed(plain))
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+@pytest.mark.parametrize("n,k", [(96, 64), (1152, 896)])
+def test_block_layers_equal_their_dequantized_weights(mode, n, k):
+    """q4/q8 blocks: each weight within half a step of its block's grid, zero exact, and
+    the product that of the dequantized weight up to the int8 rounding of the
+    activations (per block of 32, so about 1/127 of each block's largest input)."""
+    pytest.importorskip("onnxruntime")
+    layer = _layer(n, k, bias=True)
+    dense, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    blocks = block_quant.quantize_blocks(dense, block_quant.BITS[mode])
+    reference = blocks.dequantize()
+    scales = torch.from_numpy(blocks.scales).view(n, -1).repeat_interleave(block_quant.BLOCK, dim=1)
+    assert ((reference - dense).abs() <= scales / 2 + 1e-6).all()
+    assert torch.equal(block_quant.quantize_blocks(torch.zeros(4, 64), 4).dequantize(), torch.zeros(4, 64))
+    layer.quantize(mode)
+    assert layer.weight is None and layer.quantization == mode and layer.weight_bytes == blocks.nbytes
+    x = torch.randn(9, k)
+    expected = x @ reference.t() + bias
+    got = layer(x)
+    assert got.dtype == x.dtype and got.shape == (9, n)
+    # Activation rounding: per element at most half a step of 1/127 of its block's max.
+    bound = (x.abs().view(9, -1, block_quant.BLOCK).amax(-1) / 127 / 2).repeat_interleave(block_quant.BLOCK, 1)
+    limit = bound @ reference.abs().t() + 1e-3
+    assert ((got - expected).abs() <= limit).all()
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_block_layers_give_a_row_the_same_bits_alone_and_in_any_batch():
+    """MLAS runs a single 4-bit row through another kernel: with ``pad_single_rows`` a
+    row alone, and a row at any place in a product of 2-65 rows (a 64-node tree and
+    its root), give the same bits."""
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    layer = Linear(896, 1152, bias=True)
+    layer.quantize("q4")
+    layer.pad_single_rows = True
+    x = torch.randn(65, 896)
+    with torch.inference_mode():
+        full = layer(x)
+        for rows in (1, 2, 3, 16, 17, 64):
+            for start in (0, 65 - rows):
+                assert torch.equal(layer(x[start:start + rows]), full[start:start + rows]), (rows, start)
+        layer.pad_single_rows = False
+        assert not torch.equal(layer(x[:1]), full[:1])  # why the padding is needed
+
+
+def test_block_quantization_needs_whole_blocks():
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(ValueError, match="divisible by 32"):
+        block_quant.quantize_blocks(torch.randn(8, 40), 4)
+    with pytest.raises(ValueError, match="bits must be"):
+        block_quant.quantize_blocks(torch.randn(8, 64), 3)
+    layer = _layer(8, 64, bias=False)
+    with pytest.raises(ValueError, match="block weights of shape"):
+        layer.set_blocks(block_quant.quantize_blocks(torch.randn(8, 32), 4))

@@ -336,16 +336,17 @@ class DecoderForCausalLM(nn.Module):
 
     def make_rows_consistent(self) -> int:
         """Make every token's result independent of how many tokens share its forward:
-        one-row products of the oneDNN-packed layers run as two rows
+        one-row products of the oneDNN-packed and the q4 layers run as two rows
         (``Linear.pad_single_rows``). Tree speculation needs it for greedy outputs equal
         to plain decoding in every dtype; returns how many layers it switched."""
-        layers = [m for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+        layers = [m for m in self.modules() if isinstance(m, Linear)
+                  and (m.packed_weight is not None or m.quantization == "q4")]
         for layer in layers:
             layer.pad_single_rows = True
         return len(layers)
 
     def quantize_weights(self, mode: str) -> int:
-        """Weight-only ``mode`` ("int8"/"int4") for every linear layer; returns how many.
+        """``mode`` (one of ``linear.QUANTIZATIONS``) for every linear layer; returns how many.
 
         A head tied to the embedding gets its own quantized copy (the embedding table
         stays dense for the lookups).

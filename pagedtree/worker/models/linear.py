@@ -11,11 +11,15 @@ one of these replaces the dense weight in place:
   ``torch._weight_int8pack_mm``;
 - ``quantize("int4")``: asymmetric int4 weights in groups of 32 input features with a
   scale and a zero point each, ``aten._weight_int4pack_mm_for_cpu`` (the packed layout
-  of ``aten._convert_weight_to_int4pack_for_cpu``).
+  of ``aten._convert_weight_to_int4pack_for_cpu``);
+- ``quantize("q4")`` / ``quantize("q8")``: 4- or 8-bit blocks of 32 with int8
+  activations, ONNX Runtime's MLAS kernels (``block_quant``): the fastest on CPUs
+  without AVX-512 at the row counts of decoding and small trees.
 
-The quantized kernels take bf16 activations (their fp32 paths are an order of
-magnitude slower on this CPU), so a quantized layer computes in bf16 and returns the
-input's dtype. Nothing here is hand-written GEMM: these are torch's own CPU kernels.
+torch's quantized kernels take bf16 activations (their fp32 paths are an order of
+magnitude slower), so an int8/int4 layer computes in bf16; a q4/q8 layer takes fp32.
+Either returns the input's dtype. Nothing here is hand-written GEMM: these are torch's
+and ONNX Runtime's own CPU kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8", "int4")
+from pagedtree.worker.models import block_quant
+
+QUANTIZATIONS = ("int8", "int4", "q4", "q8")
 INT4_GROUP_SIZE = 32
 # oneDNN picks its blocked layout for an expected row count: 16 serves 1-32 rows well.
 _PACK_ROWS_HINT = 16
@@ -91,10 +97,12 @@ class Linear(nn.Linear):
     # Compute one-row products as two rows (see ``forward``); set by
     # ``DecoderForCausalLM.make_rows_consistent`` for engines that verify trees.
     pad_single_rows: bool = False
-    # Weight-only quantization: "int8" or "int4", its codes and its scales.
+    # Quantization: "int8"/"int4" (codes and scales for torch's kernels) or "q4"/"q8"
+    # (blocks multiplied through ONNX Runtime).
     quantization: str | None = None
     qweight: torch.Tensor | None = None
     qscales: torch.Tensor | None = None
+    block_matmul: block_quant.BlockMatMul | None = None
 
     def pack_for_cpu(self) -> bool:
         """Reorder an fp32 or bf16 CPU weight into oneDNN's layout and drop the dense one.
@@ -113,10 +121,12 @@ class Linear(nn.Linear):
         return True
 
     def quantize(self, mode: str) -> None:
-        """Replace the dense weight by ``mode`` ("int8" or "int4") codes and scales."""
+        """Replace the dense weight by ``mode`` (one of ``QUANTIZATIONS``) codes and scales."""
         if self.weight is None:
             raise ValueError("quantize needs the dense weight (quantize before packing)")
-        if mode == "int8":
+        if mode in block_quant.BITS:
+            self.set_blocks(block_quant.quantize_blocks(self.weight, block_quant.BITS[mode]))
+        elif mode == "int8":
             codes, scales = quantize_int8(self.weight)
             self.set_int8(codes, scales)
         elif mode == "int4":
@@ -132,6 +142,15 @@ class Linear(nn.Linear):
         self.qscales = scales.to(torch.bfloat16)
         self.weight = None
 
+    def set_blocks(self, weights: block_quant.BlockWeights) -> None:
+        """Use ``weights`` (q4 or q8 blocks) through ONNX Runtime (drops the dense weight)."""
+        if (weights.n, weights.k) != (self.out_features, self.in_features):
+            raise ValueError(f"block weights of shape {(weights.n, weights.k)} for a layer of "
+                             f"{(self.out_features, self.in_features)}")
+        self.quantization = "q4" if weights.bits == 4 else "q8"
+        self.block_matmul = block_quant.BlockMatMul(weights)
+        self.weight = None
+
     def set_int4(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         """Use int4 ``codes [N, K]`` (0..15) with ``scales_and_zeros [K/32, N, 2]``."""
         self.quantization = "int4"
@@ -142,6 +161,15 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block_matmul is not None:
+            rows = x.reshape(-1, self.in_features)
+            pad = self.pad_single_rows and rows.shape[0] == 1
+            out = self.block_matmul(rows.expand(2, -1) if pad else rows)
+            if pad:
+                out = out[:1]
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.quantization is not None:
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
             if self.quantization == "int8":
@@ -172,4 +200,5 @@ class Linear(nn.Linear):
     def weight_bytes(self) -> int:
         """Bytes this layer's weight takes in its current form."""
         tensors = [self.weight, self.packed_weight, self.qweight, self.qscales]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        blocks = self.block_matmul.nbytes if self.block_matmul is not None else 0
+        return blocks + sum(t.numel() * t.element_size() for t in tensors if t is not None)
