@@ -156,7 +156,7 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
             specs.append(EngineSpec("pagedtree", "pagedtree", own))
         elif name == "pagedtree-eager":
             specs.append(EngineSpec(name, "pagedtree", own, eager=True))
-        elif name in ("pagedtree-int8", "pagedtree-int4"):
+        elif name in ("pagedtree-int8", "pagedtree-int4", "pagedtree-q8", "pagedtree-q4"):
             specs.append(EngineSpec(name, "pagedtree", own, quantization=name.rsplit("-", 1)[1]))
         elif name == "pagedtree-spec":
             for preset in args.spec_presets:
@@ -631,7 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", type=_csv(str),
                         default="pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm,vllm-spec",
                         help="comma-separated, from pagedtree, pagedtree-int8, pagedtree-int4 (weight-only "
-                             "quantized, straight from a packaged model's GGUF), pagedtree-spec, transformers, "
+                             "quantized, straight from a packaged model's GGUF), pagedtree-q8, pagedtree-q4 (blocks of "
+                             "32 with int8 activations, ONNX Runtime's kernels), pagedtree-spec, transformers, "
                              "transformers-assisted, vllm, vllm-spec, llamacpp (llama.cpp on the model's GGUF, "
                              "batch 1 only; from --llamacpp-python's venv)")
     parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",
