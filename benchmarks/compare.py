@@ -152,8 +152,10 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
     llamacpp_ok = bool(args.llamacpp_python) and Path(args.llamacpp_python).exists()
     specs, notes = [], []
     for name in args.engines:
+        quant = args.pagedtree_quantization
+        at = f"@{quant}" if quant else ""
         if name == "pagedtree":
-            specs.append(EngineSpec("pagedtree", "pagedtree", own))
+            specs.append(EngineSpec(f"pagedtree{at}", "pagedtree", own, quantization=quant))
         elif name == "pagedtree-eager":
             specs.append(EngineSpec(name, "pagedtree", own, eager=True))
         elif name in ("pagedtree-int8", "pagedtree-int4", "pagedtree-q8", "pagedtree-q4"):
@@ -161,9 +163,9 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
         elif name == "pagedtree-spec":
             for preset in args.spec_presets:
                 config = tree_preset(preset)
-                specs.append(EngineSpec(f"pagedtree-spec:{preset}", "pagedtree", own,
+                specs.append(EngineSpec(f"pagedtree-spec:{preset}{at}", "pagedtree", own,
                                         draft=config.get("drafter", "model") != "suffix",
-                                        spec=config, baseline="pagedtree"))
+                                        spec=config, baseline=f"pagedtree{at}", quantization=quant))
         elif name == "transformers":
             specs.append(EngineSpec("transformers", "transformers", own))
         elif name == "transformers-assisted":
@@ -306,6 +308,8 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
     if getattr(args, "keep_suffix_cache", False) and spec.engine == "pagedtree":
         cmd.append("--keep-suffix-cache")
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
+    if spec.quantization in ("q4", "q8"):
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see pagedtree/worker/models/block_quant.py, "Threads"
     started = time.perf_counter()
     run = EngineRun(spec)
     out.unlink(missing_ok=True)
@@ -635,6 +639,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "32 with int8 activations, ONNX Runtime's kernels), pagedtree-spec, transformers, "
                              "transformers-assisted, vllm, vllm-spec, llamacpp (llama.cpp on the model's GGUF, "
                              "batch 1 only; from --llamacpp-python's venv)")
+    parser.add_argument("--pagedtree-quantization", default=None, choices=["int8", "int4", "q8", "q4"],
+                        help="quantize the pagedtree and pagedtree-spec engines (target and draft; labels get "
+                             "@FORMAT); the pagedtree-FORMAT engines are unaffected")
     parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",
                         help="pagedtree tree presets for pagedtree-spec (see pagedtree.speculative.presets)")
     parser.add_argument("--vllm-spec-tokens", type=int, default=4, help="vLLM draft tokens per step")

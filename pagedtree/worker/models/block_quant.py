@@ -12,6 +12,14 @@ torch's int4 kernel at one row (a 1536 -> 17920 layer: 0.90 ms against 2.38 ms),
 the fastest of the measured formats up to 32 rows (benchmarks/RESULTS.md,
 "Quantized linear layers").
 
+**Threads.** ONNX Runtime's pool and torch's (and numba's) OpenMP pools take turns on
+the same cores. OpenMP threads spin for a while after each parallel region by default,
+and an ONNX Runtime call right after one waited for them: the Qwen2.5 1.5B's forward
+took 252 ms a token instead of 56 on the 2-core machine. Start q4/q8 processes with
+``OMP_WAIT_POLICY=PASSIVE`` (read when OpenMP starts, before torch is imported; a
+warning says so otherwise); it cost fp32 batch-16 decoding about 5%, so it is not set
+for every process.
+
 Rows are independent of each other: each row's activations are quantized on their
 own, and a row's result does not depend on the rows beside it, except that MLAS
 runs a single 4-bit row through another kernel (different summation order); a layer
@@ -21,10 +29,14 @@ with ``pad_single_rows`` therefore computes one row as two, which costs the same
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 32
 BITS = {"q4": 4, "q8": 8}
@@ -106,6 +118,12 @@ def _share_thread_pool() -> None:
     """One intra-op thread pool for every session, as many threads as torch uses (a
     pool per session would start a thread set per layer)."""
     from onnxruntime.capi import _pybind_state
+
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        logger.warning(
+            "q4/q8 layers run on ONNX Runtime's threads between torch's and numba's OpenMP ones, which spin "
+            "on the same cores after every parallel region unless OMP_WAIT_POLICY=PASSIVE is set before the "
+            "process starts: the Qwen2.5 1.5B took 252 ms a token instead of 56 on 2 cores")
 
     threads = max(1, torch.get_num_threads())
     _pybind_state.set_global_thread_pool_sizes(threads, 1)
