@@ -7,8 +7,8 @@ activations quantized to int8 per block on the fly, so that the products are int
 dot products. ONNX Runtime's ``MatMulNBits`` operator (``accuracy_level=4``: int8
 compute) runs them through MLAS, its linear-algebra library; here each weight gets a
 one-node ONNX graph and its own session, called on torch tensors by pointer
-(IOBinding: no copies). On the 2-core AVX2 machine it was 2.4-2.9x faster than
-torch's int4 kernel at one row (a 1536 -> 17920 layer: 0.90 ms against 2.38 ms), and
+(IOBinding: no copies). On the 2-core AVX2 machine it was 2.2-2.6x faster than
+torch's int4 kernel at one row (a 1536 -> 17920 layer: 0.89 ms against 2.27 ms), and
 the fastest of the measured formats up to 32 rows (benchmarks/RESULTS.md,
 "Quantized linear layers").
 
