@@ -5,10 +5,11 @@ the 4-bit blocks (Q4_0, Q4_1, Q4_K: an affine grid per 32 weights) become torch'
 int4 layout exactly (same codes, same scale and minimum per group of 32); the 5- to
 8-bit blocks (Q5_*, Q6_K, Q8_0) and dense tensors become per-row int8, which loses
 less than rounding them to 4 bits would. For ``quantization="int8"`` every linear
-weight is per-row int8. For ``quantization="q4"`` the layers whose tensors are all
-4-bit become q4 blocks and the others q8 blocks; for ``"q8"`` every layer becomes q8
-blocks (``block_quant``); both are rounded again from the file's values (q4 blocks
-have integer zero points where Q4_K has a real minimum: not bit-exact to the file).
+weight is per-row int8. For ``quantization="q4"`` every weight in one of llama.cpp's
+common block formats becomes ONNX Runtime blocks that represent it exactly
+(``gguf_blocks``: 4-bit formats as 4-bit codes, 5- to 8-bit ones as 8-bit codes; a
+fused layer takes its widest part's codes); ``"q8"`` widens the 4-bit ones to 8-bit
+codes too (still exact). Tensors in other formats are rounded to q4 or q8 blocks.
 Norms, biases and the embedding table stay dense (bf16, or the model's dtype).
 
 Only the tensors being converted are ever dense, one at a time: the 1.5B model needs
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedtree.loading import gguf_blocks
 from pagedtree.worker.models import block_quant
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 from pagedtree.worker.models.linear import (
@@ -82,10 +84,10 @@ def _int4_rows(tensor) -> _Int4Rows:
         blocks = blocks.reshape(-1, 144)
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, mins = _q4k_scale_min(blocks[:, 4:16])
+        sc, mins = gguf_blocks.k_scale_min(blocks[:, 4:16])
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         codes = (qs & 0x0F).reshape(-1, 8, 32)
-        scale = d * sc.astype(np.float32)
+        scale = d * sc
         low = -dmin * mins.astype(np.float32)
     else:  # Q4_0 / Q4_1: one group of 32 per block
         width = 18 if kind == "Q4_0" else 20
@@ -105,15 +107,6 @@ def _int4_rows(tensor) -> _Int4Rows:
         scale=torch.from_numpy(np.ascontiguousarray(scale).reshape(n, k // INT4_GROUP_SIZE)),
         low=torch.from_numpy(np.ascontiguousarray(low).reshape(n, k // INT4_GROUP_SIZE)),
     )
-
-
-def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The eight 6-bit scales and minimums of each Q4_K block (llama.cpp's packing)."""
-    scales = scales.reshape(-1, 3, 4)
-    d, m, m_d = scales[:, 0], scales[:, 1], scales[:, 2]
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mins
 
 
 # Large tensors are dequantized this many rows at a time, so that numpy's temporaries
@@ -161,13 +154,26 @@ def _int8_rows(tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _blocks(pieces: list, bits: int) -> block_quant.BlockWeights:
-    """A layer's checkpoint tensors as ``bits``-bit blocks, a chunk of rows at a time."""
-    parts = []
+    """A layer's checkpoint tensors as blocks: llama.cpp's formats exactly
+    (``gguf_blocks``; 4-bit ones widened to 8 bits when ``bits`` is 8), other tensors
+    rounded to ``bits``-bit blocks; a chunk of rows at a time."""
+    parts: list[block_quant.BlockCodes] = []
     for _, tensor, heads in pieces:
-        if heads is not None:  # permuted rows (small Q/K projections): whole, then rounded
-            parts.append(block_quant.quantize_blocks(_unpermute_rows(_dense(tensor), heads), bits))
+        kind, rows, cols = tensor.tensor_type.name, _rows(tensor), int(tensor.shape[0])
+        if gguf_blocks.exact_bits(kind) is None:
+            tensor_parts = [block_quant.quantize_blocks(chunk, bits).unpack() for _, chunk in _dense_chunks(tensor)]
         else:
-            parts += [block_quant.quantize_blocks(chunk, bits) for _, chunk in _dense_chunks(tensor)]
+            data = np.asarray(tensor.data).reshape(rows, -1)
+            tensor_parts = [gguf_blocks.decode_blocks(data[start : start + _CHUNK_ROWS], kind,
+                                                      min(_CHUNK_ROWS, rows - start), cols)
+                            for start in range(0, rows, _CHUNK_ROWS)]
+            if bits > gguf_blocks.exact_bits(kind):
+                tensor_parts = [p.widened(bits, p.block, p.offsets is not None) for p in tensor_parts]
+        if heads is not None:  # permuted rows (the small Q/K projections): whole, then reordered
+            whole = block_quant.concat_blocks(tensor_parts).unpack()
+            order = _unpermute_rows(torch.arange(rows), heads).numpy()
+            tensor_parts = [whole.take_rows(order)]
+        parts += tensor_parts
     return block_quant.concat_blocks(parts)
 
 
@@ -236,8 +242,7 @@ def _set_linear(layer: Linear, pieces: list, quantization: str) -> None:
     """Quantize a linear layer from its checkpoint tensors (several for a fused one)."""
     pieces = sorted(pieces, key=lambda p: 0 if p[0] is None else p[0].start)
     if quantization in block_quant.BITS:
-        four_bit = quantization == "q4" and all(t.tensor_type.name in _INT4_TYPES for _, t, _ in pieces)
-        layer.set_blocks(_blocks(pieces, 4 if four_bit else 8))
+        layer.set_blocks(_blocks(pieces, block_quant.BITS[quantization]))
         return
     exact_int4 = quantization == "int4" and all(t.tensor_type.name in _INT4_TYPES for _, t, _ in pieces)
     if exact_int4:

@@ -45,11 +45,46 @@ _ACCURACY_LEVEL = 4
 
 
 @dataclass
+class BlockCodes:
+    """Unpacked block weights: ``codes`` ``[n, k]`` uint8 (below 16 for 4 bits),
+    ``scales`` ``[n, k / block]`` fp32, integer ``zero_points`` ``[n, k / block]`` uint8
+    and optional ``offsets`` ``[n, k / block]`` fp32; weight = (code - zero point) *
+    scale + offset. The form GGUF blocks are decoded into and rows are merged in."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray
+    offsets: np.ndarray | None
+    bits: int
+    block: int
+
+    def widened(self, bits: int, block: int, offsets: bool) -> BlockCodes:
+        """The same weight with more bits, smaller blocks or (zero) offsets: exact."""
+        if bits < self.bits or self.block % block or (self.offsets is not None and not offsets):
+            raise ValueError(f"cannot narrow {self.bits}-bit blocks of {self.block} to {bits}-bit blocks of {block}")
+        repeat = self.block // block
+        widen = (lambda a: np.repeat(a, repeat, axis=1)) if repeat > 1 else (lambda a: a)
+        extra = None
+        if offsets:
+            extra = widen(self.offsets) if self.offsets is not None else np.zeros(
+                (self.codes.shape[0], self.codes.shape[1] // block), np.float32)
+        return BlockCodes(self.codes, widen(self.scales), widen(self.zero_points), extra, bits, block)
+
+    def take_rows(self, order: np.ndarray) -> BlockCodes:
+        """These rows in ``order`` (e.g. undoing a row permutation)."""
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])  # noqa: E731
+        return BlockCodes(pick(self.codes), pick(self.scales), pick(self.zero_points), pick(self.offsets),
+                          self.bits, self.block)
+
+
+@dataclass
 class BlockWeights:
-    """A weight ``[n, k]`` in ``MatMulNBits``'s layout: ``codes`` ``[n, k / BLOCK,
-    BLOCK * bits / 8]`` uint8 (two 4-bit codes per byte, the lower one first),
-    ``scales`` ``[n * k / BLOCK]`` fp32 and ``zero_points`` (uint8; 4-bit ones two per
-    byte, each row's padded to whole bytes); weight = (code - zero point) * scale."""
+    """A weight ``[n, k]`` in ``MatMulNBits``'s layout: ``codes`` ``[n, k / block,
+    block * bits / 8]`` uint8 (two 4-bit codes per byte, the lower one first),
+    ``scales`` ``[n * k / block]`` fp32 and ``zero_points`` (uint8; 4-bit ones two per
+    byte, each row's padded to whole bytes); weight = (code - zero point) * scale, plus
+    ``offsets[n, k / block]`` (fp32) where a format has a real minimum per block
+    (llama.cpp's Q4_1, Q4_K, Q5_K: added as block sums of the input times the offsets)."""
 
     codes: np.ndarray
     scales: np.ndarray
@@ -57,20 +92,53 @@ class BlockWeights:
     n: int
     k: int
     bits: int
+    block: int = BLOCK
+    offsets: np.ndarray | None = None
+
+    def unpack(self) -> BlockCodes:
+        """The codes one per byte, scales and zero points per block."""
+        blocks = self.k // self.block
+        codes = self.codes.reshape(self.n, blocks, -1)
+        zps = self.zero_points.reshape(self.n, -1)
+        if self.bits == 4:
+            codes = np.stack([codes & 15, codes >> 4], axis=-1)
+            zps = np.stack([zps & 15, zps >> 4], axis=-1).reshape(self.n, -1)[:, :blocks]
+        return BlockCodes(codes.reshape(self.n, self.k), self.scales.reshape(self.n, blocks), zps,
+                          self.offsets, self.bits, self.block)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight these blocks stand for."""
-        codes = torch.from_numpy(self.codes).view(self.n, self.k // BLOCK, -1)
-        zps = torch.from_numpy(self.zero_points).view(self.n, -1)
-        if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=-1).view(self.n, self.k // BLOCK, BLOCK)
-            zps = torch.stack([zps & 15, zps >> 4], dim=-1).view(self.n, -1)[:, : self.k // BLOCK]
-        scales = torch.from_numpy(self.scales).view(self.n, -1)
-        return ((codes.float() - zps[..., None].float()) * scales[..., None]).view(self.n, self.k)
+        raw = self.unpack()
+        codes = torch.from_numpy(raw.codes).view(self.n, -1, self.block).float()
+        weight = (codes - torch.from_numpy(raw.zero_points)[..., None].float()) * torch.from_numpy(raw.scales)[..., None]
+        if raw.offsets is not None:
+            weight = weight + torch.from_numpy(raw.offsets)[..., None]
+        return weight.reshape(self.n, self.k)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.zero_points.nbytes
+        extra = self.offsets.nbytes if self.offsets is not None else 0
+        return self.codes.nbytes + self.scales.nbytes + self.zero_points.nbytes + extra
+
+
+def pack_blocks(raw: BlockCodes) -> BlockWeights:
+    """``raw`` in ``MatMulNBits``'s packed layout."""
+    n, k = raw.codes.shape
+    if raw.bits not in (4, 8) or raw.block not in (16, 32, 64, 128) or k % raw.block:
+        raise ValueError(f"unsupported blocks: {raw.bits} bits, blocks of {raw.block}, {k} inputs")
+    codes = raw.codes.astype(np.uint8, copy=False)
+    zps = raw.zero_points.astype(np.uint8, copy=False)
+    if raw.bits == 4:
+        if codes.max(initial=0) > 15 or zps.max(initial=0) > 15:
+            raise ValueError("4-bit codes and zero points must be below 16")
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        if zps.shape[1] % 2:
+            zps = np.concatenate([zps, np.zeros((n, 1), np.uint8)], axis=1)
+        zps = zps[:, 0::2] | (zps[:, 1::2] << 4)
+    offsets = None if raw.offsets is None else np.ascontiguousarray(raw.offsets, dtype=np.float32)
+    return BlockWeights(np.ascontiguousarray(codes).reshape(n, k // raw.block, -1),
+                        np.ascontiguousarray(raw.scales, dtype=np.float32).reshape(-1),
+                        np.ascontiguousarray(zps).reshape(-1), n, k, raw.bits, raw.block, offsets)
 
 
 def quantize_blocks(weight: torch.Tensor, bits: int) -> BlockWeights:
@@ -90,27 +158,27 @@ def quantize_blocks(weight: torch.Tensor, bits: int) -> BlockWeights:
         high = blocks.amax(dim=-1).clamp(min=0)
         scale = ((high - low) / 15).clamp(min=1e-12)
         zero = torch.round(-low / scale).clamp(0, 15)
-        codes = torch.round(blocks / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8)
-        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
-        zero = zero.to(torch.uint8)
-        if zero.shape[1] % 2:
-            zero = torch.cat([zero, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
-        zero_points = (zero[:, 0::2] | (zero[:, 1::2] << 4)).contiguous()
+        codes = torch.round(blocks / scale[..., None] + zero[..., None]).clamp(0, 15)
     else:
         scale = (blocks.abs().amax(dim=-1) / 127).clamp(min=1e-12)
-        packed = (torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128).to(torch.uint8).contiguous()
-        zero_points = torch.full((n, k // BLOCK), 128, dtype=torch.uint8)
-    return BlockWeights(packed.numpy(), scale.reshape(-1).contiguous().numpy(), zero_points.reshape(-1).numpy(),
-                        n, k, bits)
+        codes = torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128
+        zero = torch.full((n, k // BLOCK), 128.0)
+    return pack_blocks(BlockCodes(codes.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(),
+                                  zero.to(torch.uint8).numpy(), None, bits, BLOCK))
 
 
-def concat_blocks(parts: list[BlockWeights]) -> BlockWeights:
-    """Rows of several ``BlockWeights`` (same ``k`` and bits) stacked, in order."""
-    if len({(p.k, p.bits) for p in parts}) != 1:
-        raise ValueError("concat_blocks needs parts of one width and one bit count")
-    return BlockWeights(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                        np.concatenate([p.zero_points for p in parts]), sum(p.n for p in parts), parts[0].k,
-                        parts[0].bits)
+def concat_blocks(parts: list[BlockWeights | BlockCodes]) -> BlockWeights:
+    """Rows of several block weights (same ``k``) stacked, in order: parts of different
+    bits or block sizes are widened to the most bits and the smallest block (exactly)."""
+    raws = [p.unpack() if isinstance(p, BlockWeights) else p for p in parts]
+    if len({r.codes.shape[1] for r in raws}) != 1:
+        raise ValueError("concat_blocks needs parts of one width")
+    bits, block = max(r.bits for r in raws), min(r.block for r in raws)
+    offsets = any(r.offsets is not None for r in raws)
+    raws = [r.widened(bits, block, offsets) for r in raws]
+    cat = lambda name: np.concatenate([getattr(r, name) for r in raws])  # noqa: E731
+    return pack_blocks(BlockCodes(cat("codes"), cat("scales"), cat("zero_points"),
+                                  cat("offsets") if offsets else None, bits, block))
 
 
 @functools.cache
@@ -138,14 +206,26 @@ class BlockMatMul:
 
         _share_thread_pool()
         self.n, self.k, self.bits = weights.n, weights.k, weights.bits
-        node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"], ["Y"], domain="com.microsoft",
-                                K=self.k, N=self.n, bits=self.bits, block_size=BLOCK,
-                                accuracy_level=_ACCURACY_LEVEL)
+        nodes = [helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"],
+                                  ["Y" if weights.offsets is None else "Y_codes"], domain="com.microsoft",
+                                  K=self.k, N=self.n, bits=self.bits, block_size=weights.block,
+                                  accuracy_level=_ACCURACY_LEVEL)]
+        initializers = [numpy_helper.from_array(weights.codes, "B"), numpy_helper.from_array(weights.scales, "scales"),
+                        numpy_helper.from_array(weights.zero_points, "zero_points")]
+        if weights.offsets is not None:
+            # Y += (block sums of A) @ offsets.T: each block's minimum times its inputs' sum.
+            blocks = self.k // weights.block
+            initializers += [
+                numpy_helper.from_array(np.ascontiguousarray(weights.offsets.reshape(self.n, blocks).T), "offsets"),
+                numpy_helper.from_array(np.array([0, blocks, weights.block], np.int64), "block_shape"),
+                numpy_helper.from_array(np.array([2], np.int64), "block_axis")]
+            nodes += [helper.make_node("Reshape", ["A", "block_shape"], ["A_blocks"]),
+                      helper.make_node("ReduceSum", ["A_blocks", "block_axis"], ["A_sums"], keepdims=0),
+                      helper.make_node("MatMul", ["A_sums", "offsets"], ["Y_offsets"]),
+                      helper.make_node("Add", ["Y_codes", "Y_offsets"], ["Y"])]
         graph = helper.make_graph(
-            [node], "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", self.k])],
-            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", self.n])],
-            [numpy_helper.from_array(weights.codes, "B"), numpy_helper.from_array(weights.scales, "scales"),
-             numpy_helper.from_array(weights.zero_points, "zero_points")])
+            nodes, "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", self.k])],
+            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", self.n])], initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                         helper.make_opsetid("com.microsoft", 1)])
         options = ort.SessionOptions()
