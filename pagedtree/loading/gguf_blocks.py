@@ -162,7 +162,7 @@ def decode_blocks(raw: np.ndarray, format_name: str, rows: int, cols: int) -> Bl
         raise ValueError(f"{format_name} tensor of {blocks.shape[0]} blocks for a [{rows}, {cols}] weight")
     codes, scales, zeros, offsets, bits, block = decode(blocks)
     groups = cols // block
-    shape = lambda a: None if a is None else np.ascontiguousarray(a, dtype=a.dtype).reshape(rows, groups)  # noqa: E731
+    shape = lambda a: None if a is None else np.ascontiguousarray(a, dtype=a.dtype).reshape(rows, groups)
     return BlockCodes(np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, cols), shape(scales).astype(np.float32),
                       shape(zeros).astype(np.uint8), None if offsets is None else shape(offsets).astype(np.float32),
                       bits, block)

@@ -72,7 +72,7 @@ class BlockCodes:
 
     def take_rows(self, order: np.ndarray) -> BlockCodes:
         """These rows in ``order`` (e.g. undoing a row permutation)."""
-        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])  # noqa: E731
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])
         return BlockCodes(pick(self.codes), pick(self.scales), pick(self.zero_points), pick(self.offsets),
                           self.bits, self.block)
 
@@ -176,7 +176,7 @@ def concat_blocks(parts: list[BlockWeights | BlockCodes]) -> BlockWeights:
     bits, block = max(r.bits for r in raws), min(r.block for r in raws)
     offsets = any(r.offsets is not None for r in raws)
     raws = [r.widened(bits, block, offsets) for r in raws]
-    cat = lambda name: np.concatenate([getattr(r, name) for r in raws])  # noqa: E731
+    cat = lambda name: np.concatenate([getattr(r, name) for r in raws])
     return pack_blocks(BlockCodes(cat("codes"), cat("scales"), cat("zero_points"),
                                   cat("offsets") if offsets else None, bits, block))
 
