@@ -20,6 +20,8 @@ ignored). Engines:
 - ``llamacpp``                llama.cpp (llama-cpp-python, from ``--llamacpp-python``'s venv)
                               on the model's GGUF file, batch 1 only; labelled with the
                               GGUF's quantization, e.g. ``llamacpp:Q4_K_M``
+- ``llamacpp-lookup``         llama.cpp with llama-cpp-python's own speculation,
+                              prompt-lookup drafting (``--llamacpp-lookup-tokens``)
 
 Serving part (``--serve-rates``): ``pagedtree serve`` and vLLM's OpenAI server are
 started one after the other and driven over HTTP by ``benchmarks/serving.py`` at each
@@ -189,7 +191,7 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
                 specs.append(EngineSpec(f"vllm-spec:draft-{args.vllm_spec_tokens}{tag}", "vllm", args.vllm_python,
                                         draft=True, spec={"num_speculative_tokens": args.vllm_spec_tokens},
                                         baseline=f"vllm{tag}"))
-        elif name == "llamacpp":
+        elif name in ("llamacpp", "llamacpp-lookup"):
             if not llamacpp_ok:
                 notes.append(f"{name}: skipped, no llama.cpp environment at {args.llamacpp_python} "
                              "(run `bash benchmarks/peers/setup_llamacpp.sh`)")
@@ -199,8 +201,15 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
                 notes.append(f"{name}: skipped, {why}")
                 continue
             tag = "" if args.llamacpp_threads is None else f"@threads{args.llamacpp_threads}"
-            specs.append(EngineSpec(f"llamacpp:{gguf_quantization(gguf)}{tag}", "llamacpp", args.llamacpp_python,
-                                    model=str(gguf), threads=args.llamacpp_threads))
+            label = f"llamacpp:{gguf_quantization(gguf)}{tag}"
+            if name == "llamacpp":
+                specs.append(EngineSpec(label, "llamacpp", args.llamacpp_python, model=str(gguf),
+                                        threads=args.llamacpp_threads))
+            else:
+                tokens = args.llamacpp_lookup_tokens
+                specs.append(EngineSpec(f"llamacpp-lookup:{tokens}:{gguf_quantization(gguf)}{tag}", "llamacpp",
+                                        args.llamacpp_python, model=str(gguf), threads=args.llamacpp_threads,
+                                        spec={"prompt_lookup_tokens": tokens}, baseline=label))
         else:
             raise SystemExit(f"unknown engine {name!r}")
         if specs and specs[-1].draft and not args.draft_model:
@@ -637,8 +646,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated, from pagedtree, pagedtree-int8, pagedtree-int4 (weight-only "
                              "quantized, straight from a packaged model's GGUF), pagedtree-q8, pagedtree-q4 (blocks of "
                              "32 with int8 activations, ONNX Runtime's kernels), pagedtree-spec, transformers, "
-                             "transformers-assisted, vllm, vllm-spec, llamacpp (llama.cpp on the model's GGUF, "
-                             "batch 1 only; from --llamacpp-python's venv)")
+                             "transformers-assisted, vllm, vllm-spec, vllm-ngram, llamacpp (llama.cpp on the model's GGUF, "
+                             "batch 1 only; from --llamacpp-python's venv), llamacpp-lookup (the same with "
+                             "prompt-lookup speculation)")
     parser.add_argument("--pagedtree-quantization", default=None, choices=["int8", "int4", "q8", "q4"],
                         help="quantize the pagedtree and pagedtree-spec engines (target and draft; labels get "
                              "@FORMAT); the pagedtree-FORMAT engines are unaffected")
@@ -669,6 +679,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "core for its scheduler; 0 gives every core to the model)")
     parser.add_argument("--llamacpp-python", default=str(default_llamacpp),
                         help="Python of the llama.cpp environment (bash benchmarks/peers/setup_llamacpp.sh)")
+    parser.add_argument("--llamacpp-lookup-tokens", type=int, default=2,
+                        help="llamacpp-lookup: tokens drafted per step by llama-cpp-python's prompt lookup "
+                             "(its documentation advises 2 on CPU-only machines, 10 on GPUs)")
     parser.add_argument("--llamacpp-threads", type=int, default=None,
                         help="llama.cpp's n_threads (default: every core; the label then says @threadsN)")
     parser.add_argument("--serve-rates", type=_csv(str), default=[],

@@ -296,11 +296,24 @@ def load_llamacpp(args: argparse.Namespace, max_batch: int, max_len: int) -> tup
     import llama_cpp
 
     if args.draft_model:
-        raise SystemExit("the llamacpp engine does not speculate (no --draft-model)")
+        raise SystemExit("the llamacpp engine drafts from the prompt only (--spec '{\"prompt_lookup_tokens\": N}'), "
+                         "not with a --draft-model")
+    options = json.loads(args.spec) if args.spec else {}
+    unknown = set(options) - {"prompt_lookup_tokens", "prompt_lookup_ngram"}
+    if unknown:
+        raise SystemExit(f"llamacpp --spec takes prompt_lookup_tokens and prompt_lookup_ngram, not {sorted(unknown)}")
+    draft = None
+    if options:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        # llama-cpp-python's own speculation: n-grams of the context looked up in the
+        # context (prompt-lookup decoding), verified by the target in one batch.
+        draft = LlamaPromptLookupDecoding(max_ngram_size=int(options.get("prompt_lookup_ngram", 2)),
+                                          num_pred_tokens=int(options.get("prompt_lookup_tokens", 10)))
     threads = args.threads or os.cpu_count() or 1
     started = time.perf_counter()
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=max_len, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, seed=args.seed, verbose=False)
+                          n_batch=512, seed=args.seed, verbose=False, draft_model=draft)
     load_seconds = time.perf_counter() - started
 
     def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:

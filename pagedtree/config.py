@@ -75,6 +75,12 @@ class SpeculativeConfig:
     ``suffix_max_match`` tokens, leaves out continuations rarer than
     ``suffix_min_prob`` and remembers the last ``suffix_global_tokens`` output tokens.
 
+    ``draft_vocab_size`` cuts the draft models' LM heads to that many of the
+    tokenizer's most frequent ids plus its special tokens (FR-Spec's frequency-ranked
+    draft vocabulary, ``loading/draft_vocab.py``): each draft forward reads fewer head
+    weights, the target still scores every token, so outputs are unchanged; only
+    tokens outside the set cannot be drafted. None keeps the whole vocabulary.
+
     ``draft_sampling`` is how children are drawn for requests that sample
     (temperature > 0) in static/chain/sequoia trees: ``"without_replacement"``,
     ``"iid"`` or ``"topk"`` (deterministic); verification uses the matching rule.
@@ -98,8 +104,14 @@ class SpeculativeConfig:
     suffix_alpha: float = 2.0
     suffix_min_prob: float = 0.1
     suffix_global_tokens: int = 16384
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and (
+                not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool)
+                or not 1 <= self.draft_vocab_size <= 1 << 22):
+            raise ValueError(f"draft_vocab_size must be None or an integer in [1, 2**22], "
+                             f"got {self.draft_vocab_size!r}")
         if self.tree not in TREE_KINDS:
             raise ValueError(f"speculative tree must be one of {TREE_KINDS}, got {self.tree!r}")
         if self.draft_sampling not in DRAFT_SAMPLING_RULES:
@@ -167,7 +179,9 @@ class EngineConfig:
     ``quantization`` stores linear weights quantized: "int8" or "int4" weight-only
     (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16), "q4" or
     "q8" in blocks of 32 with int8 activations (ONNX Runtime's MLAS kernels, fp32
-    activations; ``dtype="auto"`` is then fp32 on CPUs without native bf16). The draft
+    activations; ``dtype="auto"`` is then fp32 on CPUs without native bf16), "none"
+    dense. Unset, a GGUF model on a CPU with ``dtype="auto"`` runs in "q4" (its own
+    blocks, exactly) and anything else dense (``loading/model_format.py``). The draft
     models take the target's dtype and quantization unless ``draft_dtype`` /
     ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts).
     """
@@ -208,15 +222,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name in ("quantization", "draft_quantization"):
             value = getattr(self, name)
-            allowed = QUANTIZATIONS + (("none",) if name == "draft_quantization" else ())
+            allowed = QUANTIZATIONS + ("none",)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be None or one of {allowed}, got {value!r}")
-        if self.quantization == "none":
-            self.quantization = None
         uses_blocks = {self.quantization, self.draft_quantization} & {"q4", "q8"}
         if uses_blocks and self.resolve_device().type != "cpu":
             raise ValueError(f"quantization {sorted(uses_blocks)[0]!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
-        if uses_blocks and not _block_quant_available():
+        if uses_blocks and not block_quant_available():
             raise ValueError(f"quantization {sorted(uses_blocks)[0]!r} needs onnxruntime and onnx: "
                              "pip install onnxruntime onnx")
         if not isinstance(self.enforce_eager, bool):
@@ -306,7 +318,7 @@ class EngineConfig:
 
     def resolve_dtype(self) -> torch.dtype:
         """The target's activation (and dense weight) dtype: see ``resolve_model_dtype``."""
-        return self._dtype_of(self.dtype, self.quantization)
+        return self._dtype_of(self.dtype, self.target_quantization())
 
     def resolve_draft_dtype(self) -> torch.dtype:
         """The drafts' dtype (``draft_dtype``, else the target's)."""
@@ -314,10 +326,15 @@ class EngineConfig:
             return self._dtype_of(self.dtype, self.resolve_draft_quantization())
         return self._dtype_of(self.draft_dtype, self.resolve_draft_quantization())
 
+    def target_quantization(self) -> str | None:
+        """The target's quantization (None: dense; ``"none"`` and unset alike; the
+        engine resolves unset to the model's own format first, ``model_format``)."""
+        return None if self.quantization == "none" else self.quantization
+
     def resolve_draft_quantization(self) -> str | None:
         """The drafts' quantization (``draft_quantization``, else the target's)."""
         if self.draft_quantization is None:
-            return self.quantization
+            return self.target_quantization()
         return None if self.draft_quantization == "none" else self.draft_quantization
 
     def _dtype_of(self, dtype: str | torch.dtype, quantization: str | None) -> torch.dtype:
@@ -335,7 +352,7 @@ class EngineConfig:
         return _DTYPES[dtype]
 
 
-def _block_quant_available() -> bool:
+def block_quant_available() -> bool:
     """Whether the q4/q8 formats' libraries import (config stays free of worker imports)."""
     try:
         import onnx  # noqa: F401

@@ -22,6 +22,7 @@ from pagedtree.distributed.group import TensorParallelError
 from pagedtree.executor.launcher import TensorParallelGroupHandle
 from pagedtree.executor.shards import load_target
 from pagedtree.loading.loader import load_tokenizer, resolve_model_path
+from pagedtree.loading.model_format import with_default_quantization
 from pagedtree.scheduler.plan import StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedtree.loading import packaged_models as pm
@@ -60,6 +61,8 @@ class LLMEngine:
     """Owns the model, the KV cache, the scheduler; ``step()`` advances every request."""
 
     def __init__(self, config: EngineConfig):
+        # unset quantization -> the model's own format (a GGUF file: its blocks, exactly)
+        config = with_default_quantization(config)
         self.config = config
         self.dtype = config.resolve_dtype()
         started = time.monotonic()

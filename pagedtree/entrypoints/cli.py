@@ -25,9 +25,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="eager torch ops only: no numba-fused element-wise kernels on CPU")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+    parser.add_argument("--quantization", default=None, choices=[*QUANTIZATIONS, "none"],
                         help="quantized linear layers: int8/int4 weight-only (torch's kernels, bf16 "
-                             "activations) or q4/q8 blocks of 32 with int8 activations (ONNX Runtime's kernels)")
+                             "activations), q4/q8 blocks with int8 activations (ONNX Runtime's kernels) or none "
+                             "(dense); default: a GGUF model on CPU runs in q4 (its own blocks, exactly), "
+                             "anything else dense")
     parallel = parser.add_argument_group(
         "tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA; other machines join with "
         "`pagedtree worker` and MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or all run under torchrun)")
@@ -53,6 +55,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-dtype", default=None, help="the drafts' dtype (default: the target's)")
     spec.add_argument("--draft-quantization", default=None, choices=[*QUANTIZATIONS, "none"],
                       help="the drafts' quantization (default: the target's)")
+    spec.add_argument("--draft-vocab-size", type=int, default=None,
+                      help="cut the drafts' LM heads to this many of the most frequent token ids plus the special "
+                           "tokens (e.g. 65536; default: the whole vocabulary)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -93,6 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec["depth"] = args.spec_depth
         if args.spec_max_nodes:
             spec["max_nodes"] = args.spec_max_nodes
+        if getattr(args, "draft_vocab_size", None):
+            spec["draft_vocab_size"] = args.draft_vocab_size
         kwargs["speculative"] = spec
     return kwargs
 

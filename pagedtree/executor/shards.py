@@ -73,7 +73,7 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     the cache holds.
     """
     group = channel.group if channel is not None else None
-    loaded = load_model(config.model, dtype=dtype, device=device, quantization=config.quantization, group=group)
+    loaded = load_model(config.model, dtype=dtype, device=device, quantization=config.target_quantization(), group=group)
     model_limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
     requested_len = config.max_model_len or model_limit
     if requested_len > model_limit:
@@ -105,8 +105,9 @@ def load_draft(config: EngineConfig, index: int, device: torch.device, target_bl
     name = config.draft_model[index]
     dtype = config.resolve_draft_dtype()
     group = channel.group if channel is not None else None
+    head_vocab = config.speculative.draft_vocab_size if config.speculative is not None else None
     loaded = load_model(name, dtype=dtype, device=device, quantization=config.resolve_draft_quantization(),
-                        group=group)
+                        group=group, head_vocab=head_vocab)
     limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
     if limit < max_model_len:
         raise ValueError(

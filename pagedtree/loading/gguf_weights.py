@@ -218,7 +218,8 @@ def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: st
             value = _unpermute_rows(value, unpermute)
         _set_dense(net, target, rows, value)
     for target, pieces in parts.items():
-        _set_linear(net.get_submodule(target.rsplit(".", 1)[0]), pieces, quantization)
+        keep = net.head_rows if target == "lm_head.weight" else None  # a draft's cut vocabulary
+        _set_linear(net.get_submodule(target.rsplit(".", 1)[0]), pieces, quantization, keep)
     missing = [n for n, p in net.named_parameters() if p.is_meta]
     missing += [f"{n}.weight" for n, m in net.named_modules()
                 if isinstance(m, Linear) and m.weight is not None and m.weight.is_meta]
@@ -238,11 +239,16 @@ def _set_dense(net: nn.Module, target: str, rows: slice | None, value: torch.Ten
         destination.copy_(value.reshape(destination.shape))
 
 
-def _set_linear(layer: Linear, pieces: list, quantization: str) -> None:
-    """Quantize a linear layer from its checkpoint tensors (several for a fused one)."""
+def _set_linear(layer: Linear, pieces: list, quantization: str, keep_rows: torch.Tensor | None = None) -> None:
+    """Quantize a linear layer from its checkpoint tensors (several for a fused one),
+    keeping only the output rows ``keep_rows`` when given."""
     pieces = sorted(pieces, key=lambda p: 0 if p[0] is None else p[0].start)
+    pick = (lambda x: x) if keep_rows is None else (lambda x: x[keep_rows])
     if quantization in block_quant.BITS:
-        layer.set_blocks(_blocks(pieces, block_quant.BITS[quantization]))
+        blocks = _blocks(pieces, block_quant.BITS[quantization])
+        if keep_rows is not None:
+            blocks = block_quant.pack_blocks(blocks.unpack().take_rows(keep_rows.numpy()))
+        layer.set_blocks(blocks)
         return
     exact_int4 = quantization == "int4" and all(t.tensor_type.name in _INT4_TYPES for _, t, _ in pieces)
     if exact_int4:
@@ -252,8 +258,9 @@ def _set_linear(layer: Linear, pieces: list, quantization: str) -> None:
             if heads is not None:
                 part = _Int4Rows(*(_unpermute_rows(x, heads) for x in (part.codes, part.scale, part.low)))
             rows.append(part)
-        codes = torch.cat([r.codes for r in rows])
-        layer.set_int4(codes, int4_scales_and_zeros(torch.cat([r.scale for r in rows]), torch.cat([r.low for r in rows])))
+        codes = pick(torch.cat([r.codes for r in rows]))
+        layer.set_int4(codes, int4_scales_and_zeros(pick(torch.cat([r.scale for r in rows])),
+                                                    pick(torch.cat([r.low for r in rows]))))
     else:
         codes, scales = [], []
         for _, tensor, heads in pieces:
@@ -262,11 +269,11 @@ def _set_linear(layer: Linear, pieces: list, quantization: str) -> None:
                 c, sc = _unpermute_rows(c, heads), _unpermute_rows(sc, heads)
             codes.append(c)
             scales.append(sc)
-        weight = torch.cat(codes)
+        weight = pick(torch.cat(codes))
         if weight.shape != (layer.out_features, layer.in_features):
             raise ValueError(f"GGUF weights of shape {tuple(weight.shape)} for a layer of "
                              f"{(layer.out_features, layer.in_features)}")
-        layer.set_int8(weight, torch.cat(scales))
+        layer.set_int8(weight, pick(torch.cat(scales)))
 
 
 def iter_linear_kinds(gguf_file: Path) -> Iterator[tuple[str, str]]:

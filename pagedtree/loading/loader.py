@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from pagedtree.loading.draft_vocab import draft_vocab_rows
 from pagedtree.loading.gguf_weights import load_gguf_weights
 from pagedtree.worker.models import model_class_for
 from pagedtree.distributed.group import TensorParallelGroup
@@ -104,6 +105,7 @@ def load_model(
     pack_weights: bool = True,
     quantization: str | None = None,
     group: TensorParallelGroup | None = None,
+    head_vocab: int | None = None,
 ) -> LoadedModel:
     """Build our implementation of ``model`` and load its weights onto ``device``.
 
@@ -115,7 +117,12 @@ def load_model(
     With a tensor-parallel ``group`` of several ranks this builds and loads this
     rank's shard only (``ShardLayout``), from the safetensors weights (a quantized
     shard is quantized after loading, not read from GGUF blocks).
+
+    ``head_vocab`` cuts the LM head to the tokenizer's first ``head_vocab`` ids plus
+    its special tokens (a draft's vocabulary, ``draft_vocab``); logits stay full-width.
     """
+    if head_vocab is not None and group is not None and group.size > 1:
+        raise ValueError("a draft vocabulary cut needs an unsharded draft")
     sharded = group is not None and group.size > 1
     gguf_file = gguf_source(model) if quantization is not None and not sharded else None
     if gguf_file is not None:
@@ -123,9 +130,12 @@ def load_model(
         folder = gguf_config_folder(model, gguf_file)
         config = AutoConfig.from_pretrained(str(folder))
         net = build_on_meta(model_class_for(config), config, dtype)
+        tokenizer = load_tokenizer(folder)
+        if head_vocab is not None:
+            net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
         load_gguf_weights(net, gguf_file, quantization, dtype)
         net.rotary = RotaryEmbedding(config, net.head_dim).to(device)
-        return LoadedModel(model=net.eval(), config=config, tokenizer=load_tokenizer(folder), path=folder)
+        return LoadedModel(model=net.eval(), config=config, tokenizer=tokenizer, path=folder)
     folder = resolve_model_path(model)
     config = AutoConfig.from_pretrained(str(folder))
     cls = model_class_for(config)
@@ -133,11 +143,14 @@ def load_model(
     net = build_empty(cls, config, dtype, device, layout, group if sharded else None)
     load_safetensors_weights(net, _safetensors_files(folder))
     net.eval()
+    tokenizer = load_tokenizer(folder)
+    if head_vocab is not None:
+        net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
     if quantization is not None:
         net.quantize_weights(quantization)
     elif pack_weights:
         net.pack_weights_for_cpu()
-    return LoadedModel(model=net, config=config, tokenizer=load_tokenizer(folder), path=folder)
+    return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=folder)
 
 
 def gguf_source(model: str | Path | None) -> Path | None:

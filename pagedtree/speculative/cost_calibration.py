@@ -35,7 +35,7 @@ def calibrate_speculation(speculator: Speculator, config: EngineConfig, target_r
     largest = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + spec.max_nodes), _MAX_CALIBRATED_TOKENS)
     cache = CalibrationCache(calibration_dir())
     device = target_runner.device
-    target_key = calibration_key(target_path, device, dtype, config.quantization, largest, config.tensor_parallel_size)
+    target_key = calibration_key(target_path, device, dtype, config.target_quantization(), largest, config.tensor_parallel_size)
     target = calibrate(target_runner, cache, target_key, largest, label="target")
     draft = None
     if speculator.drafts:

@@ -128,3 +128,22 @@ def test_linear_rows_times_every_format_on_a_small_shape(tmp_path, monkeypatch):
     assert {c["format"] for c in cells} == set(module.FORMATS)
     assert all(len(c["ms"]) == 3 and c["rel_error"] < 0.2 for c in cells), cells
     assert out.with_suffix(".png").exists() and "| tiny | q4 |" in out.with_suffix(".md").read_text()
+
+
+def test_llamacpp_engines_plain_and_prompt_lookup():
+    """llama.cpp plain and with its own prompt-lookup speculation, on the model's GGUF:
+    the lookup engine carries its draft length to the runner and is compared with the
+    plain one."""
+    from pagedtree.loading import packaged_models as pm
+
+    if not pm.is_installed(pm.SMOLLM2_135M):
+        pytest.skip("smollm2-135m-instruct not installed")
+    compare = load_benchmark("compare")
+    args = compare.parse_args(["--model", pm.SMOLLM2_135M.name, "--engines", "llamacpp,llamacpp-lookup",
+                               "--llamacpp-python", sys.executable, "--llamacpp-lookup-tokens", "3"])
+    specs, notes = compare.engine_specs(args)
+    assert not notes
+    plain, lookup = specs
+    assert plain.label == "llamacpp:Q4_1" and plain.spec is None
+    assert lookup.label == "llamacpp-lookup:3:Q4_1" and lookup.baseline == plain.label
+    assert lookup.spec == {"prompt_lookup_tokens": 3} and lookup.model == plain.model

@@ -130,7 +130,9 @@ def _spec_id(spec: dict) -> str:
 @pytest.mark.parametrize(
     "spec,draws",
     [pytest.param(s, DRAWS, marks=pytest.mark.slow, id=_spec_id(s)) for s in SINGLE_DRAFT_SPECS]
-    + [pytest.param(s, FAST_DRAWS, id=f"{_spec_id(s)}-fast") for s in (SINGLE_DRAFT_SPECS[0], SINGLE_DRAFT_SPECS[4])],
+    + [pytest.param(s, FAST_DRAWS, id=f"{_spec_id(s)}-fast") for s in (SINGLE_DRAFT_SPECS[0], SINGLE_DRAFT_SPECS[4])]
+    # a draft whose head keeps half the vocabulary: it cannot propose the other half
+    + [pytest.param(dict(SINGLE_DRAFT_SPECS[3], draft_vocab_size=VOCAB // 2), FAST_DRAWS, id="chain-cut-vocab")],
 )
 def test_engine_samples_the_target_distribution(tiny_vocab_pair, spec, draws):
     target, draft = tiny_vocab_pair

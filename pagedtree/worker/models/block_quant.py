@@ -15,10 +15,9 @@ the fastest of the measured formats up to 32 rows (benchmarks/RESULTS.md,
 **Threads.** ONNX Runtime's pool and torch's (and numba's) OpenMP pools take turns on
 the same cores. OpenMP threads spin for a while after each parallel region by default,
 and an ONNX Runtime call right after one waited for them: the Qwen2.5 1.5B's forward
-took 252 ms a token instead of 56 on the 2-core machine. Start q4/q8 processes with
-``OMP_WAIT_POLICY=PASSIVE`` (read when OpenMP starts, before torch is imported; a
-warning says so otherwise); it cost fp32 batch-16 decoding about 5%, so it is not set
-for every process.
+took 252 ms a token instead of 56 on the 2-core machine. Importing pagedtree before
+torch sets ``OMP_WAIT_POLICY=PASSIVE`` (read when OpenMP starts) unless the
+environment sets a policy; a warning says so where torch came first.
 
 Rows are independent of each other: each row's activations are quantized on their
 own, and a row's result does not depend on the rows beside it, except that MLAS
@@ -191,7 +190,8 @@ def _share_thread_pool() -> None:
         logger.warning(
             "q4/q8 layers run on ONNX Runtime's threads between torch's and numba's OpenMP ones, which spin "
             "on the same cores after every parallel region unless OMP_WAIT_POLICY=PASSIVE is set before the "
-            "process starts: the Qwen2.5 1.5B took 252 ms a token instead of 56 on 2 cores")
+            "process starts (import pagedtree before torch, or set it in the environment): the Qwen2.5 1.5B "
+            "took 252 ms a token instead of 56 on 2 cores")
 
     threads = max(1, torch.get_num_threads())
     _pybind_state.set_global_thread_pool_sizes(threads, 1)

@@ -260,6 +260,8 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, len(self.layout.vocab), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Token ids the head computes (None: all); see ``keep_head_rows``.
+        self.head_rows: torch.Tensor | None = None
         attn = self.model.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim)
         self.num_layers = config.num_hidden_layers
@@ -372,12 +374,31 @@ class DecoderForCausalLM(nn.Module):
         packed = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear) and m.weight is None)
         return dense + packed
 
+    def keep_head_rows(self, rows: torch.Tensor) -> None:
+        """Compute logits for the token ids ``rows`` only (a draft's cut vocabulary,
+        ``loading/draft_vocab.py``): the head keeps those rows of its weight, and
+        ``compute_logits`` still returns every id, ``-inf`` outside ``rows``. Call it
+        before the weights are packed or quantized (on a meta model: before loading)."""
+        if self.group is not None:
+            raise ValueError("a sharded model keeps its whole vocabulary")
+        weight = self.lm_head.weight
+        with torch.device("meta" if weight is None or weight.is_meta else "cpu"):
+            head = Linear(self.config.hidden_size, len(rows), bias=False)
+        if weight is not None and not weight.is_meta:
+            head.weight = nn.Parameter(weight.detach()[rows].clone(), requires_grad=False)
+        self.lm_head = head
+        on = weight.device if weight is not None and not weight.is_meta else torch.device("cpu")
+        self.head_rows = rows.to(device=on, dtype=torch.long)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for hidden states ``[N, hidden]``.
 
         Sharded: each rank computes its vocabulary slice and rank 0 gathers them
         into ``[N, V]``; the other ranks get their own slice back."""
         logits = self.lm_head(hidden)
+        if self.head_rows is not None:
+            full = logits.new_full((logits.shape[0], len(self.layout.vocab)), float("-inf"))
+            return full.index_copy_(1, self.head_rows, logits)
         if self.group is None:
             return logits
         layout = self.layout

@@ -1,0 +1,40 @@
+"""The format a model runs in when the caller does not say (GGUF: its own blocks)."""
+
+import pytest
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.config import EngineConfig, block_quant_available
+from pagedtree.loading import packaged_models as pm
+from pagedtree.loading.model_format import default_quantization
+
+needs_gguf = pytest.mark.skipif(not pm.is_installed(pm.SMOLLM2_135M), reason="smollm2 not installed")
+
+
+@needs_gguf
+def test_a_gguf_runs_in_its_own_blocks_unless_told_otherwise():
+    name = pm.SMOLLM2_135M.name
+    expected = "q4" if block_quant_available() else "none"
+    assert default_quantization(EngineConfig(model=name, device="cpu")) == expected
+    assert default_quantization(EngineConfig(model=str(pm.gguf_path(pm.SMOLLM2_135M)), device="cpu")) == expected
+    # an explicit dtype, "none", another format or several ranks: as asked
+    assert default_quantization(EngineConfig(model=name, device="cpu", dtype="float32")) == "none"
+    assert default_quantization(EngineConfig(model=name, device="cpu", quantization="none")) == "none"
+    assert default_quantization(EngineConfig(model=name, device="cpu", quantization="int4")) == "int4"
+    assert default_quantization(EngineConfig(model=name, device="cpu", tensor_parallel_size=2)) == "none"
+
+
+def test_a_safetensors_model_keeps_its_dtype(tiny_text_model):
+    assert default_quantization(EngineConfig(model=str(tiny_text_model.path), device="cpu")) == "none"
+
+
+@needs_gguf
+def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
+    pytest.importorskip("onnxruntime")
+    llm = LLM(pm.SMOLLM2_135M.name, max_model_len=128, kv_cache_memory=2**25)
+    assert llm.engine.config.quantization == "q4"
+    assert llm.engine.runner.model.lm_head.quantization == "q8"  # the file's Q8_0 head, exactly
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    # a resolved config stays resolved (the engine may be rebuilt from it)
+    assert default_quantization(llm.engine.config) == "q4"
