@@ -39,8 +39,8 @@ PROMPTS = [
     "Write a Python function that merges two sorted lists into one sorted list.",
     "Write a SQL query that returns the five customers with the highest total order value.",
     "Write a bash script that renames every .jpeg file in a folder to .jpg.",
-    "Refactor this function to avoid the nested loops:\ndef pairs(xs):\n    out = []\n    for a in xs:\n"
-    "        for b in xs:\n            if a + b == 10:\n                out.append((a, b))\n    return out\n",
+    ("Refactor this function to avoid the nested loops:\ndef pairs(xs):\n    out = []\n    for a in xs:\n"
+     "        for b in xs:\n            if a + b == 10:\n                out.append((a, b))\n    return out\n"),
     "Explain in a short paragraph why the sky is blue.",
     "Write a short story opening about a lighthouse keeper who finds a message in a bottle.",
     "What are three good habits for writing maintainable code? Answer briefly.",
@@ -74,7 +74,6 @@ which is why databases keep a small probation area for items seen only once.
 
 def causal_attention(layer_index, query, key, value):
     """Attention of one sequence over itself (no paged cache): ``[T, H, D]`` in and out."""
-    import torch
     import torch.nn.functional as F
 
     groups = query.shape[1] // key.shape[1]
@@ -222,9 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, scores in raw.items():
         results[label] = summarise(scores, reference, len(PROMPTS))
 
-    lines = [f"Model {args.model}; reference: pagedtree bf16's greedy output, {len(PROMPTS)} prompts x "
-             f"{args.tokens} tokens (teacher-forced); perplexity on a held-out text of "
-             f"{len(held)} tokens.", "",
+    lines = [(f"Model {args.model}; reference: pagedtree bf16's greedy output, {len(PROMPTS)} prompts x "
+              f"{args.tokens} tokens (teacher-forced); perplexity on a held-out text of {len(held)} tokens."), "",
              "| engine / format | agreement with bf16 | mean abs logprob diff | perplexity |", "|---|---:|---:|---:|"]
     for label, r in results.items():
         lines.append(f"| {label} | {r['agreement']:.3f} | {r['mean_abs_logprob_diff']:.4f} | {r['perplexity']:.3f} |")

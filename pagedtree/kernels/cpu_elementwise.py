@@ -9,6 +9,11 @@ parallel over tokens:
 - ``rotary_kernel``: rotary embedding of every query and key head, in place in the
   fused q/k/v projection's output.
 
+Each has a serial twin (``add_rms_norm_serial``, ``rotary_serial``) with the same
+per-row arithmetic, for steps of a few rows: waking the parallel pool for one row
+cost about 100 us a call inside a decode step (the pool's threads sleep between the
+linear layers' calls), against 10 us for the row itself.
+
 They compute what the eager ops compute, rounding included: in bf16 every
 intermediate that eager torch stores in bf16 is rounded to bf16 here too (round to
 nearest even), and everything else is fp32. Only reduction order differs (the sum
@@ -58,6 +63,38 @@ def _store(dst, row: int, start: int, src_f32, src_bits, bf16: bool) -> None:
             dst[row, start + i] = src_f32[i]
 
 
+@njit(inline="always")
+def _add_rms_norm_row(x, residual, weight, out, t: int, eps32, has_x: bool, bf16: bool) -> None:
+    """Row ``t`` of ``add_rms_norm_kernel``."""
+    hidden = residual.shape[1]
+    row = np.empty(hidden, dtype=np.float32)
+    row_bits = row.view(np.uint32)
+    _load(residual, t, 0, row, row_bits, bf16)
+    if has_x:
+        other = np.empty(hidden, dtype=np.float32)
+        other_bits = other.view(np.uint32)
+        _load(x, t, 0, other, other_bits, bf16)
+        for e in range(hidden):
+            row[e] = row[e] + other[e]
+        if bf16:
+            _round_bf16(row_bits, hidden)
+        _store(residual, t, 0, row, row_bits, bf16)
+    squares = 0.0
+    for e in range(hidden):
+        squares += np.float64(row[e]) * np.float64(row[e])
+    variance = np.float32(squares / hidden)
+    inverse = np.float32(1.0) / np.sqrt(variance + eps32)
+    for e in range(hidden):
+        row[e] = row[e] * inverse
+    if bf16:
+        _round_bf16(row_bits, hidden)
+    for e in range(hidden):
+        row[e] = weight[e] * row[e]
+    if bf16:
+        _round_bf16(row_bits, hidden)
+    _store(out, t, 0, row, row_bits, bf16)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def add_rms_norm_kernel(
     x,  # [T, E] the sub-layer's output (fp32, or uint16 bf16 bits); ignored unless has_x
@@ -73,35 +110,46 @@ def add_rms_norm_kernel(
     Eager order: the sum is rounded to the model dtype, the normalised row is rounded
     to the model dtype before the weight multiplies it, and the product is rounded.
     """
-    num_tokens, hidden = residual.shape
     eps32 = np.float32(eps)
-    for t in prange(num_tokens):
-        row = np.empty(hidden, dtype=np.float32)
-        row_bits = row.view(np.uint32)
-        _load(residual, t, 0, row, row_bits, bf16)
-        if has_x:
-            other = np.empty(hidden, dtype=np.float32)
-            other_bits = other.view(np.uint32)
-            _load(x, t, 0, other, other_bits, bf16)
-            for e in range(hidden):
-                row[e] = row[e] + other[e]
-            if bf16:
-                _round_bf16(row_bits, hidden)
-            _store(residual, t, 0, row, row_bits, bf16)
-        squares = 0.0
-        for e in range(hidden):
-            squares += np.float64(row[e]) * np.float64(row[e])
-        variance = np.float32(squares / hidden)
-        inverse = np.float32(1.0) / np.sqrt(variance + eps32)
-        for e in range(hidden):
-            row[e] = row[e] * inverse
+    for t in prange(residual.shape[0]):
+        _add_rms_norm_row(x, residual, weight, out, t, eps32, has_x, bf16)
+
+
+@njit(cache=True, nogil=True)
+def add_rms_norm_serial(x, residual, weight, out, eps: float, has_x: bool, bf16: bool) -> None:
+    """``add_rms_norm_kernel`` on the calling thread (same arithmetic, row by row): for
+    a few rows, waking the parallel pool costs more than the rows."""
+    eps32 = np.float32(eps)
+    for t in range(residual.shape[0]):
+        _add_rms_norm_row(x, residual, weight, out, t, eps32, has_x, bf16)
+
+
+@njit(inline="always")
+def _rotary_row(qkv, cos, sin, t: int, num_heads: int, head_dim: int, bf16: bool) -> None:
+    """Row ``t`` of ``rotary_kernel``."""
+    half = head_dim // 2
+    head = np.empty(head_dim, dtype=np.float32)
+    head_bits = head.view(np.uint32)
+    # The two products per element, rounded like eager's separate tensors.
+    first = np.empty(head_dim, dtype=np.float32)
+    first_bits = first.view(np.uint32)
+    second = np.empty(head_dim, dtype=np.float32)
+    second_bits = second.view(np.uint32)
+    for h in range(num_heads):
+        _load(qkv, t, h * head_dim, head, head_bits, bf16)
+        for i in range(half):
+            first[i] = head[i] * cos[t, i]
+            second[i] = -head[i + half] * sin[t, i]
+            first[i + half] = head[i + half] * cos[t, i + half]
+            second[i + half] = head[i] * sin[t, i + half]
         if bf16:
-            _round_bf16(row_bits, hidden)
-        for e in range(hidden):
-            row[e] = weight[e] * row[e]
+            _round_bf16(first_bits, head_dim)
+            _round_bf16(second_bits, head_dim)
+        for i in range(head_dim):
+            head[i] = first[i] + second[i]
         if bf16:
-            _round_bf16(row_bits, hidden)
-        _store(out, t, 0, row, row_bits, bf16)
+            _round_bf16(head_bits, head_dim)
+        _store(qkv, t, h * head_dim, head, head_bits, bf16)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -117,28 +165,12 @@ def rotary_kernel(
 
     Eager order: both products and the sum are rounded to the model dtype.
     """
-    half = head_dim // 2
-    num_tokens = qkv.shape[0]
-    for t in prange(num_tokens):
-        head = np.empty(head_dim, dtype=np.float32)
-        head_bits = head.view(np.uint32)
-        # The two products per element, rounded like eager's separate tensors.
-        first = np.empty(head_dim, dtype=np.float32)
-        first_bits = first.view(np.uint32)
-        second = np.empty(head_dim, dtype=np.float32)
-        second_bits = second.view(np.uint32)
-        for h in range(num_heads):
-            _load(qkv, t, h * head_dim, head, head_bits, bf16)
-            for i in range(half):
-                first[i] = head[i] * cos[t, i]
-                second[i] = -head[i + half] * sin[t, i]
-                first[i + half] = head[i + half] * cos[t, i + half]
-                second[i + half] = head[i] * sin[t, i + half]
-            if bf16:
-                _round_bf16(first_bits, head_dim)
-                _round_bf16(second_bits, head_dim)
-            for i in range(head_dim):
-                head[i] = first[i] + second[i]
-            if bf16:
-                _round_bf16(head_bits, head_dim)
-            _store(qkv, t, h * head_dim, head, head_bits, bf16)
+    for t in prange(qkv.shape[0]):
+        _rotary_row(qkv, cos, sin, t, num_heads, head_dim, bf16)
+
+
+@njit(cache=True, nogil=True)
+def rotary_serial(qkv, cos, sin, num_heads: int, head_dim: int, bf16: bool) -> None:
+    """``rotary_kernel`` on the calling thread (for a few rows)."""
+    for t in range(qkv.shape[0]):
+        _rotary_row(qkv, cos, sin, t, num_heads, head_dim, bf16)

@@ -41,6 +41,7 @@ def calibrate_speculation(speculator: Speculator, config: EngineConfig, target_r
     if speculator.drafts:
         first = speculator.drafts[0]
         draft_key = calibration_key(first.model_path, device, config.resolve_draft_dtype(),
-                                    config.resolve_draft_quantization(), largest, config.draft_tensor_parallel_size)
+                                    config.resolve_draft_quantization(), largest, config.draft_tensor_parallel_size,
+                                    head_vocab=spec.draft_vocab_size)
         draft = calibrate(first.runner, cache, draft_key, largest, label="draft")
     speculator.budget.seed_costs(target, draft)

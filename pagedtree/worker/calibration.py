@@ -61,8 +61,10 @@ def _weights_identity(model_path: str | os.PathLike) -> list:
 
 
 def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
-                    quantization: str | None, max_tokens: int, tensor_parallel_size: int = 1) -> dict:
-    """Everything a cost curve depends on (a model split over ranks costs otherwise)."""
+                    quantization: str | None, max_tokens: int, tensor_parallel_size: int = 1,
+                    head_vocab: int | None = None) -> dict:
+    """Everything a cost curve depends on (a model split over ranks costs otherwise, and
+    a draft whose LM head is cut to ``head_vocab`` ids costs less per forward)."""
     return {
         "version": CALIBRATION_VERSION,
         "weights": _weights_identity(model_path),
@@ -76,6 +78,7 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "torch": torch.__version__,
         "max_tokens": max_tokens,
         "tensor_parallel_size": tensor_parallel_size,
+        "head_vocab": head_vocab,
     }
 
 

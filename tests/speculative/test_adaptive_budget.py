@@ -200,6 +200,15 @@ def test_calibration_is_cached_per_key(tiny_llama, tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
+def test_calibration_key_tells_a_cut_draft_head_apart(tmp_path):
+    """A draft whose LM head is cut costs less per forward: its curve has its own key."""
+    import torch
+
+    key = lambda vocab: calibration.calibration_key(tmp_path, torch.device("cpu"), torch.float32, "q4", 16,
+                                                    head_vocab=vocab)
+    assert key(None) == key(None) and key(None) != key(32768) and key(32768) != key(65536)
+
+
 def test_adaptive_suffix_speculation_speculates_only_where_a_suffix_matched(tiny_llama):
     """With costs where speculation pays (a slow, memory-bound target), a repetitive
     prompt gets trees and a prompt without repeats gets none until its own output

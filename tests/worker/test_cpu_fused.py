@@ -8,7 +8,12 @@ import torch
 
 pytest.importorskip("numba")
 
-from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, rotary_kernel  # noqa: E402
+from pagedtree.kernels.cpu_elementwise import (  # noqa: E402
+    add_rms_norm_kernel,
+    add_rms_norm_serial,
+    rotary_kernel,
+    rotary_serial,
+)
 from pagedtree.loading.loader import load_model  # noqa: E402
 from pagedtree.kernels.numba_arrays import as_kernel_array as _array  # noqa: E402
 from pagedtree.worker.models.decoder import RMSNorm, apply_rotary  # noqa: E402
@@ -66,6 +71,32 @@ def test_rotary_is_bit_exact(dtype):
     assert torch.equal(fused[:, : q_heads * head_dim].view_as(q), expected_q)
     assert torch.equal(fused[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view_as(k), expected_k)
     assert torch.equal(fused[:, (q_heads + kv_heads) * head_dim :], v_before)  # values untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 9])
+def test_serial_twins_equal_parallel_kernels(dtype, num_tokens):
+    """The few-row kernels run the same per-row arithmetic: bit for bit the parallel ones."""
+    torch.manual_seed(num_tokens)
+    bf16 = dtype == torch.bfloat16
+    hidden = 64
+    residual = (torch.randn(num_tokens, hidden) * 3).to(dtype)
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    weight = (torch.rand(hidden) + 0.5).float().numpy()
+    results = []
+    for kernel in (add_rms_norm_kernel, add_rms_norm_serial):
+        res, out = residual.clone(), torch.empty_like(residual)
+        kernel(_array(x), _array(res), weight, _array(out), 1e-6, True, bf16)
+        results.append((res, out))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    qkv = torch.randn(num_tokens, 6 * 16).to(dtype)
+    emb = torch.randn(num_tokens, 16).float()
+    rotated = []
+    for kernel in (rotary_kernel, rotary_serial):
+        fused = qkv.clone()
+        kernel(_array(fused), emb.cos().numpy(), emb.sin().numpy(), 4, 16, bf16)
+        rotated.append(fused)
+    assert torch.equal(rotated[0], rotated[1]) and not torch.equal(rotated[0], qkv)
 
 
 def _dense_causal_attention(layer, q, k, v):

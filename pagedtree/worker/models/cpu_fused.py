@@ -20,10 +20,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, rotary_kernel
+from pagedtree.kernels.cpu_elementwise import add_rms_norm_kernel, add_rms_norm_serial, rotary_kernel, rotary_serial
 from pagedtree.kernels.numba_arrays import as_kernel_array
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Steps of at most this many tokens run the element-wise kernels on the calling thread:
+# a decode step or a small tree gains nothing from the parallel pool, whose wake-up
+# (about 100 us a call between the linear layers' calls) cost more than the rows.
+SERIAL_MAX_TOKENS = 8
 
 
 def _norm_weight(norm) -> np.ndarray:
@@ -88,18 +92,20 @@ class FusedCpuForward:
         load time rather than inside the first step."""
         attn = self.model.model.layers[0].self_attn
         hidden = self.final_weight.shape[0]
-        residual = torch.zeros(1, hidden, dtype=dtype)
-        self._add_rms_norm(residual.clone(), residual, self.final_weight)
         qkv = torch.zeros(1, sum(attn.qkv_sizes), dtype=dtype)
         table = np.zeros((1, attn.head_dim), dtype=np.float32)
-        rotary_kernel(as_kernel_array(qkv), table, table, attn.num_heads + attn.num_kv_heads, attn.head_dim,
-                      self.bf16)
+        for norm, rotary in ((add_rms_norm_serial, rotary_serial), (add_rms_norm_kernel, rotary_kernel)):
+            residual = torch.zeros(1, hidden, dtype=dtype)
+            norm(as_kernel_array(residual.clone()), as_kernel_array(residual), self.final_weight,
+                 as_kernel_array(torch.empty_like(residual)), self.eps, True, self.bf16)
+            rotary(as_kernel_array(qkv), table, table, attn.num_heads + attn.num_kv_heads, attn.head_dim, self.bf16)
 
     def _add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
         """``residual += x`` in place (unless ``x`` is None); returns the normed residual."""
         out = torch.empty_like(residual)
         x_array = as_kernel_array(x.contiguous()) if x is not None else as_kernel_array(residual)
-        add_rms_norm_kernel(x_array, as_kernel_array(residual), weight, as_kernel_array(out), self.eps,
+        kernel = add_rms_norm_serial if residual.shape[0] <= SERIAL_MAX_TOKENS else add_rms_norm_kernel
+        kernel(x_array, as_kernel_array(residual), weight, as_kernel_array(out), self.eps,
                             x is not None, self.bf16)
         return out
 
@@ -111,12 +117,12 @@ class FusedCpuForward:
         cos32 = cos.float().contiguous().numpy()
         sin32 = sin.float().contiguous().numpy()
         x: torch.Tensor | None = None
+        rotary = rotary_serial if residual.shape[0] <= SERIAL_MAX_TOKENS else rotary_kernel
         for part in self.layers:
             normed = self._add_rms_norm(x, residual, part.input_norm)
             num_tokens = normed.shape[0]
             qkv = part.qkv(normed).contiguous()
-            rotary_kernel(as_kernel_array(qkv), cos32, sin32, part.num_heads + part.num_kv_heads, part.head_dim,
-                          self.bf16)
+            rotary(as_kernel_array(qkv), cos32, sin32, part.num_heads + part.num_kv_heads, part.head_dim, self.bf16)
             q, k, v = qkv.split(part.qkv_sizes, dim=-1)
             out = attention(
                 part.layer_index,
