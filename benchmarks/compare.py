@@ -180,6 +180,8 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
             # vLLM keeps cores for its scheduler process by default (on 2 cores: 1 of 2);
             # --vllm-reserved-cpus overrides that, and the label says so.
             tag = "" if args.vllm_reserved_cpus is None else f"@reserved{args.vllm_reserved_cpus}"
+            if args.vllm_dtype != args.dtype:
+                tag += f"@{args.vllm_dtype}"
             if name == "vllm":
                 specs.append(EngineSpec(f"vllm{tag}", "vllm", args.vllm_python))
             elif name == "vllm-ngram":
@@ -300,7 +302,7 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
            # Quantized engines load a packaged model straight from its GGUF (by name);
            # llama.cpp gets the GGUF file itself.
            "--model", spec.model or str(args.model if spec.quantization else model), "--workload", str(workload_path),
-           "--out", str(out), "--dtype", args.dtype,
+           "--out", str(out), "--dtype", args.vllm_dtype if spec.engine == "vllm" else args.dtype,
            "--seed", str(args.seed)]
     if args.prefix_caching:
         cmd.append("--prefix-caching")
@@ -398,7 +400,7 @@ def serve_command(engine: str, args: argparse.Namespace, model: Path, port: int,
                 cmd += ["--draft-model", str(args.draft_model)]
         return cmd, dict(os.environ)
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes)),
+           "--dtype", args.vllm_dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.batch_sizes)),
            "--seed", str(args.seed)]
     return cmd, vllm_env(args.vllm_python, args.vllm_reserved_cpus)
 
@@ -669,6 +671,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="one dtype for every engine; auto = pagedtree's CPU default here (bfloat16 on "
                              "CPUs with native bf16, else float32)")
+    parser.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the vLLM engines' dtype (default: --dtype), e.g. vLLM in bf16 beside quantized "
+                             "pagedtree engines in their own activation dtype; the label then says @DTYPE")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep pagedtree's and vLLM's prefix caches on in the offline part (off by default: "
@@ -710,6 +715,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from pagedtree.config import cpu_has_native_bf16
 
         args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    if args.vllm_dtype is None:
+        args.vllm_dtype = args.dtype
     return args
 
 
@@ -749,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         if run.result:
             versions.update(run.result["info"]["versions"])
     header = (f"Model {args.model}" + (f", draft {args.draft_model}" if args.draft_model else "") +
-              f"; {len(prompts)} {args.dataset} prompts, {args.output_len} new tokens each (EOS ignored); "
+              f"; {len(prompts)} {args.dataset} prompts (batch 1: the first {min(args.rounds_batch1, len(prompts))}, one "
+              f"after another), {args.output_len} new tokens each (EOS ignored); "
               + (f"every cell timed {args.repeats} times, median shown; " if args.repeats > 1 else "") +
               f"prefix caching {'on' if args.prefix_caching else 'off'}; dtype {args.dtype}; {platform.machine()}, "
               f"{os.cpu_count()} CPUs; " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) +

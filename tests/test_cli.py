@@ -73,6 +73,7 @@ def test_models_list(capsys):
     "script", ["benchmarks/throughput.py", "benchmarks/precision.py", "benchmarks/step_profile.py",
                "benchmarks/acceptance_prior.py", "benchmarks/tensor_parallel.py",
                "benchmarks/memory_soak.py", "benchmarks/memory_trace.py", "-m pagedtree.bench.soak", "benchmarks/linear_rows.py",
+               "benchmarks/spec_ab.py", "benchmarks/accuracy.py",
                "examples/offline_generate.py",
                "-m pagedtree.entrypoints.cli", "-m pagedtree.entrypoints.cli worker"]
 )

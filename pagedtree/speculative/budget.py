@@ -164,11 +164,20 @@ class BudgetPolicy:
         return plan.budgets
 
     def _amortised_backlog(self, request: Request, expected: Mapping[int, float]) -> float:
-        """The draft's backlog for a request, spread over the speculative steps it
-        enables (the request's remaining tokens at the best expected rate)."""
+        """The draft's backlog for a request as tokens fed this step: a first prompt
+        spread over the speculative steps it enables (the request's remaining tokens
+        at the best expected rate), the gap left by plain steps in full."""
         backlog = self.draft_backlog(request)
         if backlog <= 0:
             return 0.0
+        if 1 < backlog < request.num_tokens - 1:
+            # The drafts fed this request before and fell behind while it decoded
+            # plainly (a backlog of one is the accepted leaf every chain leaves unfed,
+            # which the expected tokens already stand for): resuming pays the whole
+            # gap in this step's first draft forward, and nothing says the request
+            # will keep speculating long enough to spread it (amortised, a request
+            # that kept stopping re-paid a many-row catch-up at every retry).
+            return float(backlog)
         max_tokens = request.params.max_tokens or 256
         remaining = max(1, max_tokens - len(request.output_token_ids))
         steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))

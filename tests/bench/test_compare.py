@@ -147,3 +147,15 @@ def test_llamacpp_engines_plain_and_prompt_lookup():
     assert plain.label == "llamacpp:Q4_1" and plain.spec is None
     assert lookup.label == "llamacpp-lookup:3:Q4_1" and lookup.baseline == plain.label
     assert lookup.spec == {"prompt_lookup_tokens": 3} and lookup.model == plain.model
+
+
+def test_vllm_dtype_apart_from_pagedtree(tmp_path):
+    """--vllm-dtype runs the vLLM engines in their own dtype (e.g. bf16 beside q4), and
+    their labels say so; without it every engine shares --dtype."""
+    compare = load_benchmark("compare")
+    base = ["--model", "m", "--engines", "vllm,pagedtree-q4", "--vllm-python", sys.executable, "--dtype", "float32"]
+    args = compare.parse_args(base + ["--vllm-dtype", "bfloat16"])
+    specs, notes = compare.engine_specs(args)
+    assert not notes and [s.label for s in specs] == ["vllm@bfloat16", "pagedtree-q4"]
+    same = compare.parse_args(base)
+    assert same.vllm_dtype == "float32" and compare.engine_specs(same)[0][0].label == "vllm"

@@ -242,6 +242,20 @@ def test_a_draft_backlog_is_priced():
     assert heavy.budgets["r0"] > 0 and heavy.budgets["r1"] == 0
 
 
+def test_a_first_prompt_is_amortised_and_a_gap_after_plain_steps_is_not():
+    """The drafts' first prompt is spread over the steps it enables; tokens decoded
+    plainly since the drafts last fed the request are paid in full when it resumes
+    (and the one unfed accepted leaf of a chain is not counted twice)."""
+    policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+    request = Request("r", None, list(range(41)), Params(max_tokens=200), 0)
+    request.output_token_ids.extend(range(9))  # 50 tokens in all
+    expected = {1: 0.8, 5: 2.0}
+    for backlog, amortised in ((49, True), (12, False), (1, True)):
+        policy.draft_backlog = lambda r, n=backlog: n
+        priced = policy._amortised_backlog(request, expected)
+        assert (priced < backlog / 10) if amortised else priced == backlog, (backlog, priced)
+
+
 def test_whole_steps_slower_than_predicted_correct_the_plan():
     """Speculative steps that take longer than planned (costs the parts missed) make
     the policy speculate less, and it recovers the plan's margin when they do not."""

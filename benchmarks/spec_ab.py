@@ -1,0 +1,123 @@
+"""Same-run A/B: speculation configurations against plain decoding in one engine.
+
+Loads the target and the draft once, then alternates plain decoding and every
+configuration (a preset of ``pagedtree.speculative.presets``, or ``default`` for the
+engine's own speculative config) round after round, so slow drifts of a noisy
+machine hit every arm alike. Each arm of a round times the first ``--num-prompts``
+prompts of each ``--datasets`` one after another at batch 1; the table reports the
+median tokens/s over the rounds, the ratio to plain decoding of the same rounds,
+drafts, accepted tokens and the mean acceptance length.
+
+    python benchmarks/spec_ab.py --datasets prose --configs default --rounds 5
+    python benchmarks/spec_ab.py --dtype bfloat16 --quantization none --datasets prose --rounds 5
+
+Presets that change what is loaded (``draft_vocab_size``) need their own engine:
+give them as ``--load-spec`` (JSON) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def chat_prompts(tokenizer, dataset: str, count: int) -> list[list[int]]:
+    """Token ids of the first ``count`` chat-templated prompts of ``dataset``."""
+    from pagedtree.bench.datasets import PROMPT_SETS
+
+    prompts = []
+    for chat in PROMPT_SETS[dataset][:count]:
+        ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in chat],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        prompts.append([int(t) for t in ids])
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="default: the model's own (a GGUF file: q4 on CPU)")
+    parser.add_argument("--load-spec", default="{}", help="the engine's SpeculativeConfig fields as JSON")
+    parser.add_argument("--configs", default="default",
+                        help="comma-separated preset names, or 'default' (the engine's own config)")
+    parser.add_argument("--datasets", default="coding,prose", help="from coding, prose, edit")
+    parser.add_argument("--num-prompts", type=int, default=2)
+    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args(argv)
+
+    from tqdm.auto import tqdm
+
+    import pagedtree  # noqa: F401 - before torch: OpenMP's passive wait policy
+    from pagedtree import LLM, SamplingParams
+    from pagedtree.speculative import SpeculativeConfig
+    from pagedtree.speculative.presets import tree_preset
+
+    load_spec = json.loads(args.load_spec)
+    started = time.perf_counter()
+    llm = LLM(args.model, draft_model=args.draft_model, speculative=load_spec, dtype=args.dtype,
+              quantization=args.quantization, max_model_len=2048, enable_prefix_caching=False)
+    print(f"loaded in {time.perf_counter() - started:.1f} s", flush=True)
+    engine, speculator = llm.engine, llm.engine.speculator
+    base = speculator.config
+    arms: dict[str, SpeculativeConfig | None] = {"plain": None}
+    for name in args.configs.split(","):
+        fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+        if name != "default":
+            fields.update(tree_preset(name))
+        if fields.get("draft_vocab_size") != base.draft_vocab_size:
+            parser.error(f"{name} cuts the draft vocabulary: load it with --load-spec")
+        arms[name] = SpeculativeConfig(**fields)
+    prompts = {d: chat_prompts(llm.get_tokenizer(), d, args.num_prompts) for d in args.datasets.split(",")}
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=0)
+    first = next(iter(prompts.values()))[0]
+    llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+
+    rates: dict[tuple[str, str], list[float]] = {}
+    counts: dict[tuple[str, str], list[int]] = {}
+    with tqdm(total=args.rounds * len(arms) * len(prompts), desc="A/B", unit="run") as bar:
+        for _ in range(args.rounds):
+            for name, config in arms.items():
+                engine.set_speculation(config is not None)
+                if config is not None:
+                    speculator.reconfigure(config)
+                for dataset, ids in prompts.items():
+                    if speculator.proposer.suffix is not None:
+                        speculator.proposer.suffix.clear_global()  # no memory of the last round's outputs
+                    before, tokens, t0 = llm.stats(), 0, time.perf_counter()
+                    for prompt in ids:
+                        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+                        tokens += len(out[0].outputs[0].token_ids)
+                    seconds, after = time.perf_counter() - t0, llm.stats()
+                    rates.setdefault((name, dataset), []).append(tokens / seconds)
+                    total = counts.setdefault((name, dataset), [0, 0])
+                    total[0] += after["num_drafts"] - before["num_drafts"]
+                    total[1] += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    bar.update()
+    print(f"\n{args.model} + {args.draft_model}, dtype {args.dtype}, quantization {args.quantization or 'model default'}, "
+          f"load spec {load_spec}; {args.num_prompts} prompts x {args.output_len} tokens per dataset, batch 1, "
+          f"temperature {args.temperature}, median of {args.rounds} alternating rounds")
+    print("| config | dataset | tokens/s | vs plain | drafts | accepted | mean acceptance length |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
+    for (name, dataset), values in rates.items():
+        median = statistics.median(values)
+        plain = statistics.median(rates[("plain", dataset)])
+        drafts, accepted = counts[(name, dataset)]
+        length = f"{1 + accepted / drafts:.2f}" if drafts else ""
+        print(f"| {name} | {dataset} | {median:.2f} | {median / plain:.2f}x | {drafts} | {accepted} | {length} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
