@@ -56,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
     timed(engine, "step", "whole step")
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.runner, "_metadata", "batch tensors")
+    timed(model_runner, "host_step", "batch tensors")
+    timed(model_runner, "upload_step", "batch tensors")
     timed(engine.runner.attention, "begin_step", "attention plan")
     timed(engine.runner.model, "forward", "model forward")
     timed(engine.runner.model, "compute_logits", "LM head")
-    timed(model_runner, "sample", "sampling")
+    timed(model_runner, "sample_rows", "sampling")
     timed(engine, "_postprocess", "output processing (tokens, detokenizer, stops)")
     timed(engine.scheduler, "update", "scheduler update")
 
