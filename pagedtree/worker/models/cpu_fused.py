@@ -105,8 +105,7 @@ class FusedCpuForward:
         out = torch.empty_like(residual)
         x_array = as_kernel_array(x.contiguous()) if x is not None else as_kernel_array(residual)
         kernel = add_rms_norm_serial if residual.shape[0] <= SERIAL_MAX_TOKENS else add_rms_norm_kernel
-        kernel(x_array, as_kernel_array(residual), weight, as_kernel_array(out), self.eps,
-                            x is not None, self.bf16)
+        kernel(x_array, as_kernel_array(residual), weight, as_kernel_array(out), self.eps, x is not None, self.bf16)
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
