@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedtree import LLM, SamplingParams
-    from pagedtree.bench.datasets import PROMPT_SETS
+    from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
     from pagedtree.speculative.acceptance import request_class
 
     expansion = tuple(int(k) for k in args.expansion.split(","))
@@ -54,12 +54,7 @@ def main() -> None:
 
     budget.observe_verification = record
     tokenizer = llm.get_tokenizer()
-    prompts = []
-    for name in args.datasets.split(","):
-        for chat in PROMPT_SETS[name]:
-            ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in chat],
-                                                add_generation_prompt=True, tokenize=True)
-            prompts.append([int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])])
+    prompts = [chat_token_ids(tokenizer, chat) for name in args.datasets.split(",") for chat in PROMPT_SETS[name]]
     for temperature in tqdm((0.0, args.temperature), desc="classes"):
         params = SamplingParams(temperature=temperature, max_tokens=args.output_len, ignore_eos=True, seed=None)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

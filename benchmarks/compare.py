@@ -68,7 +68,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedtree.bench.datasets import PROMPT_SETS
+from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
 from pagedtree.speculative.presets import tree_preset
 
 HERE = Path(__file__).resolve().parent
@@ -120,17 +120,7 @@ def build_prompts(args: argparse.Namespace, folder: Path) -> list[list[int]]:
         rng = random.Random(args.seed)
         hi = min(len(tokenizer), 30000)
         return [[rng.randrange(100, hi) for _ in range(args.input_len)] for _ in range(max(args.batch_sizes))]
-    prompts = []
-    for chat in PROMPT_SETS[args.dataset]:
-        if tokenizer.chat_template:
-            messages = [{"role": role, "content": text} for role, text in chat]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer.encode("\n\n".join(text for _, text in chat))
-        prompts.append([int(t) for t in ids])
-    return prompts
+    return [chat_token_ids(tokenizer, chat) for chat in PROMPT_SETS[args.dataset]]
 
 
 def build_workload(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:

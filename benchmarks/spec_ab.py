@@ -27,20 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def chat_prompts(tokenizer, dataset: str, count: int) -> list[list[int]]:
-    """Token ids of the first ``count`` chat-templated prompts of ``dataset``."""
-    from pagedtree.bench.datasets import PROMPT_SETS
-
-    prompts = []
-    for chat in PROMPT_SETS[dataset][:count]:
-        ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in chat],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        prompts.append([int(t) for t in ids])
-    return prompts
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -61,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pagedtree  # noqa: F401 - before torch: OpenMP's passive wait policy
     from pagedtree import LLM, SamplingParams
+    from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
     from pagedtree.speculative import SpeculativeConfig
     from pagedtree.speculative.presets import tree_preset
 
@@ -79,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         if fields.get("draft_vocab_size") != base.draft_vocab_size:
             parser.error(f"{name} cuts the draft vocabulary: load it with --load-spec")
         arms[name] = SpeculativeConfig(**fields)
-    prompts = {d: chat_prompts(llm.get_tokenizer(), d, args.num_prompts) for d in args.datasets.split(",")}
+    tokenizer = llm.get_tokenizer()
+    prompts = {d: [chat_token_ids(tokenizer, chat) for chat in PROMPT_SETS[d][: args.num_prompts]]
+               for d in args.datasets.split(",")}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=0)
     first = next(iter(prompts.values()))[0]
     llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up

@@ -104,7 +104,7 @@ def print_layer_table(model) -> None:
                 kinds[kind][1] += time.perf_counter() - started
     for kind, layer in layers:
         kinds[kind][0] += 1
-        kinds[kind][2] += layer.weight_bytes if layer.weight is None else layer.weight.numel() * layer.weight.element_size()
+        kinds[kind][2] += layer.weight_bytes
     print("\n| linear layers (one row) | count | ms | MiB | GB/s |\n|---|---:|---:|---:|---:|")
     for kind, (count, seconds, nbytes) in kinds.items():
         print(f"| {kind} | {count} | {seconds * 1e3:.2f} | {nbytes / 2**20:.1f} | {nbytes / seconds / 1e9:.1f} |")

@@ -102,6 +102,20 @@ PROMPT_SETS: dict[str, list[list[tuple[str, str]]]] = {
     "prose": [[("user", p)] for p in PROSE_PROMPTS],
     "edit": EDIT_CHATS,
 }
+
+
+def chat_token_ids(tokenizer, chat: list[tuple[str, str]]) -> list[int]:
+    """Token ids of one ``PROMPT_SETS`` chat, through the tokenizer's chat template
+    (generation prompt added); its turns joined by blank lines where it has none."""
+    if not tokenizer.chat_template:
+        return [int(t) for t in tokenizer.encode("\n\n".join(text for _, text in chat))]
+    ids = tokenizer.apply_chat_template([{"role": role, "content": text} for role, text in chat],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 DEFAULT_INPUT_LEN = 256
 DEFAULT_OUTPUT_LEN = 128
 _HUMAN_ROLES = ("human", "user")

@@ -117,3 +117,27 @@ def test_tokenizer_folder_resolution(tmp_path):
     assert resolve_tokenizer_folder(None, str(tmp_path)) == tmp_path
     # An explicit folder is taken as it is (tokenizer files without config.json are fine).
     assert resolve_tokenizer_folder(str(tmp_path), "tiny") == tmp_path
+
+
+def test_chat_token_ids_use_the_chat_template_or_join_the_turns():
+    """A prompt set's chat goes through the template with a generation prompt; a
+    tokenizer without one gets the turns joined by blank lines."""
+    from pagedtree.bench.datasets import chat_token_ids
+
+    class Tokenizer:
+        def __init__(self, template):
+            self.chat_template = template
+            self.seen = None
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            self.seen = (messages, add_generation_prompt, tokenize)
+            return {"input_ids": [7, 8]}
+
+        def encode(self, text):
+            return [len(text)]
+
+    chat = [("user", "hi"), ("assistant", "yo")]
+    templated = Tokenizer("{{ x }}")
+    assert chat_token_ids(templated, chat) == [7, 8]
+    assert templated.seen == ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], True, True)
+    assert chat_token_ids(Tokenizer(None), chat) == [len("hi\n\nyo")]
