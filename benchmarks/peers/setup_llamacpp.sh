@@ -3,7 +3,7 @@
 #   bash benchmarks/peers/setup_llamacpp.sh [VENV_DIR]
 # Builds llama-cpp-python 0.3.36 (and the llama.cpp it vendors) from source for this CPU:
 # about 7-15 minutes on 2 cores, no GPU, no torch. benchmarks/compare.py drives it as the
-# single-stream `llamacpp` engine on the GGUF file itself (see the README's benchmark section).
+# single-stream `llamacpp` engine on the GGUF file itself (see benchmarks/README.md).
 # Pitfalls handled here:
 #  * -DGGML_NATIVE=ON compiles for this machine's own instruction set (AVX2/AVX-512/VNNI as
 #    present), as a local `cmake` build of llama.cpp does; the venv is not portable to another CPU.

