@@ -125,7 +125,7 @@ class Workload:
 def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: random.Random) -> Workload:
     """Random caches, shuffled block tables and random trees; dense copies for the baselines."""
     from pagedtree.attention import torch_backend as reference
-    from pagedtree.attention.metadata import AttentionMetadata
+    from pagedtree.step_data import AttentionMetadata
     from pagedtree.kernels.attention_plan import PlanBuffers, build_kernel_plan
 
     bs, hkv, d = args.block_size, args.kv_heads, args.head_dim

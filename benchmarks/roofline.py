@@ -11,7 +11,7 @@ batch sizes B and KV lengths L:
 - programs and occupancy: programs per SM from registers, warps and shared memory,
   the SMs kept busy (a launch with fewer programs than SMs leaves bandwidth unused);
 - time: bytes over the bandwidth of the busy SMs, plus a launch overhead per
-  kernel; and the two targets of issue 16: a tree of T = 16..64 nodes within 1.1x
+  kernel; and two targets: a tree of T = 16..64 nodes within 1.1x
   of decode at the same L, and decode at >= 70% of HBM bandwidth.
 
 It models the launch code (``attention_plan.choose_tile_shape``) as it is, so it

@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     timed(engine.runner.model, "forward", "model forward")
     timed(engine.runner.model, "compute_logits", "LM head")
     timed(model_runner, "sample_rows", "sampling")
-    timed(engine, "_postprocess", "output processing (tokens, detokenizer, stops)")
-    timed(engine.scheduler, "update", "scheduler update")
+    timed(engine, "_update", "update (tokens, detokenizer, stops, KV bookkeeping)")
 
     prompts = (CODING_PROMPTS * (args.batch // len(CODING_PROMPTS) + 1))[: args.batch]
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up

@@ -118,7 +118,7 @@ def measure_in_child(args: argparse.Namespace, ranks: int) -> list[Measured]:
     """``measure`` in a fresh process: each size starts from an untouched process, as
     a server would (thread pools are chosen once per process). One rank runs with
     OpenMP's default (spinning idle threads: fastest alone); several ranks start
-    with ``OMP_WAIT_POLICY=PASSIVE``, as the README advises for ranks sharing cores."""
+    with ``OMP_WAIT_POLICY=PASSIVE``, as docs/tensor_parallel.md advises for ranks sharing cores."""
     import os
     import subprocess
     import tempfile

@@ -1,11 +1,11 @@
-"""The packages depend on each other one way only.
+"""The packages depend on each other one way only, and no two files import each other.
 
-entrypoints -> bench -> engine -> speculative -> executor -> loading -> worker ->
-scheduler/attention/distributed -> kernels -> plain data (config, sampling_params, request, outputs, uploads, sampling)
--> text_checks. Every
-import (at module level or inside a function, but not under ``TYPE_CHECKING``) must
-point to a lower layer or stay in its own package; so there are no import cycles
-between packages.
+entrypoints -> bench -> engine -> executor -> speculative/loading -> worker ->
+scheduler/attention/distributed -> kernels -> step_data -> plain data (config,
+sampling_params, request, outputs, uploads, sampling) -> text_checks. Every import
+(at module level, inside a function, or under ``TYPE_CHECKING``) must point to a
+lower layer or stay in its own package, so there are no import cycles between
+packages; inside a package, the files' imports form no cycle either.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ LAYERS = {
     "text_checks": -1,
     "config": 0, "sampling_params": 0, "outputs": 0, "uploads": 0,
     "request": 1, "sampling": 1,
-    "kernels": 2,
-    "attention": 3, "scheduler": 3, "distributed": 3,
-    "worker": 4,
-    "loading": 5,
-    "executor": 6,
-    "speculative": 7,
+    "step_data": 2,
+    "kernels": 3,
+    "attention": 4, "scheduler": 4, "distributed": 4,
+    "worker": 5,
+    "loading": 6, "speculative": 6,
+    "executor": 7,
     "engine": 8,
     "bench": 9,
     "entrypoints": 10,
@@ -41,14 +41,11 @@ def _unit(module: str) -> str | None:
 
 
 def _imports(tree: ast.Module) -> list[tuple[int, str]]:
-    """``(line, module)`` of every pagedtree import outside ``if TYPE_CHECKING:``."""
+    """``(line, module)`` of every pagedtree import, ``if TYPE_CHECKING:`` ones included
+    (a type-only import is a dependency all the same)."""
     found: list[tuple[int, str]] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.extend((node.lineno, a.name) for a in node.names if a.name.startswith("pagedtree."))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedtree"):
@@ -90,4 +87,73 @@ def test_imports_point_down(path):
 
 def test_the_checker_sees_a_wrong_import():
     tree = ast.parse("from pagedtree.engine.llm import LLM\nif TYPE_CHECKING:\n    import pagedtree.entrypoints\n")
-    assert [m for _, m in _imports(tree)] == ["pagedtree.engine.llm"]
+    assert [m for _, m in _imports(tree)] == ["pagedtree.engine.llm", "pagedtree.entrypoints"]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _file_graph() -> dict[str, set[str]]:
+    """Module -> the pagedtree modules it imports (``from pkg import submodule`` counts
+    as importing the submodule)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text())
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom) and node.module in paths:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
+                targets.update(subs or {node.module})
+        graph[name] = targets - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_two_files_import_each_other():
+    # A package's __init__ re-exporting its own modules is not a cycle unless a
+    # module imports the package root back.
+    assert _cycles(_file_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: per-step metadata and the two backends.
 
-- ``metadata.AttentionMetadata``: what a forward tells its backend (plain data);
+- ``AttentionMetadata`` (in ``pagedtree.step_data``): what a forward tells its backend;
 - ``torch_backend``: gathers + SDPA with causal and tree masks (the reference, and
   CPU caches the kernel does not take);
 - ``cpu_backend``: a numba kernel that reads KV blocks in place (the CPU backend for
@@ -8,23 +8,29 @@
 - ``triton_backend``: the Triton kernels of ``pagedtree.kernels`` (CUDA, or the
   interpreter in tests).
 
-Both backends have the same interface: ``begin_step(meta)`` once per forward, then
-``backend(layer, q, k, v)`` per layer, plus ``copy_blocks`` and ``copy_slots``.
+Every backend implements ``AttentionBackend`` (``backend.py``): ``begin_step(meta)``
+once per forward, then ``backend(layer, q, k, v)`` per layer, plus ``copy_blocks``
+and ``copy_slots``. ``BACKENDS`` names each one's class; a new backend is one file
+and one line there.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
 
 import torch
 
-from pagedtree.attention.metadata import AttentionMetadata
+from pagedtree.attention.backend import AttentionBackend
 from pagedtree.attention.torch_backend import TorchPagedAttention
 
-if TYPE_CHECKING:
-    from pagedtree.attention.triton_backend import TritonPagedAttention
-
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# name -> "module:class" of its backend, imported when first made (Triton and numba
+# are optional).
+BACKENDS = {
+    "torch": "pagedtree.attention.torch_backend:TorchPagedAttention",
+    "cpu": "pagedtree.attention.cpu_backend:CpuPagedAttention",
+    "triton": "pagedtree.attention.triton_backend:TritonPagedAttention",
+}
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
@@ -79,23 +85,15 @@ def _cpu_kernel_available(dtype: torch.dtype) -> bool:
     return supports_dtype(dtype)
 
 
-def make_backend(
-    name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float
-) -> TorchPagedAttention | TritonPagedAttention:
+def make_backend(name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> AttentionBackend:
     """Instantiate the backend called ``name`` ("auto" is resolved by the caches' device and dtype)."""
     if name == "auto" and kv_caches:
         name = resolve_backend_name(name, kv_caches[0][0].device, kv_caches[0][0].dtype)
-    if name == "torch":
-        return TorchPagedAttention(kv_caches, scale)
-    if name == "cpu":
-        from pagedtree.attention.cpu_backend import CpuPagedAttention
-
-        return CpuPagedAttention(kv_caches, scale)
-    if name != "triton":
+    if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    from pagedtree.attention.triton_backend import TritonPagedAttention
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(kv_caches, scale)
 
-    return TritonPagedAttention(kv_caches, scale)
 
-
-__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "TorchPagedAttention", "make_backend", "resolve_backend_name"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BACKENDS", "TorchPagedAttention", "make_backend",
+           "resolve_backend_name"]

@@ -14,11 +14,12 @@ back to the torch backend for others.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagedtree.attention.metadata import AttentionMetadata
+from pagedtree.step_data import AttentionMetadata
 from pagedtree.attention.torch_backend import (
     SMALL_QUERY_LEN,
     ReferencePlan,
@@ -30,6 +31,9 @@ from pagedtree.attention.torch_backend import (
 )
 from pagedtree.kernels.cpu_attention import paged_attention_kernel
 from pagedtree.kernels.numba_arrays import as_kernel_array
+
+if TYPE_CHECKING:
+    from pagedtree.kernels.attention_plan import StaticShape
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -156,7 +160,7 @@ class CpuPagedAttention(TorchPagedAttention):
             new_rows, new_rows, np.zeros(1, dtype=np.int64),
         )
 
-    def begin_step(self, meta: AttentionMetadata) -> None:
+    def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
         """Validate and pack the step's metadata once for every layer."""
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from pagedtree.attention.metadata import AttentionMetadata
+from pagedtree.attention.backend import AttentionBackend
+from pagedtree.step_data import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedtree.kernels.attention_plan import StaticShape
 
 # Requests with at most this many new tokens (decode steps, token trees) are padded
 # into one batched attention call; longer prefill chunks each get their own call so
@@ -249,18 +254,17 @@ def copy_slots(
         flat_v[dst] = flat_v[src]
 
 
-class TorchPagedAttention:
+class TorchPagedAttention(AttentionBackend):
     """The pure-torch backend: one gather + SDPA per attention group and layer."""
 
     name = "torch"
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
-        self.kv_caches = kv_caches
-        self.scale = scale
+        super().__init__(kv_caches, scale)
         self._meta: AttentionMetadata | None = None
         self._plan: ReferencePlan | None = None
 
-    def begin_step(self, meta: AttentionMetadata) -> None:
+    def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
         """Build the gathers and masks shared by every layer of this step."""
         self._meta = meta
         self._plan = build_reference_plan(meta)
@@ -268,6 +272,7 @@ class TorchPagedAttention:
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
+        """Store ``key``/``value`` and return attention of ``query`` (gathers + SDPA)."""
         assert self._meta is not None and self._plan is not None, "begin_step first"
         key_cache, value_cache = self.kv_caches[layer_index]
         store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)

@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedtree.attention.backend import AttentionBackend
 from pagedtree.kernels import triton_ops
 from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, StaticShape, build_kernel_plan
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
 if TYPE_CHECKING:
-    from pagedtree.attention.metadata import AttentionMetadata
+    from pagedtree.step_data import AttentionMetadata
 
 __all__ = ["INTERPRETED", "TritonPagedAttention"]
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(AttentionBackend):
     """Paged (tree) attention through Triton kernels; one attention launch per layer."""
 
     name = "triton"
@@ -44,8 +45,7 @@ class TritonPagedAttention:
             if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
                 raise ValueError("KV caches must be contiguous (block copies address them as rows)")
         triton_ops.check_device(first.device)
-        self.kv_caches = kv_caches
-        self.scale = scale
+        super().__init__(kv_caches, scale)
         self.device = first.device
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = first.shape
         self._buffers = PlanBuffers(self.device)

@@ -1,4 +1,16 @@
-"""The step loop: schedule, execute, append tokens, emit outputs."""
+"""The engine: requests in, outputs out, one step at a time.
+
+A step is three calls, each with one owner:
+
+- ``Scheduler.schedule()`` -> ``StepPlan``: which requests compute which tokens,
+  the KV slots they write (and, with speculation, the slots reserved for each
+  request's token tree, sized by the budget policy);
+- ``StepRunner.execute(plan)`` -> ``StepResult``: drafting, one forward of the
+  target, one device readback, verification; plain data;
+- ``LLMEngine._update(plan, result)``: append the committed tokens (exact stops),
+  fail and finish requests, the scheduler's KV bookkeeping (``Scheduler.update``),
+  and the measurements speculation learns from.
+"""
 
 from __future__ import annotations
 
@@ -15,23 +27,17 @@ from pagedtree.config import EngineConfig
 from pagedtree.engine.output_processor import OutputProcessor
 from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
-from pagedtree.sampling import NonFiniteDistributionError
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.distributed.group import TensorParallelError
 from pagedtree.executor.launcher import TensorParallelGroupHandle
 from pagedtree.executor.shards import load_target
 from pagedtree.loading.loader import load_tokenizer, resolve_model_path
 from pagedtree.loading.model_format import with_default_quantization
-from pagedtree.scheduler.plan import StepPlan
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
-from pagedtree.loading import packaged_models as pm
-from pagedtree.speculative.cost_calibration import calibrate_speculation
-from pagedtree.speculative.draft_worker import load_draft_worker
-from pagedtree.speculative.presets import acceptance_prior
-from pagedtree.speculative.speculator import Committed, Speculator
+from pagedtree.engine.speculation_setup import calibrate_speculation, load_speculator
+from pagedtree.speculative.step_runner import StepRunner
+from pagedtree.step_data import StepPlan, StepResult
 from pagedtree.text_checks import check_text
-from pagedtree.worker.model_runner import StepOutput
 
 logger = logging.getLogger("pagedtree")
 
@@ -104,6 +110,10 @@ class LLMEngine:
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, self.max_model_len)
+        self.speculator = None
+        if config.speculation_enabled:
+            channel = self.tensor_parallel.channel if self.tensor_parallel and config.draft_tensor_parallel_size > 1 else None
+            self.speculator = load_speculator(config, self.vocab_size, self.max_model_len, num_blocks, self.device, channel)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -112,9 +122,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
             ),
             self.block_manager,
+            tree_budget=self.speculator.budget if self.speculator is not None else None,
         )
-        self.speculator = self._load_speculator(num_blocks) if config.speculation_enabled else None
-        self.speculation_enabled = self.speculator is not None
+        self.step_runner = StepRunner(self.runner, self.speculator)
         if self.tensor_parallel is not None:
             sharded_drafts = self.speculator.drafts if config.draft_tensor_parallel_size > 1 else []
             self.tensor_parallel.runners = [self.runner] + [draft.runner for draft in sharded_drafts]
@@ -137,17 +147,6 @@ class LLMEngine:
     def tensor_parallel_report(self) -> list[dict[str, object]]:
         """Every rank's counters (``TensorParallelGroupHandle.report``); ``[]`` on one process."""
         return self.tensor_parallel.report() if self.tensor_parallel is not None else []
-
-    # ------------------------------------------------------------- set-up
-    def _load_speculator(self, target_blocks: int) -> Speculator:
-        cfg = self.config
-        channel = self.tensor_parallel.channel if self.tensor_parallel and cfg.draft_tensor_parallel_size > 1 else None
-        drafts = [
-            load_draft_worker(cfg, index, self.vocab_size, self.max_model_len, target_blocks, self.device, channel)
-            for index in range(len(cfg.draft_model or ()))
-        ]
-        prior = acceptance_prior(cfg.model or pm.DEFAULT_MODEL, cfg.draft_model, cfg.speculative.drafter)
-        return Speculator(cfg.speculative, drafts, self.scheduler, self.vocab_size, self.device, prior)
 
     # ------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -267,19 +266,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs of the requests it touched.
-
-        schedule -> draft -> execute -> (stage verification) -> read back -> verify ->
-        commit -> postprocess. With
-        speculation, decoding requests are scheduled in the DRAFT phase, their trees
-        are drafted and attached, the target runs prefill chunks and every tree in
-        one pass, verification accepts a path per tree, whose KV the slot moves put
-        in sequence order, and the committed tokens are appended one by one.
-        """
+        """Run one step: schedule -> execute -> update (see module docstring); return
+        the outputs of the requests it touched."""
         started = time.perf_counter()
-        spec = self.speculator
-        budget = spec.choose_budget(*self.scheduler.pending_load()) if spec and self.speculation_enabled else 0
-        plan = self.scheduler.schedule(budget)
+        plan = self.scheduler.schedule()
+        result = self.step_runner.execute(plan)
+        return self._update(plan, result, started)
+
+    def _update(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
+        """Append each request's committed tokens one by one (exact stops), fail and
+        finish requests, then the scheduler's KV bookkeeping and speculation's
+        measurements."""
         if plan.is_empty():
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen while max_model_len fits the cache; fail loudly rather
@@ -288,59 +285,27 @@ class LLMEngine:
                     f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
                     f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free"
                 )
-            if spec:
-                spec.draft(plan)  # releases the preempted requests' draft state
             return []
-        if spec:
-            spec.draft(plan)
-        forward_started = time.perf_counter()
-        result = self._execute(plan)
-        if spec:
-            spec.stage_verify(plan, result)  # every tree's row outcomes, on the device
-        result.read_back()  # the step's one device-to-host copy
-        # After the readback: on a GPU, the forward has only been queued before it.
-        forward_seconds = time.perf_counter() - forward_started
-        committed: dict[str, list[Committed]] = {}
-        if spec:
-            verified = spec.verify(plan, result)
-            for request, exc in verified.failed:
-                self._fail(request, exc)
-            committed = verified.committed
-            self.runner.apply_slot_moves(plan.slot_moves)
-        outputs = self._postprocess(plan, result, committed)
-        self.scheduler.update(plan)
-        if spec:
-            spec.end_step(plan, committed, forward_seconds, time.perf_counter() - started,
-                          queue_empty=not self.scheduler.waiting)
-        return outputs
-
-    def _postprocess(self, plan: StepPlan, result: StepOutput,
-                     committed: dict[str, list[Committed]]) -> list[RequestOutput]:
-        """Append each request's new tokens one by one (exact stops), end the finished."""
+        for request, exc in result.failed:
+            self._fail(request, exc)
         touched: dict[str, ParentRequest] = {}
         for chunk in plan.chunks:
             request = chunk.request
             rid = request.request_id
-            if request.status.finished:  # failed in isolation
-                touched[rid] = self._child_to_parent[rid]
-                continue
-            if rid in committed:
-                tokens = committed[rid]
-            else:
-                sample = result.samples.get(rid)
-                if sample is None:
-                    continue
-                if not sample.valid:
-                    self._fail(request, NonFiniteDistributionError())
-                    touched[rid] = self._child_to_parent[rid]
-                    continue
-                tokens = [(sample.token_id, sample.logprob, sample.top_logprobs)]
-            for token_id, logprob, top in tokens:
-                status = self.output_processor.append_token(request, token_id, logprob, top)
-                if status is not None:
-                    self._finish(request, status)
-                    break
+            tokens = result.committed.get(rid)
+            if not request.status.finished and tokens is not None:
+                for token_id, logprob, top in tokens:
+                    status = self.output_processor.append_token(request, token_id, logprob, top)
+                    if status is not None:
+                        self._finish(request, status)
+                        break
+            elif not request.status.finished:
+                continue  # a prefill chunk that does not reach the end of its prompt
             touched[rid] = self._child_to_parent[rid]
+        self.scheduler.update(plan, result)
+        if self.speculator is not None:
+            self.speculator.observe(plan, result, time.perf_counter() - started,
+                                    queue_empty=not self.scheduler.waiting)
         return [self._output(parent) for parent in {id(p): p for p in touched.values()}.values()]
 
     def set_speculation(self, enabled: bool) -> None:
@@ -348,32 +313,12 @@ class LLMEngine:
         to measure plain decoding with the same engine in the same run)."""
         if enabled and self.speculator is None:
             raise ValueError("this engine has no draft model or drafter")
-        self.speculation_enabled = enabled
+        self.scheduler.tree_budget = self.speculator.budget if enabled else None
 
-    def _execute(self, plan: StepPlan) -> StepOutput:
-        try:
-            return self.runner.execute(plan)
-        except TensorParallelError:
-            raise  # a rank died or the ranks fell out of step: no request can run any more
-        except Exception as exc:  # noqa: BLE001 - one bad request must not sink the batch
-            if len(plan.chunks) == 1:
-                self._fail(plan.chunks[0].request, exc)
-                return StepOutput()
-            logger.warning("step failed (%s); retrying its %d requests one by one", exc, len(plan.chunks))
-        merged = StepOutput()
-        copies_done = False
-        for chunk in plan.chunks:
-            single = StepPlan(chunks=[chunk], block_copies=[] if copies_done else plan.block_copies)
-            copies_done = True
-            try:
-                out = self.runner.execute(single)
-            except TensorParallelError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                self._fail(chunk.request, exc)
-                continue
-            merged.merge(out)
-        return merged
+    @property
+    def speculation_enabled(self) -> bool:
+        """Whether the scheduler gives requests token trees."""
+        return self.scheduler.tree_budget is not None
 
     def _fail(self, request: Request, exc: Exception) -> None:
         logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)

@@ -23,7 +23,7 @@ import torch
 from pagedtree.uploads import StagedUpload
 
 if TYPE_CHECKING:  # kernels read the metadata; they never import the layers above
-    from pagedtree.attention.metadata import AttentionMetadata
+    from pagedtree.step_data import AttentionMetadata
 
 
 def next_power_of_2(n: int) -> int:

@@ -16,13 +16,11 @@ import time
 from pathlib import Path
 
 
-def gguf_cache_folder(gguf_file: Path) -> Path:
-    """Cache folder for a user-supplied GGUF file, keyed by path, size and mtime."""
-    from pagedtree.loading.packaged_models import cache_dir
-
+def gguf_cache_folder(gguf_file: Path, cache: Path) -> Path:
+    """Cache folder under ``cache`` for a user-supplied GGUF file, keyed by path, size and mtime."""
     stat = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_dir() / "hf" / f"{gguf_file.stem}-{key[:12]}"
+    return cache / "hf" / f"{gguf_file.stem}-{key[:12]}"
 
 
 def convert_gguf_to_hf(gguf_file: Path, out_folder: Path) -> Path:

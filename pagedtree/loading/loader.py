@@ -51,7 +51,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        folder = gguf_cache_folder(path)
+        folder = gguf_cache_folder(path, pm.cache_dir())
         if not (folder / "config.json").exists():
             convert_gguf_to_hf(path, folder)
         return folder
@@ -171,7 +171,7 @@ def gguf_config_folder(model: str | Path | None, gguf_file: Path) -> Path:
     from pagedtree.loading.gguf import gguf_cache_folder, gguf_metadata_folder
 
     name = str(model) if model is not None else pm.DEFAULT_MODEL
-    converted = pm.cache_dir() / "hf" / name if name in pm.PACKAGED_MODELS else gguf_cache_folder(gguf_file)
+    converted = pm.cache_dir() / "hf" / name if name in pm.PACKAGED_MODELS else gguf_cache_folder(gguf_file, pm.cache_dir())
     if (converted / "config.json").exists():
         return converted
     return gguf_metadata_folder(gguf_file, pm.cache_dir() / "meta" / converted.name)

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedtree.step_data import BlockCopy
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation is attempted without enough free blocks."""
@@ -41,14 +43,6 @@ class SequenceBlocks:
     # Chained hashes of the leading full, computed blocks (so hashing is incremental and
     # the chain survives when another sequence registered the same content first).
     block_hashes: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class BlockCopy:
-    """A copy-on-write order for the worker: copy all slots of ``src`` into ``dst``."""
-
-    src: int
-    dst: int
 
 
 class BlockManager:

@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pagedtree.request import Request, RequestStatus
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
+from pagedtree.step_data import Phase, ScheduledChunk, StepPlan, StepResult
+
+
+class TreeBudget(Protocol):
+    """Chooses each decoding request's token-tree node budget for the next step
+    (tree speculation's ``BudgetPolicy``)."""
+
+    def choose(self, decoding: Sequence[Request], other_tokens: int) -> dict[str, int]:
+        """Node budget per request id (missing or 0: decode plainly), given the
+        decoding requests and the prefill tokens that ride along."""
 
 
 @dataclass(slots=True)
@@ -44,11 +54,15 @@ class Scheduler:
     request cannot get a block, the most recently admitted running request is
     preempted: its blocks are freed and it is recomputed later (its prefix blocks
     usually survive in the prefix cache).
+
+    With a ``tree_budget`` policy, decoding requests it gives nodes to are scheduled
+    in the DRAFT phase with that many KV slots reserved for their token trees.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, tree_budget: TreeBudget | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.tree_budget = tree_budget  # None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -87,15 +101,18 @@ class Scheduler:
         request.status = status
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self, tree_budget: int | Mapping[str, int] = 0) -> StepPlan:
+    def schedule(self, tree_budget: int | Mapping[str, int] | None = None) -> StepPlan:
         """Plan one step within the token budget; reserve the KV slots it writes.
 
         ``tree_budget`` is a node budget for every decoding request, or one per
-        request id (missing ids: 0). A decoding request with a budget > 0 goes into
-        the DRAFT phase with up to that many extra slots reserved for its token tree
-        (fewer near its length limits or when blocks are short — a smaller tree is
-        better than preempting someone). Tree nodes count against the token budget.
+        request id (missing ids: 0); by default the ``tree_budget`` policy's choice
+        (none: 0). A decoding request with a budget > 0 goes into the DRAFT phase
+        with up to that many extra slots reserved for its token tree (fewer near its
+        length limits or when blocks are short — a smaller tree is better than
+        preempting someone). Tree nodes count against the token budget.
         """
+        if tree_budget is None:
+            tree_budget = self.tree_budget.choose(*self.pending_load()) if self.tree_budget is not None else 0
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
@@ -125,6 +142,7 @@ class Scheduler:
             if nodes > 0:
                 chunk.phase = Phase.DRAFT
                 chunk.tree_budget = nodes
+                chunk.tree_slots = bm.slots(request.request_id, request.num_tokens, request.num_tokens + nodes)
             plan.chunks.append(chunk)
             budget -= num_new + nodes
             index += 1
@@ -163,52 +181,6 @@ class Scheduler:
             nodes = min(nodes, max_tokens - len(request.output_token_ids) - 1)
         return max(nodes, 0)
 
-    def attach_tree(self, chunk: ScheduledChunk, root_token: int, tokens: list[int], parents: list[int], depths: list[int]) -> None:
-        """Turn a DRAFT chunk into the VERIFY chunk of its drafted tree.
-
-        ``parents`` index the tree nodes (-1 = child of the root); the chunk becomes
-        ``[root] + tokens`` at positions ``root + depth``, written to the slots right
-        after the prefix. Reserved slots the tree did not use are released now; an
-        empty tree leaves an ordinary decode.
-        """
-        if chunk.phase != Phase.DRAFT:
-            raise ValueError(f"attach_tree needs a DRAFT chunk, got {chunk.phase}")
-        num_nodes = len(tokens)
-        if num_nodes > chunk.tree_budget:
-            raise ValueError(f"tree of {num_nodes} nodes exceeds the reserved {chunk.tree_budget}")
-        request = chunk.request
-        rid = request.request_id
-        bm = self.block_manager
-        n = request.num_tokens
-        bm.truncate(rid, n + num_nodes)
-        chunk.tree_budget = num_nodes
-        if num_nodes == 0:
-            chunk.phase = Phase.DECODE
-            chunk.block_table = bm.block_table(rid)
-            return
-        if root_token != request.all_token_ids[-1]:
-            raise ValueError("the tree's root is not the request's newest token")
-        chunk.phase = Phase.VERIFY
-        chunk.token_ids = [root_token] + list(tokens)
-        chunk.positions = [n - 1] + [n - 1 + d for d in depths]
-        chunk.slot_mapping = bm.slots(rid, n - 1, n + num_nodes)
-        chunk.block_table = bm.block_table(rid)
-        chunk.context_len = n + num_nodes
-        chunk.tree_parents = [-1] + [p + 1 for p in parents]
-        chunk.logits_from = 0
-
-    def commit_tree(self, plan: StepPlan, chunk: ScheduledChunk, accepted_nodes: Sequence[int]) -> None:
-        """Keep a verified tree's accepted path: its nodes' KV slides down to the slots
-        right after the root (slot moves, recorded in ``plan`` for the runner), and
-        ``update`` then truncates the rest of the tree's slots."""
-        if chunk.phase != Phase.VERIFY:
-            raise ValueError(f"commit_tree needs a VERIFY chunk, got {chunk.phase}")
-        for depth, node in enumerate(accepted_nodes, start=1):
-            src, dst = chunk.slot_mapping[1 + node], chunk.slot_mapping[depth]
-            if src != dst:  # a chain's accepted prefix is already in place
-                plan.slot_moves.append(SlotMove(src, dst))
-        chunk.num_accepted = len(accepted_nodes)
-
     def _cached_prefix_len(self, request: Request) -> int:
         return len(self.block_manager.find_cached_prefix(request.all_token_ids)) * (
             self.block_manager.block_size
@@ -241,23 +213,24 @@ class Scheduler:
         plan.preempted.append(request)
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: StepPlan) -> None:
+    def update(self, plan: StepPlan, result: StepResult | None = None) -> None:
         """Record what a step computed and make newly full blocks findable by prefix.
 
-        The engine appends sampled tokens (and calls ``finish`` for requests that
-        ended) before calling this. For a VERIFY chunk only the root and the
-        ``chunk.num_accepted`` accepted nodes (moved into sequence order by then)
-        count as computed; the slots of rejected nodes are released here.
+        The engine appends the committed tokens (and calls ``finish`` for requests
+        that ended) before calling this. Of a DRAFT chunk, the newest token and the
+        ``result.accepted`` tree nodes (already moved into sequence order) count as
+        computed; the slots of rejected or unused tree nodes are released here.
         """
         bm = self.block_manager
         bs = bm.block_size
+        accepted = result.accepted if result is not None else {}
         for chunk in plan.chunks:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue
             before = request.num_computed_tokens
-            if chunk.phase == Phase.VERIFY:
-                request.num_computed_tokens += 1 + chunk.num_accepted
+            if chunk.phase == Phase.DRAFT:
+                request.num_computed_tokens += 1 + accepted.get(request.request_id, 0)
                 bm.truncate(request.request_id, request.num_computed_tokens)
             else:
                 request.num_computed_tokens += chunk.num_tokens

@@ -1,7 +1,8 @@
 """Tree speculative decoding: everything between the scheduler's DRAFT chunks and the
 tokens a verified tree commits.
 
-- ``speculator``: the engine's three calls per step (``draft``, ``verify``, ``end_step``);
+- ``step_runner``: a scheduled plan to its result (drafting, one forward, one readback,
+  verification); ``speculator``: ``propose``, ``stage``, ``accept``, ``observe``;
 - ``proposer``, ``draft_worker``, ``builders``, ``merge``: growing trees with draft models;
 - ``verifier``, ``verify``, ``noise``: accepting a path with the matching rule;
 - ``budget``, ``adaptive``, ``sequoia``: how large trees should be;

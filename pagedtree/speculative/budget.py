@@ -42,10 +42,10 @@ _SEQUOIA_REFRESH = 64
 SuffixReach = Callable[[Request], int]
 # request -> tokens the draft models have yet to feed before drafting for it.
 DraftBacklog = Callable[[Request], int]
-# request -> the tree the suffix drafter would propose for it at the full budget
+# (request, node budget) -> the tree the suffix drafter would propose for it
 # (None: no match). Beside draft models, a request whose suffix tree is chosen alone
 # is "draft-free": the draft models sit it out for the step.
-SuffixTreeOf = Callable[[Request], TokenTree | None]
+SuffixTreeOf = Callable[[Request, int], TokenTree | None]
 # With static budgets (no cost model), a suffix tree expected by its own counts to
 # get this many tokens accepted is verified alone.
 ALONE_MIN_EXPECTED = 2.0
@@ -59,7 +59,9 @@ def _accepted_path(trials: Sequence[tuple[int, int, bool]]) -> int:
 class BudgetPolicy:
     """Chooses each step's node budget per request (0 = plain decoding)."""
 
-    def __init__(self, config: SpeculativeConfig, prior: AcceptancePrior, num_drafts: int = 1):
+    def __init__(self, config: SpeculativeConfig, prior: AcceptancePrior, num_drafts: int = 1, *,
+                 suffix_reach: SuffixReach | None = None, suffix_tree: SuffixTreeOf | None = None,
+                 draft_backlog: DraftBacklog | None = None):
         self.config = config
         self.num_drafts = num_drafts
         self.target_cost = CostModel()
@@ -69,9 +71,9 @@ class BudgetPolicy:
         self.prior = prior
         self.tables = {c: AcceptanceTable(prior[c]) for c in REQUEST_CLASSES}
         self.evidence: dict[str, RequestEvidence] = {}
-        self.suffix_reach: SuffixReach | None = None
-        self.draft_backlog: DraftBacklog | None = None
-        self.suffix_tree: SuffixTreeOf | None = None
+        self.suffix_reach = suffix_reach
+        self.draft_backlog = draft_backlog
+        self.suffix_tree = suffix_tree
         self.draft_free: set[str] = set()  # this step's requests the draft models sit out
         # Accepted tokens of draft-free suffix trees over what their counts predicted
         # (an EMA): counts from a few occurrences (a prompt copied once) under-rate
@@ -126,7 +128,7 @@ class BudgetPolicy:
         suffix_trees: dict[str, TokenTree] = {}
         if self.num_drafts and self.suffix_tree is not None:
             for r in requests:
-                tree = self.suffix_tree(r)
+                tree = self.suffix_tree(r, cfg.max_nodes)
                 if tree is not None:
                     suffix_trees[r.request_id] = tree
         if not cfg.adaptive:

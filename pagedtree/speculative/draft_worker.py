@@ -21,12 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.config import EngineConfig
-from pagedtree.executor.commands import CommandChannel
-from pagedtree.executor.shards import load_draft
 from pagedtree.request import Request
-from pagedtree.scheduler.block_manager import BlockCopy, BlockManager
-from pagedtree.scheduler.plan import Phase, ScheduledChunk
+from pagedtree.scheduler.block_manager import BlockManager
+from pagedtree.step_data import BlockCopy, Phase, ScheduledChunk
 from pagedtree.speculative.builders import TreeBuilder, read_children
 from pagedtree.speculative.tree import ROOT, TokenTree
 from pagedtree.worker.model_runner import ModelRunner
@@ -246,26 +243,3 @@ class DraftWorker:
     def num_requests(self) -> int:
         """Requests whose KV the draft holds."""
         return len(self._computed)
-
-
-def load_draft_worker(
-    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int,
-    device: torch.device, channel: CommandChannel | None = None,
-) -> DraftWorker:
-    """Load ``config.draft_model[index]`` with its own KV cache and block manager
-    (``executor.shards.load_draft``; sharded over the tensor-parallel group when a
-    ``channel`` is given, else whole on this process).
-
-    The draft must share the target's vocabulary.
-    """
-    name = config.draft_model[index]
-    shard = load_draft(config, index, device, target_blocks, max_model_len, channel)
-    vocab = int(shard.loaded.config.vocab_size)
-    if vocab != vocab_size:
-        raise ValueError(
-            f"draft model {name!r} has a vocabulary of {vocab} tokens, the target {vocab_size}: "
-            "a draft must share the target's tokenizer"
-        )
-    block_manager = BlockManager(shard.num_blocks, config.block_size, config.enable_prefix_caching)
-    return DraftWorker(shard.runner, block_manager, name=f"draft{index}", index=index,
-                       model_path=str(shard.loaded.path))

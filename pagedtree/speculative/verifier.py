@@ -10,8 +10,6 @@ parent's row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pagedtree.request import Request
@@ -30,20 +28,6 @@ from pagedtree.sampling import (
 from pagedtree.speculative.noise import NoiseCache
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.speculative.verify import RowTests, VerifyResult, verify_greedy, walk_stochastic
-
-
-@dataclass(slots=True)
-class VerifiedTokens:
-    """What one verification commits: tokens in order, with their raw logprobs."""
-
-    result: VerifyResult
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float] | None]
-
-    def entries(self) -> list[tuple[int, float, dict[int, float] | None]]:
-        """``(token, logprob, top_logprobs)`` per committed token."""
-        return list(zip(self.token_ids, self.logprobs, self.top_logprobs))
 
 
 class Verifier:
@@ -91,10 +75,10 @@ class Verifier:
         return row_results(tokens, raw_logprobs, [params.logprobs] * (tree.num_nodes + 1), accepted)
 
     @staticmethod
-    def walk(tree: TokenTree, rows: list[SampleResult], accepted: list[bool] | None) -> VerifiedTokens:
+    def walk(tree: TokenTree, rows: list[SampleResult], accepted: list[bool] | None) -> VerifyResult:
         """Accept a path from the row outcomes read back (``row_outcomes``): the
         longest path whose tokens are the rows' tokens, stochastic verification's
-        trials when ``accepted`` flags are given."""
+        trials when ``accepted`` flags are given; with the tokens it commits."""
         if not all(r.valid for r in rows):
             raise NonFiniteDistributionError()
         targets = [r.token_id for r in rows]
@@ -102,7 +86,8 @@ class Verifier:
         tokens = [tree.tokens[n] for n in result.accepted_nodes] + [result.bonus_token]
         # Each token was drawn at its parent's row: that row's token, logprob and tops.
         source = [rows[0]] + [rows[1 + n] for n in result.accepted_nodes]
-        return VerifiedTokens(result, tokens, [r.logprob for r in source], [r.top_logprobs for r in source])
+        result.committed = [(t, r.logprob, r.top_logprobs) for t, r in zip(tokens, source)]
+        return result
 
     def release(self, request_id: str) -> None:
         """Forget a request's stream (it ended)."""

@@ -50,11 +50,15 @@ class VerifyResult:
     ``trials`` records, for every proposal tested, its depth (1 for the root's
     children), its rank among the proposals below its node and whether it was
     accepted: the measurements behind Sequoia shapes and the adaptive budget.
+    ``committed`` (set by ``Verifier.walk``) holds the tokens the path commits, the
+    bonus token last, each with the logprob and top logprobs of the row it was
+    drawn at.
     """
 
     accepted_nodes: list[int]
     bonus_token: int
     trials: list[tuple[int, int, bool]] = field(default_factory=list)
+    committed: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)
 
     @property
     def rank_trials(self) -> list[tuple[int, bool]]:

@@ -25,7 +25,7 @@ import torch
 
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.scheduler.plan import Phase, ScheduledChunk
+from pagedtree.step_data import Phase, ScheduledChunk
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts
 

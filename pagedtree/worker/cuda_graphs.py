@@ -29,17 +29,24 @@ small next to their compute).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from pagedtree.kernels.attention_plan import StaticShape
-from pagedtree.scheduler.plan import ScheduledChunk
+from pagedtree.step_data import ScheduledChunk
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.step_inputs import host_step, pad_step, upload_step
 
-if TYPE_CHECKING:
-    from pagedtree.worker.model_runner import ModelRunner
+class GraphedRunner(Protocol):
+    """What the graphs need of the model runner whose steps they run."""
+
+    model: Any  # the decoder (``DecoderForCausalLM``)
+    attention: Any  # its attention backend
+    device: torch.device
+    block_size: int
+    scratch_block: int | None  # the block padding tokens write to
+
 
 logger = logging.getLogger("pagedtree")
 
@@ -68,7 +75,7 @@ class StepGraphs:
     """Padded decode and verify steps of one model runner, captured as CUDA graphs
     per shape ``(requests, tokens per request)``."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, max_tree_tokens: int,
+    def __init__(self, runner: GraphedRunner, max_num_seqs: int, max_model_len: int, max_tree_tokens: int,
                  capture: bool):
         if runner.scratch_block is None:
             raise ValueError("step graphs need a runner with a scratch KV block (the Triton backend)")

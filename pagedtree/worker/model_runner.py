@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedtree.attention import make_backend
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pagedtree.sampling import DeviceRows, SampleResult, SamplingRow, read_back, sample_rows
-from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
+from pagedtree.sampling import SamplingRow, sample_rows
+from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepOutput, StepPlan
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.step_inputs import HostStep, host_step, query_starts, upload_step
 from pagedtree.worker.cuda_graphs import StepGraphs
@@ -60,39 +59,6 @@ def num_draft_kv_blocks(config: EngineConfig, target_blocks: int) -> int:
         return config.num_draft_kv_blocks
     max_nodes = config.speculative.max_nodes if config.speculative is not None else 0
     return target_blocks + config.max_num_seqs * (max_nodes + 2)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step produced, first on the device, then on the host.
-
-    ``execute`` leaves a draw for every plain chunk that asked for logits in
-    ``sample_groups`` and every row's logits of each token-tree (VERIFY) chunk in
-    ``verify_logits``; the speculator stages each tree's row outcomes in
-    ``verify_rows``. ``read_back`` then brings all of it to the host in one copy (a
-    GPU step's one sync), filling ``samples`` and ``verified_rows``.
-    """
-
-    sample_groups: list[tuple[list[str], DeviceRows]] = field(default_factory=list)
-    verify_logits: dict[str, torch.Tensor] = field(default_factory=dict)
-    verify_rows: dict[str, DeviceRows] = field(default_factory=dict)
-    samples: dict[str, SampleResult] = field(default_factory=dict)
-    verified_rows: dict[str, tuple[list[SampleResult], list[bool] | None]] = field(default_factory=dict)
-
-    def merge(self, other: StepOutput) -> None:
-        """Take another (partial) step's device results in (failure isolation)."""
-        self.sample_groups.extend(other.sample_groups)
-        self.verify_logits.update(other.verify_logits)
-        self.verify_rows.update(other.verify_rows)
-
-    def read_back(self) -> None:
-        """Bring every staged result to the host in one copy."""
-        groups = [rows for _, rows in self.sample_groups] + list(self.verify_rows.values())
-        host = read_back(groups)
-        for (request_ids, _), (results, _) in zip(self.sample_groups, host):
-            self.samples.update(zip(request_ids, results))
-        self.verified_rows.update(zip(self.verify_rows, host[len(self.sample_groups):]))
-        self.sample_groups, self.verify_rows = [], {}
 
 
 class ModelRunner:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.attention import AttentionMetadata
-from pagedtree.scheduler.plan import ScheduledChunk
+from pagedtree.step_data import AttentionMetadata
+from pagedtree.step_data import ScheduledChunk
 from pagedtree.uploads import StagedUpload
 
 

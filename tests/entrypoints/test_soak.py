@@ -44,7 +44,7 @@ from tests.entrypoints.test_serve_cli import ROOT, free_port, http, wait_healthy
 BLOCKS_PER_REQUEST = 3.0
 FAST_RSS_GROWTH = 24 * 2**20
 WARM_ROUNDS = 2
-# The thirty-minute soak (README, "Server memory"): idle readings after the warm-up
+# The thirty-minute soak (docs/serving.md, "Server memory"): idle readings after the warm-up
 # rounds within these of the one before them. Under load the RSS swings by a few
 # hundred MiB of free heap that the idle trim hands back, so it is read at idle.
 LONG_ROUNDS = 6

@@ -12,7 +12,7 @@ pytest.importorskip("numba")
 
 from pagedtree.attention import make_backend, resolve_backend_name  # noqa: E402
 from pagedtree.attention.cpu_backend import CpuPagedAttention, build_cpu_plan  # noqa: E402
-from pagedtree.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedtree.step_data import AttentionMetadata  # noqa: E402
 from tests.kernels.dense_attention import batch_layout, dense_attention, sequence_rows, visibility_mask  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedtree.attention import torch_backend as reference
-from pagedtree.attention.metadata import AttentionMetadata
+from pagedtree.step_data import AttentionMetadata
 from tests.kernels.dense_attention import batch_layout, dense_attention, sequence_rows, visibility_mask
 
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from pagedtree.attention import torch_backend as reference  # noqa: E402
-from pagedtree.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedtree.step_data import AttentionMetadata  # noqa: E402
 from pagedtree.kernels import triton_ops  # noqa: E402
 from pagedtree.kernels.attention_plan import (  # noqa: E402
     PlanBuffers,

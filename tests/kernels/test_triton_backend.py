@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 
 from pagedtree import LLM, SamplingParams  # noqa: E402
 from pagedtree.attention.triton_backend import TritonPagedAttention  # noqa: E402
-from pagedtree.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from pagedtree.attention import TorchPagedAttention  # noqa: E402
+from pagedtree.step_data import AttentionMetadata  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,12 +1,13 @@
 """The scheduler on its own: FCFS admission, token budget, chunked prefill,
-preemption by recompute, tree slots reserved, attached, committed and truncated."""
+preemption by recompute, tree slots reserved by a budget policy, a drafted tree's
+VERIFY chunk in them, and the rejected nodes' slots truncated in ``update``."""
 
 from __future__ import annotations
 
 from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import Phase, SlotMove
+from pagedtree.step_data import Phase, SlotMove, StepResult
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -70,17 +71,36 @@ def test_tree_slots_are_reserved_attached_committed_and_truncated():
     # The budget is capped by max_tokens: 4 - 1 generated - 1 bonus = 2 nodes.
     assert chunk.phase == Phase.DRAFT and chunk.tree_budget == 2
     assert s.block_manager.num_tokens("r") == r.num_tokens + 2
+    assert chunk.tree_slots == s.block_manager.slots("r", r.num_tokens, r.num_tokens + 2)
     # A two-node star: both children of the root.
-    s.attach_tree(chunk, r.output_token_ids[-1], [11, 12], [-1, -1], [1, 1])
-    assert chunk.phase == Phase.VERIFY and chunk.token_ids == [r.output_token_ids[-1], 11, 12]
-    assert chunk.positions == [5, 6, 6] and chunk.tree_parents == [-1, 0, 0]
+    verify = chunk.with_tree([11, 12], [-1, -1], [1, 1])
+    assert verify.phase == Phase.VERIFY and verify.token_ids == [r.output_token_ids[-1], 11, 12]
+    assert verify.positions == [5, 6, 6] and verify.tree_parents == [-1, 0, 0] and verify.context_len == 8
+    assert verify.slot_mapping == chunk.slot_mapping + chunk.tree_slots
+    assert chunk.phase == Phase.DRAFT  # the scheduler's plan is not changed
     # Node 1 (token 12) is accepted: its KV slides into the slot right after the root.
-    s.commit_tree(plan, chunk, [1])
-    assert plan.slot_moves == [SlotMove(chunk.slot_mapping[2], chunk.slot_mapping[1])]
+    assert verify.accepted_slot_moves([1]) == [SlotMove(verify.slot_mapping[2], verify.slot_mapping[1])]
+    assert verify.accepted_slot_moves([0]) == []  # a chain's accepted prefix is already in place
     r.output_token_ids += [12, 9]
-    s.update(plan)
+    s.update(plan, StepResult(accepted={"r": 1}))
     assert r.num_computed_tokens == 7 and s.block_manager.num_tokens("r") == 7
     s.block_manager.check_invariants()
+
+
+def test_the_budget_policy_sizes_the_trees():
+    class Policy:
+        def choose(self, decoding, other_tokens):
+            return {r.request_id: 3 for r in decoding if r.request_id == "a"}
+
+    s = _scheduler()
+    s.tree_budget = Policy()
+    a, b = _request("a", 5), _request("b", 5)
+    s.add_request(a)
+    s.add_request(b)
+    _finish_step(s, s.schedule())
+    plan = s.schedule()
+    assert [(c.request.request_id, c.phase, c.tree_budget) for c in plan.chunks] == [
+        ("a", Phase.DRAFT, 3), ("b", Phase.DECODE, 0)]
 
 
 def test_an_empty_tree_is_a_plain_decode_and_finish_frees_everything():
@@ -89,9 +109,11 @@ def test_an_empty_tree_is_a_plain_decode_and_finish_frees_everything():
     s.add_request(r)
     _finish_step(s, s.schedule())
     plan = s.schedule(tree_budget=3)
-    chunk = plan.chunks[0]
-    s.attach_tree(chunk, r.output_token_ids[-1], [], [], [])
-    assert chunk.phase == Phase.DECODE and s.block_manager.num_tokens("r") == r.num_tokens
+    decode = plan.chunks[0].with_tree([], [], [])
+    assert decode.phase == Phase.DECODE and decode.token_ids == plan.chunks[0].token_ids
+    r.output_token_ids.append(8)
+    s.update(plan, StepResult())  # no tree verified: the reserved slots go
+    assert s.block_manager.num_tokens("r") == r.num_tokens - 1 == r.num_computed_tokens
     s.finish(r, RequestStatus.FINISHED_ABORTED)
     s.finish(r, RequestStatus.FINISHED_ABORTED)  # finishing twice is harmless (recovery paths)
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks and not s.has_unfinished()

@@ -307,7 +307,7 @@ def test_the_budget_prices_a_suffix_tree_by_its_own_counts():
     tree, draft-free (no draft levels priced), the others from the acceptance table."""
     policy = _merged_policy(1.0)  # drafting with the model cannot pay
     requests = _requests(2)
-    policy.suffix_tree = lambda r: _chain_tree(10, -0.01) if r is requests[1] else None
+    policy.suffix_tree = lambda r, _nodes: _chain_tree(10, -0.01) if r is requests[1] else None
     budgets = policy.choose(requests, 0)
     assert budgets[requests[0].request_id] == 0 and budgets[requests[1].request_id] == 12
     assert policy.draft_free == {requests[1].request_id}
@@ -323,7 +323,7 @@ def test_a_weaker_suffix_tree_wins_only_where_drafting_costs_more_than_it_adds()
     weak = _chain_tree(4, -0.4)  # about 1.4 tokens expected, against about 3 for the chain
     costly, cheap = _merged_policy(0.5), _merged_policy(0.02)
     for policy in (costly, cheap):
-        policy.suffix_tree = lambda r: weak
+        policy.suffix_tree = lambda r, _nodes: weak
         assert max(policy.choose(requests, 0).values()) > 0
     assert costly.draft_free == {requests[0].request_id}
     assert cheap.draft_free == set()
@@ -336,7 +336,7 @@ def test_suffix_trees_that_beat_their_counts_are_trusted_more():
     requests = _requests(1)
     weak = _chain_tree(4, -0.4)  # about 1.6 tokens by its counts
     costly, cheap = _merged_policy(0.5), _merged_policy(0.02)
-    costly.suffix_tree = cheap.suffix_tree = lambda r: weak
+    costly.suffix_tree = cheap.suffix_tree = lambda r, _nodes: weak
     for _ in range(30):
         costly.choose(requests, 0)
         assert costly.draft_free == {requests[0].request_id}

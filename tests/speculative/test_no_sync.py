@@ -20,7 +20,8 @@ import torch
 
 from pagedtree import LLM, SamplingParams
 from pagedtree.speculative import SpeculativeConfig
-from pagedtree.worker.model_runner import ModelRunner, StepOutput
+from pagedtree.worker.model_runner import ModelRunner
+from pagedtree.step_data import StepOutput
 
 READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 

@@ -14,6 +14,7 @@ import pytest
 
 from pagedtree import LLM, SamplingParams
 from pagedtree.speculative import SpeculativeConfig
+from pagedtree.step_data import Phase
 from tests.conftest import assert_no_leaks, random_prompts
 
 MAX_TOKENS = 24
@@ -92,16 +93,18 @@ def test_seeded_requests_repeat_under_preemption_and_shrinking_trees(
         draft_model=str(tiny_llama_draft.path), num_draft_kv_blocks=40, speculative=TREES[tree],
     )
     scheduler = llm.engine.scheduler
-    attach = scheduler.attach_tree
+    schedule = scheduler.schedule
     shrunk = []
 
-    def spy(chunk, *args):
-        request = chunk.request
-        room = min(8, MAX_TOKENS - len(request.output_token_ids) - 1)
-        shrunk.append(chunk.tree_budget < room)  # fewer slots than asked: blocks were short
-        return attach(chunk, *args)
+    def spy(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        for chunk in plan.chunks:
+            if chunk.phase == Phase.DRAFT:
+                room = min(8, MAX_TOKENS - len(chunk.request.output_token_ids) - 1)
+                shrunk.append(chunk.tree_budget < room)  # fewer slots than asked: blocks were short
+        return plan
 
-    scheduler.attach_tree = spy
+    scheduler.schedule = spy
     assert _batch(llm, prompts, with_neighbours=False) == plain_tokens
     stats = llm.stats()
     assert stats["num_preemptions"] > 0

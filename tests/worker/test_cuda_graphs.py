@@ -17,7 +17,7 @@ from pagedtree import LLM, SamplingParams
 from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import Phase, ScheduledChunk
+from pagedtree.step_data import Phase, ScheduledChunk
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_TOKENS, graph_buckets, token_buckets
 from pagedtree.worker.model_runner import ModelRunner
 

@@ -11,7 +11,7 @@ from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.scheduler.plan import Phase, ScheduledChunk, SlotMove, StepPlan
+from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepPlan
 from pagedtree.worker.model_runner import ModelRunner, kv_bytes_per_block, num_draft_kv_blocks, num_kv_blocks
 
 
