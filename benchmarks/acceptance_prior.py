@@ -3,7 +3,7 @@
 Runs the target with the draft on a prompt set with a fixed tree (every request
 speculates every step), greedy and at a sampling temperature, and counts every
 tested proposal's (depth, rank, accepted). Prints the rates as the Python literal
-that ``pagedtree.speculative.presets.PAIR_PRIORS`` stores, and a table.
+that ``pagedtree.speculative.budget.priors.PAIR_PRIORS`` stores, and a table.
 
     python benchmarks/acceptance_prior.py --model qwen2.5-coder-1.5b-instruct \\
         --draft-model qwen2.5-coder-0.5b-instruct --datasets coding,prose
@@ -34,7 +34,7 @@ def main() -> None:
 
     from pagedtree import LLM, SamplingParams
     from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
-    from pagedtree.speculative.acceptance import request_class
+    from pagedtree.speculative.budget.acceptance import request_class
 
     expansion = tuple(int(k) for k in args.expansion.split(","))
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=8, draft_model=args.draft_model,

@@ -20,8 +20,8 @@ from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.shards import load_draft
 from pagedtree.loading import packaged_models as pm
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.speculative.draft_worker import DraftWorker
-from pagedtree.speculative.presets import acceptance_prior
+from pagedtree.speculative.drafting.draft_worker import DraftWorker
+from pagedtree.speculative.budget.priors import acceptance_prior
 from pagedtree.speculative.speculator import Speculator
 from pagedtree.worker.calibration import CalibrationCache, calibrate, calibration_key
 from pagedtree.worker.model_runner import ModelRunner

@@ -6,7 +6,7 @@ from collections import deque
 
 from pagedtree.request import Request
 from pagedtree.speculative.tree import TokenTree
-from pagedtree.speculative.verify import VerifyResult
+from pagedtree.speculative.verification.rules import VerifyResult
 
 # Per-step tree sizes kept for stats (bounded so long runs do not grow without end).
 _TREE_SIZE_HISTORY = 10_000

@@ -23,16 +23,16 @@ import torch
 
 from pagedtree.distributed.group import TensorParallelError
 from pagedtree.request import Request, RequestStatus
-from pagedtree.speculative.budget import BudgetPolicy
+from pagedtree.speculative.budget.policy import BudgetPolicy
 from pagedtree.config import SpeculativeConfig
-from pagedtree.speculative.draft_worker import DraftWorker
+from pagedtree.speculative.drafting.draft_worker import DraftWorker
 from pagedtree.speculative.metrics import SpecMetrics
 from pagedtree.speculative.noise import NoiseCache
-from pagedtree.speculative.presets import AcceptancePrior, acceptance_prior
-from pagedtree.speculative.proposer import TreeProposer, proposal_rule
-from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
+from pagedtree.speculative.budget.priors import AcceptancePrior, acceptance_prior
+from pagedtree.speculative.drafting.proposer import TreeProposer, proposal_rule
+from pagedtree.speculative.drafting.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
-from pagedtree.speculative.verifier import Verifier
+from pagedtree.speculative.verification.verifier import Verifier
 from pagedtree.step_data import Phase, ScheduledChunk, StepOutput, StepPlan, StepResult
 
 logger = logging.getLogger("pagedtree")

@@ -11,10 +11,10 @@ from pagedtree import LLM, SamplingParams
 from pagedtree.config import SpeculativeConfig
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams as Params
-from pagedtree.speculative.acceptance import AcceptanceTable, RequestEvidence
-from pagedtree.speculative.adaptive import CostModel, HostOverhead, StepCosts, fed_per_level, plan_budgets
-from pagedtree.speculative.budget import BudgetPolicy
-from pagedtree.speculative.presets import DEFAULT_PRIORS, PAIR_PRIORS, acceptance_prior
+from pagedtree.speculative.budget.acceptance import AcceptanceTable, RequestEvidence
+from pagedtree.speculative.budget.planner import CostModel, HostOverhead, StepCosts, fed_per_level, plan_budgets
+from pagedtree.speculative.budget.policy import BudgetPolicy
+from pagedtree.speculative.budget.priors import DEFAULT_PRIORS, PAIR_PRIORS, acceptance_prior
 from pagedtree.speculative.tree import ROOT, TreeShape
 from pagedtree.worker import calibration
 from tests.conftest import assert_no_leaks

@@ -15,12 +15,12 @@ import torch
 from scipy.stats import chisquare
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.speculative import builders
-from pagedtree.speculative.builders import DynamicTreeBuilder, ShapeTreeBuilder
-from pagedtree.speculative.merge import merge_trees
-from pagedtree.speculative.sequoia import optimal_shape
+from pagedtree.speculative.drafting import builders
+from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder
+from pagedtree.speculative.drafting.merge import merge_trees
+from pagedtree.speculative.budget.sequoia import optimal_shape
 from pagedtree.speculative.tree import ROOT, ChildDraw, TreeShape
-from pagedtree.speculative.verify import verify_stochastic
+from pagedtree.speculative.verification.rules import verify_stochastic
 
 V = 5
 DRAWS = 5000

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.speculative.builders import DynamicTreeBuilder, ShapeTreeBuilder
+from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder
 from pagedtree.speculative.tree import TreeShape
-from pagedtree.speculative.draft_worker import DraftJob, DraftWorker
+from pagedtree.speculative.drafting.draft_worker import DraftJob, DraftWorker
 
 VOCAB = 12
 

@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 
 from pagedtree import LLM, SamplingParams
 from pagedtree.speculative import SpeculativeConfig
-from pagedtree.speculative import verify as verify_module
+from pagedtree.speculative.verification import rules as verify_module
 from tests.conftest import save_tiny_model
 from tests.speculative.conftest import save_perturbed_copy
 
@@ -153,7 +153,7 @@ def test_engine_with_a_wrong_rule_fails(tiny_vocab_pair, monkeypatch):
                     draw.probs = torch.full_like(draw.probs, 1.0 / draw.probs.numel())
             super().__init__(tree, probs, generator)
 
-    monkeypatch.setattr("pagedtree.speculative.verifier.RowTests", Wrong)
+    monkeypatch.setattr("pagedtree.speculative.verification.verifier.RowTests", Wrong)
     target, draft = tiny_vocab_pair
     llm = _llm(target, [draft], tree="static", expansion=(2, 1), draft_sampling="iid")
     counts, _ = _sampled_joint(llm)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedtree.speculative.merge import merge_trees
-from pagedtree.speculative.verify import RowTests, walk_stochastic
+from pagedtree.speculative.drafting.merge import merge_trees
+from pagedtree.speculative.verification.rules import RowTests, walk_stochastic
 
 from tests.speculative.test_distribution import V, _builder, _expected, _grow, _pvalue, _tables
 

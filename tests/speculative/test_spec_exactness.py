@@ -150,7 +150,7 @@ def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
 def test_a_draft_failure_costs_only_the_failing_request(tiny_llama, tiny_llama_draft, prompts, reference, caplog, monkeypatch):
     """Drafting that raises for one request: it decodes without speculation (same
     tokens), every other request of the same steps still speculates."""
-    from pagedtree.speculative.draft_worker import DraftWorker
+    from pagedtree.speculative.drafting.draft_worker import DraftWorker
 
     bad = prompts[2]
     real = DraftWorker.propose

@@ -12,7 +12,7 @@ from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import Phase, SlotMove
 from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedtree.speculative import SpeculativeConfig
-from pagedtree.speculative.draft_worker import DraftWorker
+from pagedtree.speculative.drafting.draft_worker import DraftWorker
 from pagedtree.speculative.speculator import Speculator
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.step_data import StepOutput

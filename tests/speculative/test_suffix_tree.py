@@ -7,8 +7,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedtree.speculative.suffix_drafter import GlobalSuffixCache
-from pagedtree.speculative.suffix_tree import ROOT, SuffixTree
+from pagedtree.speculative.drafting.suffix_drafter import GlobalSuffixCache
+from pagedtree.speculative.drafting.suffix_tree import ROOT, SuffixTree
 
 # A small alphabet makes repeats (the interesting case) common.
 streams = st.lists(st.lists(st.integers(0, 3), max_size=30), max_size=5)
@@ -160,7 +160,7 @@ def test_global_cache_keeps_the_newest_outputs_within_its_token_bound(outputs, m
 def test_a_long_prompt_is_indexed_from_its_newest_tokens():
     from pagedtree.request import Request
     from pagedtree.sampling_params import SamplingParams
-    from pagedtree.speculative.suffix_drafter import SuffixConfig, SuffixDrafter
+    from pagedtree.speculative.drafting.suffix_drafter import SuffixConfig, SuffixDrafter
 
     drafter = SuffixDrafter(SuffixConfig(max_depth=4, max_match=2, request_tokens=100))
     prompt = [7, 8, 9] + list(range(10, 1000))  # 7 8 9 only in the oldest part

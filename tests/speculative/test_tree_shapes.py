@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.speculative.adaptive import CostModel, RankAcceptance
-from pagedtree.speculative.builders import ShapeTreeBuilder
-from pagedtree.speculative.merge import merge_trees
-from pagedtree.speculative.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
+from pagedtree.speculative.budget.acceptance import RankAcceptance
+from pagedtree.speculative.budget.planner import CostModel
+from pagedtree.speculative.drafting.builders import ShapeTreeBuilder
+from pagedtree.speculative.drafting.merge import merge_trees
+from pagedtree.speculative.budget.sequoia import expected_accepted, marginal_rank_rates, optimal_shape
 from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, TreeShape
-from pagedtree.speculative.verify import verify_greedy
+from pagedtree.speculative.verification.rules import verify_greedy
 
 
 def test_expansion_shape_is_breadth_first_and_capped():

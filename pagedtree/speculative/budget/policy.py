@@ -13,23 +13,23 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pagedtree.config import SpeculativeConfig
 from pagedtree.request import Request
-from pagedtree.speculative.acceptance import (
+from pagedtree.speculative.budget.acceptance import (
     REQUEST_CLASSES,
     AcceptanceTable,
+    RankAcceptance,
     RequestEvidence,
     request_class,
 )
-from pagedtree.speculative.adaptive import (
+from pagedtree.speculative.budget.planner import (
     BudgetPlan,
     CostModel,
     HostOverhead,
-    RankAcceptance,
     StepCosts,
     fed_per_level,
     plan_budgets,
 )
-from pagedtree.speculative.presets import AcceptancePrior
-from pagedtree.speculative.sequoia import optimal_shape
+from pagedtree.speculative.budget.priors import AcceptancePrior
+from pagedtree.speculative.budget.sequoia import optimal_shape
 from pagedtree.speculative.tree import TokenTree, TreeShape, expected_accepted
 
 # Weight of each speculative step in the measured/predicted correction.

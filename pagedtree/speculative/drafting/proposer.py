@@ -15,13 +15,13 @@ import torch
 
 from pagedtree.distributed.group import TensorParallelError
 from pagedtree.request import Request
-from pagedtree.speculative.budget import BudgetPolicy
-from pagedtree.speculative.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
+from pagedtree.speculative.budget.policy import BudgetPolicy
+from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
 from pagedtree.config import SpeculativeConfig
-from pagedtree.speculative.draft_worker import DraftJob, DraftWorker
-from pagedtree.speculative.merge import merge_trees
+from pagedtree.speculative.drafting.draft_worker import DraftJob, DraftWorker
+from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.noise import NoiseCache
-from pagedtree.speculative.suffix_drafter import SuffixDrafter
+from pagedtree.speculative.drafting.suffix_drafter import SuffixDrafter
 from pagedtree.speculative.tree import DETERMINISTIC_RULES, RANDOM_RULES, TokenTree
 
 logger = logging.getLogger("pagedtree")

@@ -27,7 +27,7 @@ from pagedtree.sampling import (
 )
 from pagedtree.speculative.noise import NoiseCache
 from pagedtree.speculative.tree import TokenTree
-from pagedtree.speculative.verify import RowTests, VerifyResult, verify_greedy, walk_stochastic
+from pagedtree.speculative.verification.rules import RowTests, VerifyResult, verify_greedy, walk_stochastic
 
 
 class Verifier:

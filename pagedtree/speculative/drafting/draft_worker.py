@@ -24,7 +24,7 @@ import torch
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import BlockCopy, Phase, ScheduledChunk
-from pagedtree.speculative.builders import TreeBuilder, read_children
+from pagedtree.speculative.drafting.builders import TreeBuilder, read_children
 from pagedtree.speculative.tree import ROOT, TokenTree
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts

@@ -12,7 +12,7 @@ like the trees of several draft models.
 Proposals are deterministic (``topk`` draws ordered by frequency), so every
 verification rule accepts them exactly: greedy and coupled requests follow the
 target's token, others accept each proposal with the target's probability
-(``verify.verify_stochastic``).
+(``verification.rules.verify_stochastic``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedtree.request import Request
-from pagedtree.speculative.merge import merge_trees
-from pagedtree.speculative.suffix_tree import ROOT as TRIE_ROOT
-from pagedtree.speculative.suffix_tree import SuffixTree
+from pagedtree.speculative.drafting.merge import merge_trees
+from pagedtree.speculative.drafting.suffix_tree import ROOT as TRIE_ROOT
+from pagedtree.speculative.drafting.suffix_tree import SuffixTree
 from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
 
 

@@ -13,12 +13,13 @@ and per request.
   does not speculate, a request that stopped speculating is re-tried once its bad
   evidence has faded, and at once when a zero-cost drafter (the suffix tree) finds a
   match for it.
+- ``RankAcceptance``: per-rank acceptance pooled over depths (it sizes Sequoia shapes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.speculative.tree import ROOT, TreeShape
@@ -110,3 +111,24 @@ class RequestEvidence:
     def factor(self) -> float:
         """How this request's acceptance compares with its class's (1 = the same)."""
         return (self.STRENGTH + self.hits) / (self.STRENGTH + self.expected)
+
+
+@dataclass(slots=True)
+class RankAcceptance:
+    """Per-rank acceptance counts pooled over depths, with a weak prior."""
+
+    tried: list[float] = field(default_factory=lambda: [4.0, 4.0, 4.0, 4.0])
+    accepted: list[float] = field(default_factory=lambda: [2.4, 0.8, 0.4, 0.2])
+
+    def observe(self, rank_trials: Sequence[tuple[int, bool]]) -> None:
+        """Record the children tested by one verification."""
+        for rank, hit in rank_trials:
+            while rank >= len(self.tried):
+                self.tried.append(1.0)
+                self.accepted.append(0.0)
+            self.tried[rank] += 1
+            self.accepted[rank] += 1 if hit else 0
+
+    def rates(self) -> tuple[float, ...]:
+        """Conditional acceptance rate per rank (see ``pagedtree.speculative.budget.sequoia``)."""
+        return tuple(a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried))

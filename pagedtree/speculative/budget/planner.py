@@ -11,7 +11,6 @@ verify pass and the extra host work cost. The pieces:
 - ``HostOverhead``: host seconds per request and step outside the forwards, for
   plain decoding and the extra for a speculating request (tree building,
   verification), measured online.
-- ``RankAcceptance``: per-rank acceptance pooled over depths (it sizes Sequoia shapes).
 
 ``plan_budgets`` predicts committed tokens per second of the whole step for plain
 decoding and for letting the ``k`` requests most likely to gain speculate with a
@@ -129,27 +128,6 @@ class HostOverhead:
         else:
             extra = max(0.0, host_seconds - self.plain * num_requests) / num_speculating
             self.speculating += _EMA * (extra - self.speculating)
-
-
-@dataclass(slots=True)
-class RankAcceptance:
-    """Per-rank acceptance counts pooled over depths, with a weak prior."""
-
-    tried: list[float] = field(default_factory=lambda: [4.0, 4.0, 4.0, 4.0])
-    accepted: list[float] = field(default_factory=lambda: [2.4, 0.8, 0.4, 0.2])
-
-    def observe(self, rank_trials: Sequence[tuple[int, bool]]) -> None:
-        """Record the children tested by one verification."""
-        for rank, hit in rank_trials:
-            while rank >= len(self.tried):
-                self.tried.append(1.0)
-                self.accepted.append(0.0)
-            self.tried[rank] += 1
-            self.accepted[rank] += 1 if hit else 0
-
-    def rates(self) -> tuple[float, ...]:
-        """Conditional acceptance rate per rank (see ``pagedtree.speculative.sequoia``)."""
-        return tuple(a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried))
 
 
 @dataclass(slots=True)
