@@ -702,7 +702,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--llamacpp-threads must be >= 1")
     if args.dtype == "auto":
         # Resolved once here so every engine (not only pagedtree) runs the same dtype.
-        from pagedtree.config import cpu_has_native_bf16
+        from pagedtree.loading.resolve import cpu_has_native_bf16
 
         args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     if args.vllm_dtype is None:

@@ -1,9 +1,15 @@
-"""Engine-wide settings (the keyword arguments of ``LLM`` and ``AsyncEngine``) and the
-tree-speculation settings among them (plain data, validated on construction)."""
+"""Settings, plain data validated on construction.
+
+``EngineConfig`` is the flat form users write (the keyword arguments of ``LLM`` and
+``AsyncEngine``, the CLI's flags, what tensor-parallel ranks receive as JSON). At
+engine start, one resolve step (``loading/resolve.py``) probes the machine and
+splits it by consumer, as vLLM does: ``ModelConfig`` per model (target and drafts),
+``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig`` and ``SpeculativeConfig``,
+held together in ``ResolvedConfig``. Each component takes only its own.
+"""
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -11,18 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), where bf16
-    linear layers run about twice as fast as fp32; read from /proc/cpuinfo (Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-_DTYPES = {
+DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
     "float": torch.float32,
@@ -36,7 +31,7 @@ _DTYPES = {
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 QUANTIZATIONS = ("int8", "int4", "q4", "q8")  # see pagedtree.worker.models.linear
 # Formats whose kernels take bf16 activations (the others take fp32).
-_BF16_QUANTIZATIONS = ("int8", "int4")
+BF16_QUANTIZATIONS = ("int8", "int4")
 MAX_TENSOR_PARALLEL = 64
 
 TREE_KINDS = ("static", "chain", "dynamic", "sequoia")
@@ -146,7 +141,8 @@ class SpeculativeConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """How to load the model and size the cache and the batch.
+    """How to load the model and size the cache and the batch (the flat form; see the
+    module docstring).
 
     ``model`` is a packaged model name, a Hugging Face folder, a ``.gguf`` file or a
     hub id; None means the embedded default. ``kv_cache_memory`` (bytes) sizes the
@@ -225,12 +221,6 @@ class EngineConfig:
             allowed = QUANTIZATIONS + ("none",)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be None or one of {allowed}, got {value!r}")
-        uses_blocks = {self.quantization, self.draft_quantization} & {"q4", "q8"}
-        if uses_blocks and self.resolve_device().type != "cpu":
-            raise ValueError(f"quantization {sorted(uses_blocks)[0]!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
-        if uses_blocks and not block_quant_available():
-            raise ValueError(f"quantization {sorted(uses_blocks)[0]!r} needs onnxruntime and onnx: "
-                             "pip install onnxruntime onnx")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -279,10 +269,12 @@ class EngineConfig:
             )
         if not isinstance(self.distributed_timeout, (int, float)) or not 1 <= self.distributed_timeout <= 86400:
             raise ValueError(f"distributed_timeout must be in [1, 86400] seconds, got {self.distributed_timeout!r}")
-        self.resolve_device()
-        self.resolve_dtype()
-        if self.draft_dtype is not None:
-            self.resolve_draft_dtype()
+        check_device_name(self.device)
+        for name in ("dtype", "draft_dtype"):
+            value = getattr(self, name)
+            if not (value is None and name == "draft_dtype") and not isinstance(value, torch.dtype) \
+                    and value != "auto" and value not in DTYPES:
+                raise ValueError(f"{name} must be 'auto' or one of {sorted(DTYPES)}, got {value!r}")
 
     def to_json(self) -> str:
         """This config as JSON (how rank 0 hands it to the other tensor-parallel ranks)."""
@@ -302,61 +294,100 @@ class EngineConfig:
         """Whether the engine speculates (a draft model, or the suffix drafter)."""
         return self.speculative is not None and (bool(self.draft_model) or self.speculative.drafter != "model")
 
-    def resolve_device(self) -> torch.device:
-        """The torch device to run on ("auto": CUDA when present, else CPU)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as exc:
-            raise ValueError(f"device {self.device!r} is not a torch device") from exc
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
-        return device
 
-    def resolve_dtype(self) -> torch.dtype:
-        """The target's activation (and dense weight) dtype: see ``resolve_model_dtype``."""
-        return self._dtype_of(self.dtype, self.target_quantization())
-
-    def resolve_draft_dtype(self) -> torch.dtype:
-        """The drafts' dtype (``draft_dtype``, else the target's)."""
-        if self.draft_dtype is None:
-            return self._dtype_of(self.dtype, self.resolve_draft_quantization())
-        return self._dtype_of(self.draft_dtype, self.resolve_draft_quantization())
-
-    def target_quantization(self) -> str | None:
-        """The target's quantization (None: dense; ``"none"`` and unset alike; the
-        engine resolves unset to the model's own format first, ``model_format``)."""
-        return None if self.quantization == "none" else self.quantization
-
-    def resolve_draft_quantization(self) -> str | None:
-        """The drafts' quantization (``draft_quantization``, else the target's)."""
-        if self.draft_quantization is None:
-            return self.target_quantization()
-        return None if self.draft_quantization == "none" else self.draft_quantization
-
-    def _dtype_of(self, dtype: str | torch.dtype, quantization: str | None) -> torch.dtype:
-        """"auto": bf16 on CUDA, for quantized weights (their kernels take bf16) and on
-        CPUs with native bf16 arithmetic (as vLLM's CPU build); fp32 on other CPUs."""
-        if isinstance(dtype, torch.dtype):
-            return dtype
-        if dtype == "auto":
-            if (quantization in _BF16_QUANTIZATIONS or self.resolve_device().type == "cuda"
-                    or cpu_has_native_bf16()):
-                return torch.bfloat16
-            return torch.float32
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-        return _DTYPES[dtype]
-
-
-def block_quant_available() -> bool:
-    """Whether the q4/q8 formats' libraries import (config stays free of worker imports)."""
+def check_device_name(device: str) -> None:
+    """``ValueError`` unless ``device`` is "auto", "cpu", "cuda" or "cuda:N" (whether
+    such a device is present is the resolve step's question)."""
+    if device == "auto":
+        return
     try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device") from exc
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model as a runner loads it (the target, or a draft), resolved: its source,
+    activation dtype, weight format (None: dense), device and attention backend;
+    ``head_vocab`` cuts a draft's LM head; ``enforce_eager`` switches off fused CPU
+    kernels and CUDA graphs."""
+
+    model: str | None
+    dtype: torch.dtype
+    quantization: str | None
+    device: torch.device
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    head_vocab: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """How the KV caches are sized and shared: block size, the memory budget (CPU
+    bytes, or a fraction of the GPU), fixed block counts, prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    num_draft_kv_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step. ``max_model_len`` None: the model's own (set once loaded)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism: ranks of the target, of the drafts (1 or the same), and how
+    long a collective may wait before the group is declared broken."""
+
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
+    distributed_timeout: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """An ``EngineConfig`` after the engine's one resolve step (``loading/resolve.py``),
+    split by consumer: each component takes its own part."""
+
+    target: ModelConfig
+    drafts: tuple[ModelConfig, ...]
+    speculative: SpeculativeConfig | None  # None: no speculation
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    max_model_len: int | None = None  # as asked; None: the model's positions
+    tokenizer: str | None = None
+    seed: int = 0
+    max_logprobs: int = 20
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """Tree nodes a request may verify per step (0 without speculation)."""
+        return self.speculative.max_nodes if self.speculative is not None else 0

@@ -129,6 +129,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model_config
         self.model_path = engine.model_path
+        self.resolved = engine.resolved  # device, dtypes, formats (frozen plain data)
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = engine.eos_token_ids
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)

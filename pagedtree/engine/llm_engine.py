@@ -14,16 +14,17 @@ A step is three calls, each with one owner:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 
-from pagedtree.config import EngineConfig
+from pagedtree.config import EngineConfig, ResolvedConfig
 from pagedtree.engine.output_processor import OutputProcessor
 from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
@@ -32,8 +33,8 @@ from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.executor.launcher import TensorParallelGroupHandle
 from pagedtree.executor.shards import load_target
 from pagedtree.loading.loader import load_tokenizer, resolve_model_path
-from pagedtree.loading.model_format import with_default_quantization
-from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.loading.resolve import resolve_config, with_default_quantization
+from pagedtree.scheduler.scheduler import Scheduler
 from pagedtree.engine.speculation_setup import calibrate_speculation, load_speculator
 from pagedtree.speculative.step_runner import StepRunner
 from pagedtree.step_data import StepPlan, StepResult
@@ -67,19 +68,26 @@ class LLMEngine:
     """Owns the model, the KV cache, the scheduler; ``step()`` advances every request."""
 
     def __init__(self, config: EngineConfig):
-        # unset quantization -> the model's own format (a GGUF file: its blocks, exactly)
+        # The one resolve step: device, dtypes, formats (unset quantization -> the
+        # model's own format: a GGUF file's blocks, exactly), split by consumer.
         config = with_default_quantization(config)
-        self.config = config
-        self.dtype = config.resolve_dtype()
+        self.config = config  # as given, flat (what the server and stats report)
+        resolved = resolve_config(config)
         started = time.monotonic()
         # Tensor parallelism: ranks 1..N-1 start (or join) first and load their
         # shards while this process loads rank 0's.
         self.tensor_parallel = TensorParallelGroupHandle.start(config) if config.tensor_parallel_size > 1 else None
-        self.device = self.tensor_parallel.device if self.tensor_parallel is not None else config.resolve_device()
+        if self.tensor_parallel is not None:  # rank 0's device of the group
+            device = self.tensor_parallel.device
+            resolved = replace(resolved, target=replace(resolved.target, device=device),
+                               drafts=tuple(replace(d, device=device) for d in resolved.drafts))
+        self.resolved = resolved
+        self.device = resolved.target.device
+        self.dtype = resolved.target.dtype
         self._finalizer = (weakref.finalize(self, self.tensor_parallel.shutdown)
                            if self.tensor_parallel is not None else None)
         try:
-            self._load(config)
+            self._load(resolved)
         except BaseException:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.group.mark_broken("rank 0 failed to start")
@@ -88,14 +96,15 @@ class LLMEngine:
         self.load_seconds = time.monotonic() - started
         logger.info(
             "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d, attention %s%s",
-            self.model_path, self.load_seconds, self.block_manager.num_blocks, config.block_size,
+            self.model_path, self.load_seconds, self.block_manager.num_blocks, resolved.cache.block_size,
             self.max_model_len, self.attention_backend,
             f", tensor parallel over {config.tensor_parallel_size} ranks" if self.tensor_parallel else "",
         )
 
-    def _load(self, config: EngineConfig) -> None:
+    def _load(self, config: ResolvedConfig) -> None:
         channel = self.tensor_parallel.channel if self.tensor_parallel is not None else None
-        target = load_target(config, self.device, self.dtype, channel)
+        max_tree_nodes = config.max_tree_nodes if config.speculative is not None else None
+        target = load_target(config.target, config.cache, config.scheduler, config.max_model_len, max_tree_nodes, channel)
         loaded = target.loaded
         self.model_path = loaded.path
         self.model_config = loaded.config
@@ -106,30 +115,26 @@ class LLMEngine:
         self.attention_backend = target.backend
         self.runner = target.runner
         num_blocks = target.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        max_batched = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        max_batched = config.scheduler.max_num_batched_tokens
+        if not config.scheduler.enable_chunked_prefill:
             max_batched = max(max_batched, self.max_model_len)
         self.speculator = None
-        if config.speculation_enabled:
-            channel = self.tensor_parallel.channel if self.tensor_parallel and config.draft_tensor_parallel_size > 1 else None
-            self.speculator = load_speculator(config, self.vocab_size, self.max_model_len, num_blocks, self.device, channel)
+        if config.speculative is not None:
+            sharded = self.tensor_parallel is not None and config.parallel.draft_tensor_parallel_size > 1
+            self.speculator = load_speculator(config, self.vocab_size, self.max_model_len, num_blocks,
+                                              self.tensor_parallel.channel if sharded else None)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                max_model_len=self.max_model_len,
-            ),
+            replace(config.scheduler, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len),
             self.block_manager,
             tree_budget=self.speculator.budget if self.speculator is not None else None,
         )
         self.step_runner = StepRunner(self.runner, self.speculator)
         if self.tensor_parallel is not None:
-            sharded_drafts = self.speculator.drafts if config.draft_tensor_parallel_size > 1 else []
+            sharded_drafts = self.speculator.drafts if config.parallel.draft_tensor_parallel_size > 1 else []
             self.tensor_parallel.runners = [self.runner] + [draft.runner for draft in sharded_drafts]
         if self.speculator is not None and config.speculative.adaptive:
-            calibrate_speculation(self.speculator, config, self.runner, loaded.path, self.dtype)
+            calibrate_speculation(self.speculator, config, self.runner, loaded.path)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
@@ -314,6 +319,18 @@ class LLMEngine:
         if enabled and self.speculator is None:
             raise ValueError("this engine has no draft model or drafter")
         self.scheduler.tree_budget = self.speculator.budget if enabled else None
+
+    @contextlib.contextmanager
+    def speculation_paused(self) -> Iterator[None]:
+        """Steps inside run as if the engine had no speculator: nothing is drafted,
+        measured or remembered (the warm-up's random prompts must not teach the
+        budget or the suffix drafter anything)."""
+        saved = self.speculator, self.step_runner, self.scheduler.tree_budget
+        self.speculator, self.step_runner, self.scheduler.tree_budget = None, StepRunner(self.runner), None
+        try:
+            yield
+        finally:
+            self.speculator, self.step_runner, self.scheduler.tree_budget = saved
 
     @property
     def speculation_enabled(self) -> bool:

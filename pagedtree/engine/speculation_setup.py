@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
-from pagedtree.config import EngineConfig
+from pagedtree.config import ResolvedConfig
 from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.shards import load_draft
 from pagedtree.loading import packaged_models as pm
@@ -27,37 +25,39 @@ from pagedtree.worker.calibration import CalibrationCache, calibrate, calibratio
 from pagedtree.worker.model_runner import ModelRunner
 
 
-def load_speculator(config: EngineConfig, vocab_size: int, max_model_len: int, target_blocks: int,
-                    device: torch.device, channel: CommandChannel | None = None) -> Speculator:
+def load_speculator(config: ResolvedConfig, vocab_size: int, max_model_len: int, target_blocks: int,
+                    channel: CommandChannel | None = None) -> Speculator:
     """The speculator of ``config``: its draft workers loaded, its acceptance prior
     the measured one of a packaged pair or the drafter's default."""
     drafts = [
-        load_draft_worker(config, index, vocab_size, max_model_len, target_blocks, device, channel)
-        for index in range(len(config.draft_model or ()))
+        load_draft_worker(config, index, vocab_size, max_model_len, target_blocks, channel)
+        for index in range(len(config.drafts))
     ]
-    prior = acceptance_prior(config.model or pm.DEFAULT_MODEL, config.draft_model, config.speculative.drafter)
-    return Speculator(config.speculative, drafts, vocab_size, device, prior)
+    names = [draft.model for draft in config.drafts] or None
+    prior = acceptance_prior(config.target.model or pm.DEFAULT_MODEL, names, config.speculative.drafter)
+    return Speculator(config.speculative, drafts, vocab_size, config.target.device, prior)
 
 
 def load_draft_worker(
-    config: EngineConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int,
-    device: torch.device, channel: CommandChannel | None = None,
+    config: ResolvedConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int,
+    channel: CommandChannel | None = None,
 ) -> DraftWorker:
-    """Load ``config.draft_model[index]`` with its own KV cache and block manager
+    """Load draft model ``index`` with its own KV cache and block manager
     (``executor.shards.load_draft``; sharded over the tensor-parallel group when a
     ``channel`` is given, else whole on this process).
 
     The draft must share the target's vocabulary.
     """
-    name = config.draft_model[index]
-    shard = load_draft(config, index, device, target_blocks, max_model_len, channel)
+    draft = config.drafts[index]
+    shard = load_draft(draft, index, config.cache, config.scheduler, config.max_tree_nodes, target_blocks,
+                       max_model_len, channel)
     vocab = int(shard.loaded.config.vocab_size)
     if vocab != vocab_size:
         raise ValueError(
-            f"draft model {name!r} has a vocabulary of {vocab} tokens, the target {vocab_size}: "
+            f"draft model {draft.model!r} has a vocabulary of {vocab} tokens, the target {vocab_size}: "
             "a draft must share the target's tokenizer"
         )
-    block_manager = BlockManager(shard.num_blocks, config.block_size, config.enable_prefix_caching)
+    block_manager = BlockManager(shard.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     return DraftWorker(shard.runner, block_manager, name=f"draft{index}", index=index,
                        model_path=str(shard.loaded.path))
 
@@ -71,20 +71,21 @@ def calibration_dir() -> Path:
     return Path(os.environ.get("PAGEDTREE_CALIBRATION_DIR", pm.cache_dir() / "calibration"))
 
 
-def calibrate_speculation(speculator: Speculator, config: EngineConfig, target_runner: ModelRunner,
-                          target_path: str | os.PathLike, dtype: torch.dtype) -> None:
+def calibrate_speculation(speculator: Speculator, config: ResolvedConfig, target_runner: ModelRunner,
+                          target_path: str | os.PathLike) -> None:
     """Seed ``speculator``'s cost curves from the cache, or measure and cache them."""
-    spec = config.speculative
-    largest = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + spec.max_nodes), _MAX_CALIBRATED_TOKENS)
+    limits = config.scheduler
+    largest = min(limits.max_num_batched_tokens, limits.max_num_seqs * (1 + config.max_tree_nodes),
+                  _MAX_CALIBRATED_TOKENS)
     cache = CalibrationCache(calibration_dir())
-    device = target_runner.device
-    target_key = calibration_key(target_path, device, dtype, config.target_quantization(), largest, config.tensor_parallel_size)
-    target = calibrate(target_runner, cache, target_key, largest, label="target")
-    draft = None
+    target = config.target
+    target_key = calibration_key(target_path, target.device, target.dtype, target.quantization, largest,
+                                 config.parallel.tensor_parallel_size)
+    target_costs = calibrate(target_runner, cache, target_key, largest, label="target")
+    draft_costs = None
     if speculator.drafts:
-        first = speculator.drafts[0]
-        draft_key = calibration_key(first.model_path, device, config.resolve_draft_dtype(),
-                                    config.resolve_draft_quantization(), largest, config.draft_tensor_parallel_size,
-                                    head_vocab=spec.draft_vocab_size)
-        draft = calibrate(first.runner, cache, draft_key, largest, label="draft")
-    speculator.budget.seed_costs(target, draft)
+        first, draft = speculator.drafts[0], config.drafts[0]
+        draft_key = calibration_key(first.model_path, draft.device, draft.dtype, draft.quantization, largest,
+                                    config.parallel.draft_tensor_parallel_size, head_vocab=draft.head_vocab)
+        draft_costs = calibrate(first.runner, cache, draft_key, largest, label="draft")
+    speculator.budget.seed_costs(target_costs, draft_costs)

@@ -42,9 +42,6 @@ def warm_up(engine) -> WarmUpReport:
         raise RuntimeError("warm_up needs an idle engine")
     started = time.monotonic()
     counters = _Counters.read(engine)
-    # The speculator sits out: no acceptance evidence, suffix outputs or step timings
-    # (cold ones would skew its cost model) from random prompts.
-    speculator, engine.speculator = engine.speculator, None
     rng = random.Random(0)
     room = engine.max_model_len - _NEW_TOKENS
     long_len = max(1, min(_LONG_PROMPT, room))
@@ -61,17 +58,19 @@ def warm_up(engine) -> WarmUpReport:
                                            max_tokens=_NEW_TOKENS, ignore_eos=True)),
     ]
     steps = 0
-    try:
-        for index, (job_prompt, params) in enumerate(jobs):
-            engine.add_request(f"warm-up-{index}", job_prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-    finally:
-        for index in range(len(jobs)):
-            engine.abort_request(f"warm-up-{index}")
-        engine.speculator = speculator
-        counters.restore(engine)
+    # The speculator sits out: no acceptance evidence, suffix outputs or step timings
+    # (cold ones would skew its cost model) from random prompts.
+    with engine.speculation_paused():
+        try:
+            for index, (job_prompt, params) in enumerate(jobs):
+                engine.add_request(f"warm-up-{index}", job_prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+        finally:
+            for index in range(len(jobs)):
+                engine.abort_request(f"warm-up-{index}")
+            counters.restore(engine)
     return WarmUpReport(len(jobs), steps, time.monotonic() - started)
 
 

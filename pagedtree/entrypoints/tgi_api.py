@@ -67,20 +67,20 @@ class TGIRoutes:
     async def info(self, request: web.Request) -> web.Response:
         """``GET /info``: the model and the server's limits, in TGI's field names."""
         engine = self.ctx.engine
-        config = engine.config
+        target = engine.resolved.target
         return web.json_response({
             "model_id": self.ctx.config.model_name,
             "model_sha": None,
-            "model_dtype": str(config.resolve_dtype()).removeprefix("torch."),
-            "model_device_type": config.resolve_device().type,
+            "model_dtype": str(target.dtype).removeprefix("torch."),
+            "model_device_type": target.device.type,
             "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": engine.max_waiting_requests,
             "max_best_of": 1,
             "max_stop_sequences": self.ctx.config.limits.max_stop_sequences,
             "max_input_tokens": engine.max_model_len - 1,
             "max_total_tokens": engine.max_model_len,
-            "max_batch_size": config.max_num_seqs,
-            "max_batch_total_tokens": config.max_num_batched_tokens,
+            "max_batch_size": engine.config.max_num_seqs,
+            "max_batch_total_tokens": engine.config.max_num_batched_tokens,
             "max_client_batch_size": 1,
             "validation_workers": 1,
             "router": "pagedtree",

@@ -38,6 +38,7 @@ from pagedtree.executor.ranks import (
 )
 from pagedtree.executor.worker import error_key, joined_key, spawned_worker
 from pagedtree.loading.loader import resolve_model_path
+from pagedtree.loading.resolve import resolve_device
 from pagedtree.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedtree")
@@ -80,7 +81,7 @@ class TensorParallelGroupHandle:
             raise ValueError(
                 f"this process is RANK={address.rank}: the engine runs on rank 0; run `pagedtree worker` on the others"
             )
-        device = rank_device(config.resolve_device(), address)
+        device = rank_device(resolve_device(config.device), address)
         previous_threads = share_cores(address)
         processes: dict[int, mp.Process] = {}
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedtree.attention import resolve_backend_name
-from pagedtree.config import EngineConfig
+from pagedtree.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelGroup
 from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
@@ -41,11 +41,11 @@ class LoadedShard:
     backend: str
 
 
-def _runner(loaded: LoadedModel, blocks: int, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-            backend: str, channel: CommandChannel | None, model_index: int) -> ModelRunner:
+def _runner(loaded: LoadedModel, blocks: int, block_size: int, model: ModelConfig, backend: str,
+            channel: CommandChannel | None, model_index: int) -> ModelRunner:
     """Rank 0 of a sharded model sends its steps to the others; every other runner is plain."""
-    args = (loaded.model, blocks, config.block_size, device, dtype, backend)
-    fused = not config.enforce_eager
+    args = (loaded.model, blocks, block_size, model.device, model.dtype, backend)
+    fused = not model.enforce_eager
     if channel is not None and channel.group.rank == 0:
         return TensorParallelRunner(*args, fused_cpu_ops=fused, channel=channel, model_index=model_index)
     return ModelRunner(*args, fused_cpu_ops=fused)
@@ -58,66 +58,61 @@ def _agree(blocks: int, group: TensorParallelGroup | None) -> int:
     return blocks if group is None else group.all_reduce_ints([blocks], timeout=START_TIMEOUT)[0]
 
 
-def _graphs_wanted(config: EngineConfig, device: torch.device, backend: str,
-                   group: TensorParallelGroup | None) -> bool:
+def _graphs_wanted(model: ModelConfig, backend: str, group: TensorParallelGroup | None) -> bool:
     """CUDA graphs for decode and verify steps: Triton on CUDA, unless eager. (Sharded
     steps run eagerly: their collectives are not captured.)"""
-    return device.type == "cuda" and backend == "triton" and not config.enforce_eager and group is None
+    return model.device.type == "cuda" and backend == "triton" and not model.enforce_eager and group is None
 
 
-def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                channel: CommandChannel | None = None) -> LoadedShard:
+def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int | None,
+                max_tree_nodes: int | None, channel: CommandChannel | None = None) -> LoadedShard:
     """The target (this rank's shard with a ``channel``), its cache and runner.
 
-    ``max_model_len`` is the config's (else the model's positions), capped by what
-    the cache holds.
+    ``max_model_len`` is the one asked for (None: the model's positions), capped by
+    what the cache holds. ``max_tree_nodes`` is None without speculation.
     """
     group = channel.group if channel is not None else None
-    loaded = load_model(config.model, dtype=dtype, device=device, quantization=config.target_quantization(), group=group)
+    loaded = load_model(model.model, dtype=model.dtype, device=model.device, quantization=model.quantization,
+                        group=group)
     model_limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
-    requested_len = config.max_model_len or model_limit
+    requested_len = max_model_len or model_limit
     if requested_len > model_limit:
         raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
-    blocks = _agree(num_kv_blocks(loaded.model, config, dtype, device, requested_len), group)
-    backend = resolve_backend_name(config.attention_backend, device, dtype)
-    runner = _runner(loaded, blocks, config, device, dtype, backend, channel, TARGET)
-    max_model_len = min(requested_len, blocks * config.block_size)
-    if _graphs_wanted(config, device, backend, group):
+    blocks = _agree(num_kv_blocks(loaded.model, cache, scheduler, model.dtype, model.device, requested_len), group)
+    backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
+    runner = _runner(loaded, blocks, cache.block_size, model, backend, channel, TARGET)
+    max_model_len = min(requested_len, blocks * cache.block_size)
+    if _graphs_wanted(model, backend, group):
         # Verify steps hold a tree and its root.
-        tree_tokens = 1 + config.speculative.max_nodes if config.speculation_enabled else 1
-        runner.enable_cuda_graphs(config.max_num_seqs, max_model_len, tree_tokens, capture=True)
-    if config.speculation_enabled:
+        runner.enable_cuda_graphs(scheduler.max_num_seqs, max_model_len, 1 + (max_tree_nodes or 0), capture=True)
+    if max_tree_nodes is not None:
         # A token's logits must not depend on whether a tree pass or a one-token
         # decode computed them (greedy with speculation == without, in any dtype).
         loaded.model.make_rows_consistent()
     return LoadedShard(loaded, runner, blocks, max_model_len, backend)
 
 
-def load_draft(config: EngineConfig, index: int, device: torch.device, target_blocks: int, max_model_len: int,
-               channel: CommandChannel | None = None) -> LoadedShard:
+def load_draft(draft: ModelConfig, index: int, cache: CacheConfig, scheduler: SchedulerConfig, max_tree_nodes: int,
+               target_blocks: int, max_model_len: int, channel: CommandChannel | None = None) -> LoadedShard:
     """Draft model ``index`` (this rank's shard of it with a ``channel``), its cache and runner.
 
-    Its attention backend is ``config.attention_backend`` resolved for the draft's own
-    dtype (a draft may run in another precision than the target). It must cover
-    ``max_model_len`` positions (tree nodes never go past it: the scheduler caps
-    the budget).
+    Its attention backend is resolved for the draft's own dtype (a draft may run in
+    another precision than the target). It must cover ``max_model_len`` positions
+    (tree nodes never go past it: the scheduler caps the budget).
     """
-    name = config.draft_model[index]
-    dtype = config.resolve_draft_dtype()
     group = channel.group if channel is not None else None
-    head_vocab = config.speculative.draft_vocab_size if config.speculative is not None else None
-    loaded = load_model(name, dtype=dtype, device=device, quantization=config.resolve_draft_quantization(),
-                        group=group, head_vocab=head_vocab)
+    loaded = load_model(draft.model, dtype=draft.dtype, device=draft.device, quantization=draft.quantization,
+                        group=group, head_vocab=draft.head_vocab)
     limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
     if limit < max_model_len:
         raise ValueError(
-            f"draft model {name!r} has {limit} positions, fewer than max_model_len {max_model_len}; "
+            f"draft model {draft.model!r} has {limit} positions, fewer than max_model_len {max_model_len}; "
             "lower max_model_len"
         )
-    blocks = num_draft_kv_blocks(config, target_blocks)
-    backend = resolve_backend_name(config.attention_backend, device, dtype)
-    runner = _runner(loaded, blocks, config, device, dtype, backend, channel, TARGET + 1 + index)
-    if _graphs_wanted(config, device, backend, group):
+    blocks = num_draft_kv_blocks(cache, scheduler.max_num_seqs, max_tree_nodes, target_blocks)
+    backend = resolve_backend_name(draft.attention_backend, draft.device, draft.dtype)
+    runner = _runner(loaded, blocks, cache.block_size, draft, backend, channel, TARGET + 1 + index)
+    if _graphs_wanted(draft, backend, group):
         # A draft level is a step of one-token chunks, one per node fed: as many as the
         # graphs' batch limit allows.
         runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, 1, capture=True)

@@ -11,6 +11,7 @@ worker whose rank 0 died or fell silent sees its sockets close and exits too.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -21,6 +22,7 @@ from pagedtree.distributed.group import START_TIMEOUT, TensorParallelError, Tens
 from pagedtree.executor.commands import CommandChannel, Op, decode_step, report_values
 from pagedtree.executor.ranks import RankAddress, rank_device, share_cores
 from pagedtree.executor.shards import load_draft, load_target
+from pagedtree.loading.resolve import resolve_config, resolve_device
 from pagedtree.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedtree")
@@ -38,11 +40,17 @@ def error_key(rank: int) -> str:
 
 def load_rank_models(config: EngineConfig, channel: CommandChannel) -> list[ModelRunner]:
     """This rank's shard of the target and of the sharded drafts, in the order rank 0 loads them."""
-    target = load_target(config, channel.group.device, config.resolve_dtype(), channel)
+    resolved = resolve_config(config)
+    device = channel.group.device
+    max_tree_nodes = resolved.max_tree_nodes if resolved.speculative is not None else None
+    target = load_target(dataclasses.replace(resolved.target, device=device), resolved.cache, resolved.scheduler,
+                         resolved.max_model_len, max_tree_nodes, channel)
     runners = [target.runner]
-    if config.draft_model and config.draft_tensor_parallel_size > 1:
-        for index in range(len(config.draft_model)):
-            draft = load_draft(config, index, channel.group.device, target.num_blocks, target.max_model_len, channel)
+    if resolved.parallel.draft_tensor_parallel_size > 1:
+        for index, draft_config in enumerate(resolved.drafts):
+            draft = load_draft(dataclasses.replace(draft_config, device=device), index, resolved.cache,
+                               resolved.scheduler, resolved.max_tree_nodes, target.num_blocks, target.max_model_len,
+                               channel)
             runners.append(draft.runner)
     return runners
 
@@ -73,7 +81,7 @@ def run_worker(address: RankAddress) -> int:
                           serve=address.serve_store)
     try:
         config = EngineConfig.from_json(store.get("config").decode())
-        device = rank_device(config.resolve_device(), address)
+        device = rank_device(resolve_device(config.device), address)
         store.set(joined_key(address.rank), "1")
         group = TensorParallelGroup(store, address.rank, address.size, device,
                                     datetime.timedelta(seconds=config.distributed_timeout))

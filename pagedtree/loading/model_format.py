@@ -9,26 +9,28 @@ safetensors model, a GGUF file given an explicit ``dtype`` (dequantized to it), 
 run, a tensor-parallel run (its shards load from safetensors).
 
 ``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"int4"``,
-``"int8"`` force those formats (``EngineConfig``).
+``"int8"`` force those formats (``EngineConfig``; resolved in ``resolve.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import torch
 
-from pagedtree.config import EngineConfig, block_quant_available
 from pagedtree.loading.loader import gguf_source
 
 
-def default_quantization(config: EngineConfig) -> str:
-    """The quantization ``config`` runs its target in (``"none"``: dense)."""
-    if config.quantization is not None:
-        return config.quantization
-    gguf = (config.dtype == "auto" and config.tensor_parallel_size == 1
-            and config.resolve_device().type == "cpu" and gguf_source(config.model) is not None)
+def block_quant_available() -> bool:
+    """Whether the q4/q8 formats' libraries import (ONNX Runtime and onnx)."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_quantization(model: str | None, dtype: object, device: torch.device, tensor_parallel_size: int) -> str:
+    """The format a target runs in when ``quantization`` is unset (``"none"``: dense)."""
+    gguf = (dtype == "auto" and tensor_parallel_size == 1 and device.type == "cpu"
+            and gguf_source(model) is not None)
     return "q4" if gguf and block_quant_available() else "none"
-
-
-def with_default_quantization(config: EngineConfig) -> EngineConfig:
-    """``config`` with its quantization resolved (see ``default_quantization``)."""
-    return dataclasses.replace(config, quantization=default_quantization(config))

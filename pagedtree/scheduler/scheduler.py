@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from pagedtree.config import SchedulerConfig
 from pagedtree.request import Request, RequestStatus
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import Phase, ScheduledChunk, StepPlan, StepResult
@@ -19,29 +19,6 @@ class TreeBudget(Protocol):
     def choose(self, decoding: Sequence[Request], other_tokens: int) -> dict[str, int]:
         """Node budget per request id (missing or 0: decode plainly), given the
         decoding requests and the prefill tokens that ride along."""
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Limits of one step."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_model_len: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "max_num_batched_tokens must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}"
-            )
 
 
 class Scheduler:

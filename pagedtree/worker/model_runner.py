@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from pagedtree.attention import make_backend
-from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig
 from pagedtree.sampling import SamplingRow, sample_rows
 from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepOutput, StepPlan
 from pagedtree.uploads import StagedUpload
@@ -26,39 +26,38 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
-def num_kv_blocks(model: DecoderForCausalLM, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int) -> int:
+def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: SchedulerConfig, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int) -> int:
     """How many KV blocks the target's cache gets: ``num_kv_blocks`` if set, else what
     the memory budget holds (``kv_cache_memory`` on CPU, ``gpu_memory_utilization``
     of the device minus what is in use and room for activations on CUDA), never more
     than every sequence at full length could use."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         # Leave room for activations of a full token budget (a generous estimate).
-        activations = 16 * config.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
-        budget = int(total * config.gpu_memory_utilization) - used - activations
+        activations = 16 * scheduler.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
+        budget = int(total * cache.gpu_memory_utilization) - used - activations
     else:
-        budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
     blocks = budget // per_block
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    useful = scheduler.max_num_seqs * -(-max_model_len // cache.block_size) + 1
     blocks = min(blocks, useful)
     if blocks < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes")
     return int(blocks)
 
 
-def num_draft_kv_blocks(config: EngineConfig, target_blocks: int) -> int:
+def num_draft_kv_blocks(cache: CacheConfig, max_num_seqs: int, max_tree_nodes: int, target_blocks: int) -> int:
     """A draft's cache: as many blocks as the target's, plus every request's tree
     branches (each fed node may take a copy-on-write copy or a fresh block), unless
     ``num_draft_kv_blocks`` says otherwise."""
-    if config.num_draft_kv_blocks is not None:
-        return config.num_draft_kv_blocks
-    max_nodes = config.speculative.max_nodes if config.speculative is not None else 0
-    return target_blocks + config.max_num_seqs * (max_nodes + 2)
+    if cache.num_draft_kv_blocks is not None:
+        return cache.num_draft_kv_blocks
+    return target_blocks + max_num_seqs * (max_tree_nodes + 2)
 
 
 class ModelRunner:

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from pagedtree.config import EngineConfig
+from pagedtree.loading.resolve import resolve_config
 from pagedtree.distributed.layout import ShardLayout, split_evenly
 from pagedtree.executor.commands import decode_step, encode_step, pack_lists, unpack_lists
 from pagedtree.executor.ranks import env_address
@@ -101,7 +102,7 @@ def test_config_travels_as_json():
     cfg = EngineConfig(model="m", dtype=torch.bfloat16, draft_model=["d"], tensor_parallel_size=2,
                        draft_tensor_parallel_size=2, speculative={"tree": "static", "expansion": [2, 1]})
     back = EngineConfig.from_json(cfg.to_json())
-    assert back.resolve_dtype() == torch.bfloat16 and back.speculative == cfg.speculative
+    assert resolve_config(back).target.dtype == torch.bfloat16 and back.speculative == cfg.speculative
     assert (back.tensor_parallel_size, back.draft_tensor_parallel_size, back.draft_model) == (2, 2, ["d"])
 
 

@@ -3,9 +3,15 @@
 import pytest
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.config import EngineConfig, block_quant_available
+from pagedtree.config import EngineConfig
 from pagedtree.loading import packaged_models as pm
-from pagedtree.loading.model_format import default_quantization
+from pagedtree.loading.model_format import block_quant_available
+from pagedtree.loading.resolve import resolve_config, with_default_quantization
+
+
+def default_quantization(config: EngineConfig) -> str:
+    """The format the one resolve step gives ``config``'s target."""
+    return with_default_quantization(config).quantization
 
 needs_gguf = pytest.mark.skipif(not pm.is_installed(pm.SMOLLM2_135M), reason="smollm2 not installed")
 
@@ -37,4 +43,5 @@ def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4
     # a resolved config stays resolved (the engine may be rebuilt from it)
-    assert default_quantization(llm.engine.config) == "q4"
+    assert default_quantization(llm.engine.config) == "q4" == llm.engine.resolved.target.quantization
+    assert resolve_config(llm.engine.config).target.quantization == "q4"

@@ -8,7 +8,8 @@ from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import Phase, SlotMove, StepResult
-from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.config import SchedulerConfig
+from pagedtree.scheduler.scheduler import Scheduler
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int = 16) -> Request:

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from pagedtree import LLM, SamplingParams
-from pagedtree import config as config_module
 from pagedtree.config import EngineConfig
+from pagedtree.loading import resolve as resolve_module
+from pagedtree.loading.model_format import block_quant_available
+from pagedtree.loading.resolve import resolve_config
 from pagedtree.worker.models.linear import Linear
 from tests.conftest import assert_no_leaks, random_prompts
 
@@ -17,21 +19,25 @@ SPEC = {"tree": "static", "expansion": (2, 1, 1), "max_nodes": 6, "adaptive": Fa
 
 def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
     path = str(tiny_llama.path)
+
+    def resolved(**kwargs):
+        return resolve_config(EngineConfig(model=path, device="cpu", **kwargs))
+
     # "auto" on CPU: bf16 where the CPU has native bf16, fp32 elsewhere; "float32" forces fp32.
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda native=native: native)
-        assert EngineConfig(model=path, device="cpu").resolve_dtype() == expected
-        assert EngineConfig(model=path, device="cpu", draft_model=path).resolve_draft_dtype() == expected
-    assert EngineConfig(model=path, device="cpu", dtype="float32").resolve_dtype() == torch.float32
-    assert EngineConfig(model=path, device="cpu", quantization="int4").resolve_dtype() == torch.bfloat16
+        monkeypatch.setattr(resolve_module, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolved().target.dtype == expected
+        assert resolved(draft_model=path).drafts[0].dtype == expected
+    assert resolved(dtype="float32").target.dtype == torch.float32
+    assert resolved(quantization="int4").target.dtype == torch.bfloat16
     # q4/q8 take fp32 activations: bf16 only where the CPU has it natively.
-    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
-    assert EngineConfig(model=path, device="cpu", quantization="q4").resolve_dtype() == torch.float32
-    cfg = EngineConfig(model=path, device="cpu", quantization="int8", draft_model=path)
-    assert cfg.resolve_draft_quantization() == "int8" and cfg.resolve_draft_dtype() == torch.bfloat16
-    cfg = EngineConfig(model=path, device="cpu", quantization="int8", draft_model=path,
-                       draft_quantization="none", draft_dtype="float32")
-    assert cfg.resolve_draft_quantization() is None and cfg.resolve_draft_dtype() == torch.float32
+    monkeypatch.setattr(resolve_module, "cpu_has_native_bf16", lambda: False)
+    if block_quant_available():
+        assert resolved(quantization="q4").target.dtype == torch.float32
+    draft = resolved(quantization="int8", draft_model=path).drafts[0]
+    assert draft.quantization == "int8" and draft.dtype == torch.bfloat16
+    draft = resolved(quantization="int8", draft_model=path, draft_quantization="none", draft_dtype="float32").drafts[0]
+    assert draft.quantization is None and draft.dtype == torch.float32
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(model=path, quantization="int3")
     with pytest.raises(ValueError, match="dtype must be"):
@@ -55,7 +61,7 @@ def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, t
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(m.quantization == want for m in layers)
     draft_layers = [m for m in llm.engine.speculator.drafts[0].runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.quantization == llm.engine.config.resolve_draft_quantization() for m in draft_layers)
+    assert all(m.quantization == llm.engine.resolved.drafts[0].quantization for m in draft_layers)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     spec = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]

@@ -10,7 +10,8 @@ from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import Phase, SlotMove
-from pagedtree.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedtree.config import SchedulerConfig
+from pagedtree.scheduler.scheduler import Scheduler
 from pagedtree.speculative import SpeculativeConfig
 from pagedtree.speculative.drafting.draft_worker import DraftWorker
 from pagedtree.speculative.speculator import Speculator

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedtree.config import EngineConfig
+from pagedtree.config import CacheConfig, SchedulerConfig
 from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
@@ -57,14 +57,14 @@ def test_kv_cache_sizing(runner_and_model, tiny_llama):
     runner, _ = runner_and_model
     model = runner.model
     per_block = kv_bytes_per_block(model, 4, torch.float32)
-    config = EngineConfig(model=str(tiny_llama.path), block_size=4, kv_cache_memory=per_block * 10, max_num_seqs=64)
-    assert num_kv_blocks(model, config, torch.float32, torch.device("cpu"), max_model_len=512) == 10
+    cpu = torch.device("cpu")
+    cache = CacheConfig(block_size=4, kv_cache_memory=per_block * 10)
+    assert num_kv_blocks(model, cache, SchedulerConfig(max_num_seqs=64), torch.float32, cpu, max_model_len=512) == 10
     # Never more than every sequence at full length could use.
-    small = EngineConfig(model=str(tiny_llama.path), block_size=4, max_num_seqs=2)
-    assert num_kv_blocks(model, small, torch.float32, torch.device("cpu"), max_model_len=8) == 2 * 2 + 1
-    tiny = EngineConfig(model=str(tiny_llama.path), block_size=4, kv_cache_memory=per_block)
+    small = SchedulerConfig(max_num_seqs=2)
+    assert num_kv_blocks(model, CacheConfig(block_size=4), small, torch.float32, cpu, max_model_len=8) == 2 * 2 + 1
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        num_kv_blocks(model, tiny, torch.float32, torch.device("cpu"), max_model_len=512)
-    spec = EngineConfig(model=str(tiny_llama.path), draft_model="d", max_num_seqs=3,
-                        speculative={"max_nodes": 4, "adaptive": False})
-    assert num_draft_kv_blocks(spec, 100) == 100 + 3 * (4 + 2)
+        num_kv_blocks(model, CacheConfig(block_size=4, kv_cache_memory=per_block), SchedulerConfig(), torch.float32,
+                      cpu, max_model_len=512)
+    assert num_draft_kv_blocks(CacheConfig(), max_num_seqs=3, max_tree_nodes=4, target_blocks=100) == 100 + 3 * (4 + 2)
+    assert num_draft_kv_blocks(CacheConfig(num_draft_kv_blocks=7), 3, 4, 100) == 7

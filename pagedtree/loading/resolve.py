@@ -1,0 +1,132 @@
+"""The engine's one resolve step: probe the machine and the model's format once, and
+split the flat ``EngineConfig`` (the keyword arguments of ``LLM``, ``AsyncEngine``
+and the CLI) into the configs each component takes (``ResolvedConfig``).
+
+Everything that asks the machine a question lives here: whether CUDA is present,
+whether the CPU computes bf16 natively (``/proc/cpuinfo``), whether ONNX Runtime
+imports (the q4/q8 formats), and which format a model runs in when the caller does
+not say (``model_format.default_quantization``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from pagedtree.config import (
+    BF16_QUANTIZATIONS,
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    ResolvedConfig,
+    SchedulerConfig,
+)
+from pagedtree.loading.model_format import block_quant_available, default_quantization
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), where bf16
+    linear layers run about twice as fast as fp32; read from /proc/cpuinfo (Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device to run on ("auto": CUDA when present, else CPU)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)  # the name was checked by EngineConfig
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, quantization: str | None, device: torch.device) -> torch.dtype:
+    """A model's activation (and dense weight) dtype. "auto": bf16 on CUDA, for weights
+    whose kernels take bf16 (int8, int4) and on CPUs with native bf16 arithmetic (as
+    vLLM's CPU build); fp32 on other CPUs."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if quantization in BF16_QUANTIZATIONS or device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return DTYPES[dtype]
+
+
+def with_default_quantization(config: EngineConfig) -> EngineConfig:
+    """``config`` with an unset ``quantization`` replaced by the model's own format."""
+    if config.quantization is not None:
+        return config
+    device = resolve_device(config.device)
+    return dataclasses.replace(config, quantization=default_quantization(
+        config.model, config.dtype, device, config.tensor_parallel_size))
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Resolve ``config`` (device, dtypes, formats) and split it by consumer.
+
+    Raises ``ValueError`` naming the setting this machine cannot honour (CUDA absent,
+    q4/q8 off CPU or without ONNX Runtime)."""
+    config = with_default_quantization(config)
+    device = resolve_device(config.device)
+    target_quantization = _quantization(config.quantization)
+    draft_quantization = target_quantization if config.draft_quantization is None \
+        else _quantization(config.draft_quantization)
+    for name in {target_quantization, draft_quantization} & {"q4", "q8"}:
+        if device.type != "cpu":
+            raise ValueError(f"quantization {name!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
+        if not block_quant_available():
+            raise ValueError(f"quantization {name!r} needs onnxruntime and onnx: pip install onnxruntime onnx")
+    target = ModelConfig(
+        model=config.model, dtype=resolve_dtype(config.dtype, target_quantization, device),
+        quantization=target_quantization, device=device, attention_backend=config.attention_backend,
+        enforce_eager=config.enforce_eager,
+    )
+    speculative = config.speculative if config.speculation_enabled else None
+    draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
+                                draft_quantization, device)
+    drafts = tuple(
+        dataclasses.replace(target, model=name, dtype=draft_dtype, quantization=draft_quantization,
+                            head_vocab=speculative.draft_vocab_size if speculative is not None else None)
+        for name in config.draft_model or ()
+    )
+    return ResolvedConfig(
+        target=target,
+        drafts=drafts,
+        speculative=speculative,
+        cache=CacheConfig(
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
+            num_kv_blocks=config.num_kv_blocks, num_draft_kv_blocks=config.num_draft_kv_blocks,
+        ),
+        # max_model_len as asked (None: the model's); the engine sets the final one
+        # once the model and its cache are loaded.
+        scheduler=SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill, max_model_len=None,
+        ),
+        max_model_len=config.max_model_len,
+        parallel=ParallelConfig(
+            tensor_parallel_size=config.tensor_parallel_size,
+            draft_tensor_parallel_size=config.draft_tensor_parallel_size or 1,
+            distributed_timeout=config.distributed_timeout,
+        ),
+        tokenizer=config.tokenizer,
+        seed=config.seed,
+        max_logprobs=config.max_logprobs,
+    )
+
+
+def _quantization(name: str | None) -> str | None:
+    """None for dense weights ("none" and unset alike)."""
+    return None if name in (None, "none") else name
