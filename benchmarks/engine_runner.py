@@ -4,9 +4,9 @@
 fresh process (so engines never share memory or threads), with the Python of the
 environment that has the engine: the project's ``.venv`` for pagedtree and
 transformers, ``.venv-vllm`` for vLLM (which must not import pagedtree),
-``.venv-llamacpp`` for llama.cpp (no torch there). At the top level it only needs
-the standard library; each engine's loader imports the engine itself (and torch,
-transformers where that engine uses them).
+``.venv-llamacpp`` for llama.cpp (no torch there). The engines are loaded and run by
+the adapters of ``benchmarks/engines.py``; like them, this script needs only the
+standard library at the top level.
 
 A workload file is JSON: ``{"output_len": N, "cells": [{"batch_size": B,
 "temperature": T, "rounds": R, "repeats": K, "prompts": [[ids...], ...]}, ...]}``. A
@@ -30,9 +30,16 @@ import json
 import os
 import sys
 import threading
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+# Run as a script (by compare.py, also in the vLLM and llama.cpp environments) or
+# loaded from a file by the tests: either way the repository root is what makes
+# ``benchmarks.engines`` importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engines import LOADERS, Counters, EngineOptions, RunInfo, time_batches  # noqa: E402
 
 
 @dataclass
@@ -57,18 +64,6 @@ class CellResult:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class RunInfo:
-    """What ran: the engine, its versions and the load time."""
-
-    engine: str
-    label: str
-    versions: dict[str, str] = field(default_factory=dict)
-    load_seconds: float = 0.0
-    threads: int = 0
-    peak_rss_mib: float = 0.0  # the most resident memory of this process and its children, sampled
 
 
 class PeakRss:
@@ -135,219 +130,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-# --------------------------------------------------------------------------------------
-# Engines. Each returns (info, run_cell) where run_cell(prompts, temperature, output_len)
-# -> (output_tokens, speculation counters or None).
-# --------------------------------------------------------------------------------------
-
-Counters = dict[str, Any]
-RunBatch = Callable[[list[list[int]], float, int], tuple[int, Counters | None]]
-
-
-def load_pagedtree(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
-    """pagedtree's offline ``LLM``, plain or with tree speculation."""
-    import pagedtree
-    from pagedtree import LLM, SamplingParams
-
-    kwargs: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max_batch, max_model_len=max_len, seed=args.seed,
-                                  enable_prefix_caching=args.prefix_caching, quantization=args.quantization,
-                                  enforce_eager=args.enforce_eager)
-    speculating = bool(args.draft_model or args.spec)
-    if args.draft_model:
-        kwargs["draft_model"] = args.draft_model
-    if speculating:
-        kwargs["speculative"] = json.loads(args.spec or "{}")
-    started = time.perf_counter()
-    llm = LLM(args.model, **kwargs)
-    load_seconds = time.perf_counter() - started
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_forward_passes")
-
-    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
-        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=args.seed)
-        spec = llm.engine.speculator
-        if spec is not None and spec.proposer.suffix is not None and not args.keep_suffix_cache:
-            # Every timing repeats the same prompts: a suffix tree that remembered the
-            # last timing's outputs would predict this one's whole output.
-            spec.proposer.suffix.clear_global()
-        before = llm.stats()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        after = llm.stats()
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        if not speculating:
-            return tokens, None
-        counters: Counters = {k: int(after[k] - before[k]) for k in keys}
-        per_pos_after = list(after["accepted_tokens_per_position"])
-        per_pos_before = list(before["accepted_tokens_per_position"])
-        per_pos_before += [0] * (len(per_pos_after) - len(per_pos_before))
-        counters["accepted_per_position"] = [int(a - b) for a, b in zip(per_pos_after, per_pos_before)]
-        return tokens, counters
-
-    info = RunInfo("pagedtree", args.label, {"pagedtree": pagedtree.__version__}, load_seconds)
-    return info, run
-
-
-def load_transformers(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
-    """transformers ``generate`` (left-padded batches), or assisted generation with a draft."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-    assistant = None
-    if args.draft_model:
-        assistant = AutoModelForCausalLM.from_pretrained(args.draft_model[0], dtype=dtype).eval()
-    load_seconds = time.perf_counter() - started
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        pad = 0
-    if isinstance(pad, list):
-        pad = pad[0]
-
-    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
-        if assistant is not None and len(prompts) > 1:
-            raise NotImplementedError("transformers' assisted generation runs at batch 1 only")
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        sampling: dict[str, Any] = {"do_sample": False}
-        if temperature > 0:
-            # top_k=0 and top_p=1 switch off the generation config's defaults so the
-            # distribution is the plain temperature one, as in the other engines.
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        extra = {"assistant_model": assistant} if assistant is not None else {}
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, pad_token_id=pad, **sampling, **extra)
-        return (out.shape[1] - width) * len(prompts), None
-
-    info = RunInfo("transformers", args.label, {"transformers": transformers.__version__}, load_seconds)
-    return info, run
-
-
-def load_vllm(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
-    """vLLM's offline ``LLM`` in this process, plain or with draft-model speculation."""
-    import vllm
-    from vllm import LLM, SamplingParams
-
-    dtype = "float32" if args.dtype == "auto" else args.dtype
-    kwargs: dict[str, Any] = dict(model=args.model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len,
-                                  seed=args.seed, disable_log_stats=False, enable_prefix_caching=args.prefix_caching)
-    spec = json.loads(args.spec or "{}")
-    speculating = bool(args.draft_model) or spec.get("method") == "ngram"
-    if spec.get("method") == "ngram":
-        # Model-free prompt lookup: the last n tokens (n from max down to min) are looked
-        # up earlier in the request and what followed them is proposed.
-        kwargs["speculative_config"] = {"method": "ngram",
-                                        "num_speculative_tokens": int(spec.get("num_speculative_tokens", 4)),
-                                        "prompt_lookup_min": int(spec.get("prompt_lookup_min", 2)),
-                                        "prompt_lookup_max": int(spec.get("prompt_lookup_max", 4))}
-    elif args.draft_model:
-        kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft_model[0],
-                                        "num_speculative_tokens": int(spec.get("num_speculative_tokens", 4))}
-    started = time.perf_counter()
-    llm = LLM(**kwargs)
-    load_seconds = time.perf_counter() - started
-
-    def counters() -> Counters:
-        found: Counters = {}
-        for metric in llm.get_metrics():
-            name = metric.name.removeprefix("vllm:")
-            if name == "spec_decode_num_accepted_tokens_per_pos":
-                found["accepted_per_position"] = [int(v) for v in metric.values]
-            elif name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
-                found[name.removeprefix("spec_decode_")] = int(metric.value)
-        return found
-
-    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
-        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=args.seed)
-        before = counters() if speculating else {}
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        if not speculating:
-            return tokens, None
-        after = counters()
-        delta: Counters = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        pos_after = after.get("accepted_per_position", [])
-        pos_before = before.get("accepted_per_position", []) + [0] * len(pos_after)
-        delta["accepted_per_position"] = [a - b for a, b in zip(pos_after, pos_before)]
-        # vLLM scores the draft and the bonus token in one target pass per step.
-        delta["num_target_forward_passes"] = None
-        return tokens, delta
-
-    info = RunInfo("vllm", args.label, {"vllm": vllm.__version__}, load_seconds)
-    return info, run
-
-
-def load_llamacpp(args: argparse.Namespace, max_batch: int, max_len: int) -> tuple[RunInfo, RunBatch]:
-    """llama.cpp through llama-cpp-python, one sequence at a time, on the GGUF file itself.
-
-    ``--model`` is the .gguf file; the weights stay in its own quantization (Q4_K_M,
-    ...), so ``--dtype`` does not apply. Each request starts from an empty KV cache
-    (no prefix reuse between prompts, like the other engines without
-    ``--prefix-caching``) and produces exactly ``output_len`` tokens: the token loop
-    is driven here and stopped by count, so EOS never ends it. Greedy at temperature 0,
-    otherwise the plain temperature distribution (top-k, top-p, min-p all off).
-    """
-    import llama_cpp
-
-    if args.draft_model:
-        raise SystemExit("the llamacpp engine drafts from the prompt only (--spec '{\"prompt_lookup_tokens\": N}'), "
-                         "not with a --draft-model")
-    options = json.loads(args.spec) if args.spec else {}
-    unknown = set(options) - {"prompt_lookup_tokens", "prompt_lookup_ngram"}
-    if unknown:
-        raise SystemExit(f"llamacpp --spec takes prompt_lookup_tokens and prompt_lookup_ngram, not {sorted(unknown)}")
-    draft = None
-    if options:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        # llama-cpp-python's own speculation: n-grams of the context looked up in the
-        # context (prompt-lookup decoding), verified by the target in one batch.
-        draft = LlamaPromptLookupDecoding(max_ngram_size=int(options.get("prompt_lookup_ngram", 2)),
-                                          num_pred_tokens=int(options.get("prompt_lookup_tokens", 10)))
-    threads = args.threads or os.cpu_count() or 1
-    started = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=args.model, n_ctx=max_len, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, seed=args.seed, verbose=False, draft_model=draft)
-    load_seconds = time.perf_counter() - started
-
-    def run(prompts: list[list[int]], temperature: float, output_len: int) -> tuple[int, Counters | None]:
-        if len(prompts) > 1:
-            raise NotImplementedError("llama-cpp-python decodes one sequence at a time: batch 1 only")
-        if temperature > 0:
-            sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
-        else:
-            sampling = dict(temp=0.0, top_k=1)
-        llm.reset()  # a fresh KV cache for every request
-        tokens = 0
-        # generate() evaluates the prompt, then samples a token and evaluates it on the
-        # next step; it never checks EOS itself (create_completion does), so stopping
-        # by count gives exactly output_len tokens, and the last one is not evaluated.
-        stream = llm.generate(prompts[0], repeat_penalty=1.0, reset=True, **sampling)
-        try:
-            for _ in stream:
-                tokens += 1
-                if tokens >= output_len:
-                    break
-        finally:
-            stream.close()
-        if tokens != output_len:
-            raise RuntimeError(f"llama.cpp produced {tokens} tokens, expected {output_len}")
-        return tokens, None
-
-    info = RunInfo("llamacpp", args.label, {"llama-cpp-python": llama_cpp.__version__}, load_seconds, threads)
-    return info, run
-
-
-LOADERS = {"pagedtree": load_pagedtree, "transformers": load_transformers, "vllm": load_vllm,
-           "llamacpp": load_llamacpp}
-
-
 def run_workload(args: argparse.Namespace, workload: dict, on_cell: Callable[[dict], None] | None = None) -> dict:
     """Load the engine, warm it up, time every cell; returns the JSON-ready result,
     with the peak RSS of the whole run (loading included).
@@ -365,7 +147,7 @@ def _run_cells(args: argparse.Namespace, workload: dict, rss: PeakRss,
     output_len = int(workload["output_len"])
     max_batch = max(int(c["batch_size"]) for c in cells)
     max_prompt = max(len(p) for c in cells for p in c["prompts"])
-    info, run = LOADERS[args.engine](args, max_batch, max_prompt + output_len + 16)
+    info, run = LOADERS[args.engine](engine_options(args), max_batch, max_prompt + output_len + 16)
     # torch only where the engine uses it (llama.cpp's venv has none); the llama.cpp
     # loader reports its own thread count.
     torch = sys.modules.get("torch")
@@ -384,16 +166,9 @@ def _run_cells(args: argparse.Namespace, workload: dict, rss: PeakRss,
         prompts = cell["prompts"]
         try:
             timings: list[tuple[int, float, Counters | None]] = []
+            groups = [[prompts[(r * batch + i) % len(prompts)] for i in range(batch)] for r in range(rounds)]
             for _ in range(repeats):
-                tokens, seconds, totals = 0, 0.0, None
-                for r in range(rounds):
-                    group = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-                    started = time.perf_counter()
-                    n, counters = run(group, temperature, output_len)
-                    seconds += time.perf_counter() - started
-                    tokens += n
-                    totals = _add_counters(totals, counters)
-                timings.append((tokens, seconds, totals))
+                timings.append(time_batches(run, groups, temperature, output_len))
             # The median timing, with its own counters, so every field of the cell
             # describes the same run of it.
             tokens, seconds, totals = sorted(timings, key=lambda t: t[1])[len(timings) // 2]
@@ -429,23 +204,13 @@ def _save(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def _add_counters(total: Counters | None, new: Counters | None) -> Counters | None:
-    """Sum speculation counters over a cell's rounds (lists element-wise)."""
-    if new is None:
-        return total
-    if total is None:
-        return dict(new)
-    out = dict(total)
-    for key, value in new.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            old = list(out.get(key) or [])
-            old += [0] * (len(value) - len(old))
-            out[key] = [a + b for a, b in zip(old, value + [0] * (len(old) - len(value)))]
-        else:
-            out[key] = (out.get(key) or 0) + value
-    return out
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The adapters' options from this script's command line."""
+    return EngineOptions(model=args.model, label=args.label, draft_model=args.draft_model,
+                         spec=json.loads(args.spec) if args.spec else None, dtype=args.dtype, seed=args.seed,
+                         quantization=args.quantization, prefix_caching=args.prefix_caching,
+                         enforce_eager=args.enforce_eager, keep_suffix_cache=args.keep_suffix_cache,
+                         threads=args.threads)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,16 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     import pagedtree  # noqa: F401 - before torch: OpenMP's passive wait policy
-    from pagedtree import LLM, SamplingParams
+    from benchmarks.engines import EngineOptions, clear_suffix_cache, load_pagedtree, time_batches
     from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
     from pagedtree.speculative import SpeculativeConfig
     from pagedtree.speculative.presets import tree_preset
 
     load_spec = json.loads(args.load_spec)
-    started = time.perf_counter()
-    llm = LLM(args.model, draft_model=args.draft_model, speculative=load_spec, dtype=args.dtype,
-              quantization=args.quantization, max_model_len=2048, enable_prefix_caching=False)
-    print(f"loaded in {time.perf_counter() - started:.1f} s", flush=True)
+    # The suffix drafter's tree is cleared once per arm and dataset below, not per prompt.
+    options = EngineOptions(args.model, label="pagedtree", draft_model=[args.draft_model], spec=load_spec,
+                            dtype=args.dtype, quantization=args.quantization, keep_suffix_cache=True)
+    info, run = load_pagedtree(options, None, 2048)
+    print(f"loaded in {info.load_seconds:.1f} s", flush=True)
+    llm = run.llm
     engine, speculator = llm.engine, llm.engine.speculator
     base = speculator.config
     arms: dict[str, SpeculativeConfig | None] = {"plain": None}
@@ -69,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = llm.get_tokenizer()
     prompts = {d: [chat_token_ids(tokenizer, chat) for chat in PROMPT_SETS[d][: args.num_prompts]]
                for d in args.datasets.split(",")}
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=0)
     first = next(iter(prompts.values()))[0]
-    llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    run([first], args.temperature, 8)  # warm-up
 
     rates: dict[tuple[str, str], list[float]] = {}
     counts: dict[tuple[str, str], list[int]] = {}
@@ -82,17 +82,14 @@ def main(argv: list[str] | None = None) -> int:
                 if config is not None:
                     speculator.reconfigure(config)
                 for dataset, ids in prompts.items():
-                    if speculator.proposer.suffix is not None:
-                        speculator.proposer.suffix.clear_global()  # no memory of the last round's outputs
-                    before, tokens, t0 = llm.stats(), 0, time.perf_counter()
-                    for prompt in ids:
-                        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-                        tokens += len(out[0].outputs[0].token_ids)
-                    seconds, after = time.perf_counter() - t0, llm.stats()
+                    clear_suffix_cache(llm)  # no memory of the last round's outputs
+                    # Batch 1: the prompts one after another.
+                    tokens, seconds, counters = time_batches(run, [[p] for p in ids], args.temperature,
+                                                             args.output_len)
                     rates.setdefault((name, dataset), []).append(tokens / seconds)
                     total = counts.setdefault((name, dataset), [0, 0])
-                    total[0] += after["num_drafts"] - before["num_drafts"]
-                    total[1] += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    total[0] += counters["num_drafts"]
+                    total[1] += counters["num_accepted_tokens"]
                     bar.update()
     print(f"\n{args.model} + {args.draft_model}, dtype {args.dtype}, quantization {args.quantization or 'model default'}, "
           f"load spec {load_spec}; {args.num_prompts} prompts x {args.output_len} tokens per dataset, batch 1, "

@@ -6,7 +6,9 @@ run) and with every tree configuration, and reports tokens/s, the speed-up over
 plain decoding, the mean acceptance length and target passes per generated token.
 Chain speculation (a one-branch tree) is one of the configurations; with
 ``--hf-assisted`` transformers' assisted generation (batch 1 only, its limit) and
-transformers' plain ``generate`` are timed afterwards as another baseline pair.
+transformers' plain ``generate`` are timed afterwards as another baseline pair
+(greedy). Every engine runs through the adapters of ``benchmarks/engines.py``, on
+chat-templated token ids, exactly ``--output-len`` tokens per request (EOS ignored).
 
     python benchmarks/spec_decode.py --batch-sizes 1,2,4,8,16,32 --output-len 48
 
@@ -20,16 +22,18 @@ import argparse
 import gc
 import json
 import platform
-import time
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pagedtree import LLM, SamplingParams
-from pagedtree.bench.datasets import CODING_PROMPTS
-from pagedtree.speculative import SpeculativeConfig
-from pagedtree.speculative.presets import TREE_PRESETS
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engines import EngineOptions, load_pagedtree, load_transformers, time_batches  # noqa: E402
+from pagedtree.bench.datasets import CODING_PROMPTS, chat_token_ids  # noqa: E402
+from pagedtree.speculative import SpeculativeConfig  # noqa: E402
+from pagedtree.speculative.presets import TREE_PRESETS  # noqa: E402
 
 PROMPTS = CODING_PROMPTS
 
@@ -71,39 +75,21 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[int, float, dict]:
-    before = llm.stats()
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    after = llm.stats()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens", "num_target_forward_passes") if k in after}
-    return tokens, seconds, delta
-
-
-def hf_assisted(args, prompts: list[str]) -> list[dict]:
-    """transformers generate alone and with the draft as assistant, batch 1."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def hf_assisted(args, prompts: list[list[int]]) -> list[dict]:
+    """transformers generate alone and with the draft as assistant, batch 1, greedy."""
     from pagedtree.loading.loader import resolve_model_path
 
-    target_path = resolve_model_path(args.model)
-    tok = AutoTokenizer.from_pretrained(str(target_path))
-    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(args.draft_model[0])), dtype=torch.float32).eval()
+    target = str(resolve_model_path(args.model))
+    draft = str(resolve_model_path(args.draft_model[0]))
+    max_len = max(len(p) for p in prompts) + args.output_len
     results = {}
-    for name, extra in (("transformers", {}), ("transformers-assisted", {"assistant_model": draft})):
-        tokens, seconds = 0, 0.0
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt")
-            started = time.perf_counter()
-            with torch.no_grad():
-                out = target.generate(**ids, max_new_tokens=args.output_len, do_sample=False, **extra)
-            seconds += time.perf_counter() - started
-            tokens += out.shape[1] - ids["input_ids"].shape[1]
+    for name, drafts in (("transformers", None), ("transformers-assisted", [draft])):
+        _, run = load_transformers(EngineOptions(target, label=name, draft_model=drafts, dtype="float32"), 1, max_len)
+        run(prompts[:1], 0.0, min(4, args.output_len))  # warm-up
+        tokens, seconds, _ = time_batches(run, [[p] for p in prompts], 0.0, args.output_len)
         results[name] = tokens / seconds
+        del run
+        gc.collect()
     return [{"engine": k, "batch_size": 1, "tokens_per_s": v, "speedup": v / results["transformers"]} for k, v in results.items()]
 
 
@@ -164,13 +150,14 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     configs = {n: SpeculativeConfig(**CONFIGS[n]) for n in names}
     biggest = max(configs.values(), key=lambda c: c.max_nodes)
-    llm = LLM(args.model, draft_model=args.draft_model, speculative=biggest, max_model_len=2048,
-              max_num_seqs=max(batch_sizes))
-    tok = llm.get_tokenizer()
-    chats = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in PROMPTS]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=0)
-    llm.generate(chats[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    # The engine's defaults otherwise (prefix caching on); the suffix drafter's global
+    # tree is cleared before every timing (engines.clear_suffix_cache).
+    options = EngineOptions(args.model, label="pagedtree", draft_model=args.draft_model, spec=biggest,
+                            prefix_caching=True)
+    _, run = load_pagedtree(options, max(batch_sizes), 2048)
+    llm = run.llm
+    chats = [chat_token_ids(llm.get_tokenizer(), [("user", p)]) for p in PROMPTS]
+    run(chats[:2], 0.0, 4)  # warm-up
     machine = f"{platform.machine()} {platform.processor() or ''} CPU x{__import__('os').cpu_count()}".strip()
     try:
         import torch
@@ -184,13 +171,13 @@ def main() -> None:
     for batch in batch_sizes:
         prompts = (chats * (batch // len(chats) + 1))[:batch]
         llm.engine.set_speculation(False)
-        tokens, seconds, _ = run_batch(llm, prompts, params)
+        tokens, seconds, _ = time_batches(run, [prompts], args.temperature, args.output_len)
         plain = tokens / seconds
         bar.update(1)
         llm.engine.set_speculation(True)
         for name, cfg in configs.items():
             llm.engine.speculator.reconfigure(cfg)
-            tokens, seconds, delta = run_batch(llm, prompts, params)
+            tokens, seconds, delta = time_batches(run, [prompts], args.temperature, args.output_len)
             drafts = delta.get("num_drafts", 0)
             rows.append(Row(
                 config=name, batch_size=batch, output_tokens=tokens, seconds=seconds, plain_tokens_per_s=plain,
@@ -203,7 +190,7 @@ def main() -> None:
     bar.close()
     hf_rows = []
     if args.hf_assisted:
-        del llm
+        del llm, run
         gc.collect()
         hf_rows = hf_assisted(args, chats[:2])
     write_outputs(args, rows, hf_rows, machine)

@@ -1,9 +1,13 @@
 """Offline throughput of pagedtree against transformers' generate, in one run.
 
 Every engine gets the same prompts and generates exactly ``--output-len`` tokens
-(EOS ignored), greedy. The table reports tokens/s and requests/s per engine and
-batch size, with ratios against transformers measured in the same run (these
-machines are noisy, so only same-run ratios mean anything).
+(EOS ignored), greedy. At batch size B the prompts go through in groups of B, each
+group submitted together and timed once it finishes, the next after it. The table
+reports tokens/s and requests/s per engine and batch size, with ratios against
+transformers measured in the same run (these machines are noisy, so only same-run
+ratios mean anything). The engines are loaded once each, warmed up with one short
+request, and run through the adapters of ``benchmarks/engines.py`` (prefix caching
+off, as in ``compare.py``).
 
     python benchmarks/throughput.py --model qwen2.5-coder-0.5b-instruct --batch-sizes 1,16
 
@@ -25,8 +29,7 @@ import json
 import platform
 import random
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +37,8 @@ from tqdm.auto import tqdm
 
 # The vLLM environment runs this script without pagedtree installed: use the source tree.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engines import EngineOptions, RunBatch, load_pagedtree, load_transformers, load_vllm, time_batches  # noqa: E402
 
 
 @dataclass
@@ -70,61 +75,11 @@ def make_prompts(args, tokenizer, vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(100, hi) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
 
 
-def run_pagedtree(args, prompts: list[list[int]], batch_size: int, llm) -> Result:
-    from pagedtree import SamplingParams
-
-    llm.engine.scheduler.config.max_num_seqs = batch_size
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=True)
-    seconds = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return Result("pagedtree", batch_size, len(prompts), tokens, seconds)
-
-
-def run_transformers(args, prompts: list[list[int]], batch_size: int, model) -> Result:
-    """transformers generate, ``batch_size`` prompts at a time (left padding)."""
-    tokens = 0
-    started = time.perf_counter()
-    with torch.no_grad():
-        for start in tqdm(range(0, len(prompts), batch_size), desc=f"transformers b{batch_size}"):
-            batch = prompts[start : start + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for i, p in enumerate(batch):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            tokens += (out.shape[1] - width) * len(batch)
-    return Result("transformers", batch_size, len(prompts), tokens, time.perf_counter() - started)
-
-
-def run_vllm(args, prompts: list[list[int]], batch_size: int, folder: str) -> Result:
-    try:
-        from vllm import LLM as VLLM
-        from vllm import SamplingParams as VParams
-    except ImportError as exc:
-        raise SystemExit(f"--backend vllm needs vllm in this environment ({exc}); see benchmarks/peers/") from exc
-    # "auto" means fp32 here, as for pagedtree on CPU: the same dtype on both sides.
-    llm = VLLM(model=folder, dtype="float32" if args.dtype == "auto" else args.dtype, max_num_seqs=batch_size,
-               max_model_len=args.input_len + args.output_len + 16, seed=args.seed)
-    params = VParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    started = time.perf_counter()
-    outs = llm.generate(inputs, params)
-    seconds = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return Result("vllm", batch_size, len(prompts), tokens, seconds)
+def run_engine(engine: str, run: RunBatch, prompts: list[list[int]], batch_size: int, output_len: int) -> Result:
+    """Greedy, ``batch_size`` prompts at a time, one group after another."""
+    groups = [prompts[start : start + batch_size] for start in range(0, len(prompts), batch_size)]
+    tokens, seconds, _ = time_batches(run, tqdm(groups, desc=f"{engine} b{batch_size}"), 0.0, output_len)
+    return Result(engine, batch_size, len(prompts), tokens, seconds)
 
 
 def main() -> None:
@@ -144,8 +99,6 @@ def main() -> None:
     parser.add_argument("--output-json", default=None, help="write the results here")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
     from pagedtree.loading.loader import load_tokenizer, resolve_model_path
 
     folder = resolve_model_path(args.model)
@@ -157,24 +110,26 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results: list[Result] = []
 
-    llm = None
+    # max_num_seqs is the largest batch: groups of B never run more than B sequences.
+    max_len = max(len(p) for p in prompts) + args.output_len + 16
+    options = EngineOptions(str(folder), label=args.backend, dtype=args.dtype, seed=args.seed)
+    engines: list[tuple[str, RunBatch]] = []
     if args.backend == "pagedtree":
-        from pagedtree import LLM
-
-        llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(batch_sizes),
-                  max_model_len=args.input_len + args.output_len + 16)
-    hf = None
+        engines.append(("pagedtree", load_pagedtree(options, max(batch_sizes), max_len)[1]))
+    else:
+        try:
+            engines.append(("vllm", load_vllm(options, max(batch_sizes), max_len)[1]))
+        except ImportError as exc:
+            raise SystemExit(f"--backend vllm needs vllm in this environment ({exc}); see benchmarks/peers/") from exc
     if not args.no_transformers:
-        dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+        hf_options = replace(options, label="transformers")
+        engines.append(("transformers", load_transformers(hf_options, max(batch_sizes), max_len)[1]))
+    for _, run in engines:
+        run(prompts[:1], 0.0, min(2, args.output_len))  # warm-up
     for b in batch_sizes:
         subset = prompts[: args.baseline_prompts] if b == 1 else prompts
-        if args.backend == "pagedtree":
-            results.append(run_pagedtree(args, subset, b, llm))
-        else:
-            results.append(run_vllm(args, subset, b, str(folder)))
-        if hf is not None:
-            results.append(run_transformers(args, subset, b, hf))
+        for engine, run in engines:
+            results.append(run_engine(engine, run, subset, b, args.output_len))
 
     hf_by_b = {r.batch_size: r for r in results if r.engine == "transformers"}
     hf_b1 = hf_by_b.get(1)
