@@ -58,6 +58,7 @@ class HealthProbe:
         self.server = server
         self.worst = 0.0
         self.failures = 0
+        self.answers = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -73,6 +74,7 @@ class HealthProbe:
                 ok = False
             self.worst = max(self.worst, time.monotonic() - started)
             self.failures += not ok
+            self.answers += ok
             time.sleep(0.01)
 
     def __enter__(self) -> HealthProbe:
@@ -130,7 +132,13 @@ def test_a_failed_step_fails_its_requests_with_a_message_that_quotes_nobody(live
     wait_until_idle(live)
 
 
-def test_stop_lists_are_bounded_and_never_stall_the_loop(live):
+# The latency bounds are wall-clock asserts: they run under -m slow only; the default
+# variant checks the same behaviour and that every /health probe was answered.
+TIMED = [False, pytest.param(True, marks=pytest.mark.slow, id="timed")]
+
+
+@pytest.mark.parametrize("timed", TIMED)
+def test_stop_lists_are_bounded_and_never_stall_the_loop(live, timed):
     with HealthProbe(live) as probe:
         status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "stop": ["x" * 1500] * 10_000})
         assert status == 400 and "stop" in text and "16" in text
@@ -143,9 +151,10 @@ def test_stop_lists_are_bounded_and_never_stall_the_loop(live):
         status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "stop": stops, "max_tokens": 60,
                                                           "ignore_eos": True, "stream": True})
         assert status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert probe.failures == 0 and probe.answers > 0
     # The unbounded scan froze the loop for seconds; 0.5 s catches that and leaves room
     # for a shared 2-core machine (where 0.1 s flaked at 0.11-0.12 s).
-    assert probe.worst < 0.5 and probe.failures == 0
+    assert not timed or probe.worst < 0.5
     wait_until_idle(live)
 
 
@@ -203,7 +212,8 @@ def test_a_prompt_list_over_the_waiting_bound_is_refused_before_queueing(chat_mo
         server.stop()
 
 
-def test_a_huge_prompt_is_refused_without_tokenizing_it_on_the_engine_thread(live):
+@pytest.mark.parametrize("timed", TIMED)
+def test_a_huge_prompt_is_refused_without_tokenizing_it_on_the_engine_thread(live, timed):
     """A 15 MB prompt is refused from its length in characters, while other streams
     and /health go on."""
     huge = "word " * 3_000_000
@@ -218,9 +228,9 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it_on_the_engine_thread(liv
 
     with HealthProbe(live) as probe:
         (status, _, text), seconds, other = asyncio.run(main())
-    assert status == 400 and "characters" in text
-    assert seconds < 5 and other[0] == 200
-    assert probe.worst < 0.5
+    assert status == 400 and "characters" in text and other[0] == 200
+    assert probe.failures == 0 and probe.answers > 0
+    assert not timed or (seconds < 5 and probe.worst < 0.5)
     # Over the body limit of a default server: 413 before reading it all.
     status, _, text = post(live, "/v1/completions", raw=b"[" + b"1," * 11_000_000 + b"1]")
     assert status == 413
@@ -256,7 +266,6 @@ def test_slow_headers_and_bodies_are_cut_off(live):
     keep-alive timeout; a body that never completes is a 408 after the body timeout."""
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        started = time.monotonic()
         for _ in range(40):
             try:
                 s.sendall(b"X-Slow: 1\r\n")
@@ -266,9 +275,11 @@ def test_slow_headers_and_bodies_are_cut_off(live):
         s.settimeout(5)
         try:
             data = s.recv(100)
+        except socket.timeout:
+            data = None  # still open: the trickle was never cut off
         except OSError:
-            data = b""
-        assert data == b"" and time.monotonic() - started < 3.5
+            data = b""  # reset: cut off
+        assert data == b"", "a connection that never completed its headers was not closed"
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"prompt\": ")
