@@ -29,6 +29,7 @@ def compare_run(tiny_text_model, tmp_path_factory):
     return rc, out, compare
 
 
+@pytest.mark.slow
 def test_compare_writes_tables_json_and_plots(compare_run):
     rc, out, _ = compare_run
     assert rc == 0
@@ -65,6 +66,7 @@ def test_compare_writes_tables_json_and_plots(compare_run):
         assert (out / f"t_{name}.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_compare_serving_part_counts_every_request(compare_run):
     _, out, _ = compare_run
     data = json.loads((out / "t.json").read_text())
@@ -77,8 +79,26 @@ def test_compare_serving_part_counts_every_request(compare_run):
         assert summary["total_output_tokens"] == 4 * 5
 
 
-def test_acceptance_length_and_missing_draft_error(compare_run):
-    _, _, compare = compare_run
+def test_a_small_comparison_writes_its_table_and_json(tiny_text_model, tmp_path):
+    """The default suite's comparison: two engines, one cell, one timing (the full
+    matrix with peers, repeats, plots and serving runs under -m slow)."""
+    compare = load_benchmark("compare")
+    folder = str(tiny_text_model.path)
+    rc = compare.main(["--model", folder, "--draft-model", folder, "--engines", "pagedtree,pagedtree-spec",
+                       "--spec-presets", "chain-3", "--batch-sizes", "1", "--temperatures", "0", "--output-len", "4",
+                       "--rounds-batch1", "1", "--repeats", "1", "--serve-rates", "", "--input-len", "8",
+                       "--out-dir", str(tmp_path), "--tag", "s"])
+    assert rc == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert [r["label"] for r in data["runs"]] == ["pagedtree", "pagedtree-spec:chain-3"]
+    for run in data["runs"]:
+        (cell,) = run["result"]["cells"]
+        assert run["error"] is None and cell["output_tokens"] == 4 and cell["tokens_per_s"] > 0
+    assert "| pagedtree-spec:chain-3 | 1 | 0 |" in (tmp_path / "s.md").read_text()
+
+
+def test_acceptance_length_and_missing_draft_error():
+    compare = load_benchmark("compare")
     assert compare.acceptance_length({"num_drafts": 4, "num_accepted_tokens": 6}) == 2.5
     assert compare.acceptance_length({"num_drafts": 0}) is None
     with pytest.raises(SystemExit, match="needs --draft-model"):
@@ -87,13 +107,6 @@ def test_acceptance_length_and_missing_draft_error(compare_run):
         compare.parse_args(["--repeats", "0"])
     specs, _ = compare.engine_specs(compare.parse_args(["--engines", "pagedtree,pagedtree-eager", "--draft-model", ""]))
     assert [(s.label, s.eager) for s in specs] == [("pagedtree", False), ("pagedtree-eager", True)]
-
-
-@pytest.mark.parametrize("script", ["compare.py", "engine_runner.py"])
-def test_help(script):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
 def test_peak_rss_counts_child_processes():
@@ -130,6 +143,7 @@ def test_linear_rows_times_every_format_on_a_small_shape(tmp_path, monkeypatch):
     assert out.with_suffix(".png").exists() and "| tiny | q4 |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_llamacpp_engines_plain_and_prompt_lookup():
     """llama.cpp plain and with its own prompt-lookup speculation, on the model's GGUF:
     the lookup engine carries its draft length to the runner and is compared with the

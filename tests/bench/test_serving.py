@@ -10,9 +10,6 @@ import asyncio
 import dataclasses
 import json
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +18,6 @@ from pagedtree.bench.serving import BenchmarkConfig, arrival_offsets, main, run_
 from pagedtree.entrypoints import cli
 from tests.entrypoints.conftest import wait_until_idle
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_PROMPTS = 12
 
 
@@ -166,8 +162,3 @@ def test_pagedtree_bench_serve_help(capsys):
     assert "pagedtree bench serve" in out and "--request-rate" in out and "--goodput" in out
 
 
-def test_benchmarks_script_help():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--help"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "usage: benchmarks/serving.py" in result.stdout and "--max-concurrency" in result.stdout

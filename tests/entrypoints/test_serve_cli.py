@@ -88,14 +88,6 @@ def test_speculation_options_reach_the_engine():
     assert "draft_model" not in engine_kwargs(build_parser().parse_args(["serve", "--model", "m"]))
 
 
-@pytest.mark.parametrize("script", ["examples/aiohttp_app.py"])
-def test_example_has_help(script):
-    result = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "usage" in result.stdout.lower()
-
-
 def test_example_app_serves_its_routes_next_to_pagedtree(chat_model_path):
     import asyncio
     import importlib.util
@@ -131,6 +123,7 @@ def test_example_app_serves_its_routes_next_to_pagedtree(chat_model_path):
         live.stop()
 
 
+@pytest.mark.slow
 def test_a_second_signal_hurries_the_shutdown_without_aborting_the_process(chat_model_path):
     """SIGTERM starts the grace period; a second SIGTERM ends it at once: the
     in-flight stream gets an error event and [DONE], and the process exits 0 (it

@@ -5,7 +5,10 @@ streamed and not, disconnects mid-stream, ``n=8`` logprob chats, hostile bodies
 (huge stop lists, deep JSON, wrong content types, oversized bodies, client
 templates, lone surrogates, extreme floats), distinct long prompts, slowloris.
 
-- ``test_fast_soak_leaves_memory_flat`` (default suite, about 90 s): rounds of load,
+- ``test_a_short_soak_serves_the_mix`` (default suite, about 25 s): two short rounds
+  of the mix against a real server: every valid request served, every hostile one
+  refused with a 4xx, no 500, the server healthy and stopping cleanly afterwards.
+- ``test_fast_soak_leaves_memory_flat`` (slow, about 90 s): rounds of load,
   each followed by a reading at an idle moment (every request ended, the heap
   trimmed). After two warm-up rounds the server's Python blocks may grow by at most
   ``BLOCKS_PER_REQUEST`` per request served, and from the first reading on its RSS
@@ -133,6 +136,14 @@ def flat(readings: list[IdleReading], counts: SoakCounts) -> tuple[bool, str]:
     return blocks <= BLOCKS_PER_REQUEST and rss <= FAST_RSS_GROWTH, figures
 
 
+def test_a_short_soak_serves_the_mix(chat_model_path):
+    readings, counts = fast_soak(str(chat_model_path), "--max-model-len", "512", "--block-size", "4",
+                                 rounds=2, round_seconds=6.0)
+    assert len(readings) == 2
+    assert counts.total(200) > 10 and counts.total(400) > 2 and counts.total(500) == 0, counts
+
+
+@pytest.mark.slow
 def test_fast_soak_leaves_memory_flat(chat_model_path):
     readings, counts = fast_soak(str(chat_model_path), "--max-model-len", "512", "--block-size", "4")
     assert counts.total(200) > 100 and counts.total(400) > 10 and counts.total(500) == 0, counts

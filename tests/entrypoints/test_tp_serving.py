@@ -10,10 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pagedtree import SamplingParams
 from tests.entrypoints.test_serve_cli import ROOT, free_port, http, wait_healthy
 
 
+@pytest.mark.slow
 def test_serve_with_two_ranks(chat_model_path):
     from pagedtree.engine.llm import LLM as OfflineLLM
 
@@ -86,6 +89,7 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_requests_and_health(chat_model_path):
     import aiohttp
 

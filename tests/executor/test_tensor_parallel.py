@@ -77,6 +77,7 @@ def test_seeded_sampling_on_two_ranks_equals_one_rank(speculative_pair, prompts)
     assert_ranks_in_step(two)
 
 
+@pytest.mark.slow
 def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts, caplog):
     # Branching trees: the draft forks sequences, so its copy-on-write block copies
     # must reach rank 1's draft cache too. A draft cache gone wrong on any rank
@@ -109,6 +110,7 @@ def test_drafts_sharded_with_the_target(tiny_llama, tp_draft, prompts, caplog):
         assert "one by one" not in caplog.text and "without speculation" not in caplog.text
 
 
+@pytest.mark.slow
 def test_four_ranks_replicate_kv_heads_with_biases_and_tied_embeddings(tiny_qwen2):
     # tiny Qwen2: 4 query heads, 2 KV heads (each on 2 ranks), q/k/v biases, tied embeddings.
     requests = [{"prompt_token_ids": p} for p in random_prompts(4, 256, 3, 20, seed=9)]
@@ -119,6 +121,7 @@ def test_four_ranks_replicate_kv_heads_with_biases_and_tied_embeddings(tiny_qwen
         assert_ranks_in_step(four)
 
 
+@pytest.mark.slow
 def test_smollm2_135m_on_two_ranks_equals_one_rank():
     model = pm.SMOLLM2_135M  # 9 query heads over 3 KV heads: ranks hold 6 and 3 heads
     if not pm.is_installed(model):

@@ -21,6 +21,7 @@ def requests(count: int = 3):
     return [{"prompt_token_ids": p} for p in random_prompts(count, 256, 3, 12, seed=3)]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_engine_with_a_clear_error(tiny_llama):
     llm = LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2)
     try:
@@ -40,6 +41,7 @@ def test_a_killed_worker_fails_the_engine_with_a_clear_error(tiny_llama):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_llama):
     llm = LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, distributed_timeout=2)
     worker = llm.engine.tensor_parallel.processes[1]
@@ -73,6 +75,7 @@ def test_a_model_that_cannot_be_split_fails_at_start_and_leaves_no_process(tiny_
     assert set(multiprocessing.active_children()) == before
 
 
+@pytest.mark.slow
 def test_rank_0_failing_after_the_workers_loaded_stops_them(tiny_llama, tmp_path):
     # The target loads on every rank, then rank 0 fails on its (whole) draft: the
     # workers, already waiting for commands, must not be left behind.

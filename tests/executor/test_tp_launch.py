@@ -33,6 +33,7 @@ def rank0_env(monkeypatch, port: int, size: int = 2) -> None:
         monkeypatch.setenv(name, value)
 
 
+@pytest.mark.slow
 def test_a_worker_joining_through_the_environment(tiny_llama, monkeypatch, tmp_path):
     expected = [o.outputs[0].token_ids for o in
                 LLM(str(tiny_llama.path), dtype="float32").generate(PROMPTS, PARAMS, use_tqdm=False)]
@@ -75,6 +76,7 @@ def test_rank_0_refuses_to_be_another_rank(tiny_llama, monkeypatch):
         LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_same_command_on_every_rank(tiny_text_model):
     command = ["generate", "Hello world", "--model", str(tiny_text_model.path), "--device", "cpu",
                "--dtype", "float32", "--max-tokens", "8", "--ignore-eos"]

@@ -77,7 +77,7 @@ def _greedy(model_path, prompts, backend, **kwargs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, pytest.param(16, marks=pytest.mark.slow)])
 def test_engine_greedy_triton_equals_torch(tiny_llama, block_size):
     # Chunked prefill with a small token budget puts prefill chunks and decodes in
     # the same steps, so one launch serves both kinds.
@@ -87,6 +87,7 @@ def test_engine_greedy_triton_equals_torch(tiny_llama, block_size):
     assert _greedy(tiny_llama.path, prompts, "triton", **kwargs) == expected
 
 
+@pytest.mark.slow
 def test_tree_speculation_triton_equals_torch(tiny_llama, tmp_path):
     """Tree verification (tree masks, compaction of accepted paths) through the kernels."""
     from pagedtree.speculative import SpeculativeConfig

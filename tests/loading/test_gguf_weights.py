@@ -73,6 +73,7 @@ def test_names_map_to_the_checkpoint():
     assert hf_name("rope_freqs.weight") is None
 
 
+@pytest.mark.slow
 def test_a_quantized_engine_decodes_like_fp32(tensors_of):
     """SmolLM2's file is Q4_1 throughout (its Q/K rows permuted for llama.cpp): every
     linear layer is int4, and greedy decoding follows fp32 (bf16 activations aside)."""
@@ -96,7 +97,7 @@ def test_a_quantized_engine_decodes_like_fp32(tensors_of):
 
 
 
-@pytest.mark.parametrize("mode", ["q8", "q4"])
+@pytest.mark.parametrize("mode", [pytest.param("q8", marks=pytest.mark.slow), "q4"])
 def test_block_engines_read_the_file_and_decode_like_fp32(tensors_of, mode):
     """q4/q8 from a GGUF: SmolLM2's Q4_1 tensors (the Q/K rows unpermuted) become 4-bit
     blocks (8-bit under "q8"), its Q8_0 head 8-bit blocks, each holding the file's

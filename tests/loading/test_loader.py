@@ -76,6 +76,7 @@ def test_missing_gguf_file_is_reported(tmp_path):
         resolve_model_path(tmp_path / "nope.gguf")
 
 
+@pytest.mark.slow
 def test_gguf_file_loads_like_its_converted_folder(tmp_path, monkeypatch):
     """A user's .gguf path, run dense, is converted once and gives the packaged model's tokens."""
     if not pm.is_installed(pm.SMOLLM2_135M) or not pm.part_files(pm.SMOLLM2_135M):

@@ -60,6 +60,7 @@ def test_speculation_with_a_cut_draft_vocabulary_is_exact(tiny_text_model, tempe
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_a_gguf_draft_loads_its_cut_head_from_the_file():
     if not pm.is_installed(pm.SMOLLM2_135M):
         pytest.skip("smollm2 not installed")

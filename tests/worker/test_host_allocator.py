@@ -63,6 +63,7 @@ print((after.in_use + after.mmapped - before.in_use - before.mmapped) / 2**20)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="heap figures come from glibc")
 def test_onednn_caches_are_bounded_when_pagedtree_is_imported():
     """A server sees a new row count with nearly every new mix of prompts: with
