@@ -79,6 +79,7 @@ def test_compare_serving_part_counts_every_request(compare_run):
         assert summary["total_output_tokens"] == 4 * 5
 
 
+@pytest.mark.slow
 def test_a_small_comparison_writes_its_table_and_json(tiny_text_model, tmp_path):
     """The default suite's comparison: two engines, one cell, one timing (the full
     matrix with peers, repeats, plots and serving runs under -m slow)."""

@@ -57,6 +57,7 @@ def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_llama):
     assert not worker.is_alive()
 
 
+@pytest.mark.slow
 def test_shutdown_stops_every_rank(tiny_llama):
     llm = LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2)
     workers = list(llm.engine.tensor_parallel.processes.values())

@@ -2,11 +2,12 @@
 and the 16-bit kernels do not spill registers (``pagedtree.kernels.cuda_compile``).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (the test process
-defines the kernels for the interpreter). The default suite compiles a pairwise
-covering of the cases for sm_90 (every pair of values of dtype, head dim, GQA group,
-block size and step kind at least once: 18 cases, about a minute on two cores with
-an empty Triton cache); ``-m slow`` adds sm_80's covering and every combination
-(216 per GPU).
+defines the kernels for the interpreter). The default suite compiles the shape of
+the default model family on sm_90 (Qwen2.5: head dim 128, six query heads per KV
+head, bf16, every step kind); ``-m slow`` compiles a pairwise covering of the cases
+per GPU (every pair of values of dtype, head dim, GQA group, block size and step
+kind at least once: 18 cases, about a minute each on two cores with an empty Triton
+cache) and every combination (216 per GPU).
 """
 
 from __future__ import annotations
@@ -25,21 +26,34 @@ from pagedtree.kernels.cuda_compile import KernelBuild, problems  # noqa: E402
 KERNELS = {"_store_kv_kernel", "_unified_attention_kernel", "_reduce_splits_kernel", "_copy_rows_kernel"}
 
 
-def _compile(out_dir, cover: str, arch: str = "80,90"):
+def _compile(out_dir, cover: str, arch: str = "80,90", *extra: str):
     out = out_dir / f"kernels_sm_{cover}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "pagedtree.kernels.cuda_compile", "--arch", arch,
-                           "--cover", cover, "--json", str(out), "--no-progress"], env=env, capture_output=True,
-                          text=True, timeout=3600)
+                           "--cover", cover, "--json", str(out), "--no-progress", *extra], env=env,
+                          capture_output=True, text=True, timeout=3600)
     assert out.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=[90, pytest.param(80, marks=pytest.mark.slow)], ids=lambda a: f"sm{a}")
+def test_the_default_model_family_compiles_for_sm90_without_spills(tmp_path):
+    proc, data = _compile(tmp_path, "all", "90", "--dtypes", "bf16", "--head-dims", "128", "--groups", "6",
+                          "--block-sizes", "16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    builds = data["builds"]
+    assert {b["kernel"] for b in builds} == KERNELS
+    assert all(b["registers"] > 0 and not b["error"] and not b["spills"] for b in builds)
+    attention = [b for b in builds if b["kernel"] == "_unified_attention_kernel"]
+    assert {b["constexprs"]["GROUP"] for b in attention} == {6}
+    assert all(counts and all(n == 1 for n in counts.values()) for counts in data["variants_over_varying_steps"].values())
+
+
+@pytest.fixture(scope="module", params=[90, 80], ids=lambda a: f"sm{a}")
 def report(request, tmp_path_factory):
     return request.param, _compile(tmp_path_factory.mktemp("cubin"), "pairwise", str(request.param))
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_without_16bit_spills(report):
     arch, (proc, data) = report
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,6 +96,7 @@ def test_spills_and_errors_are_problems():
     assert len(problems([spilling, broken])) == 2
 
 
+@pytest.mark.slow
 def test_steps_of_varying_sizes_reuse_one_compiled_kernel(report):
     """Batch size, context length and block-table width change every step; none of
     them may make a server compile a new variant."""

@@ -180,17 +180,20 @@ def peaked_models(tmp_path_factory):
 TWO_DRAFT_DRAWS = 4000
 
 
-# All eight combinations under -m slow (about 10 s each); one in the default suite.
+# All eight combinations under -m slow (about 10 s each); one with fewer draws in the
+# default suite.
 _DEFAULT_TWO_DRAFT = {("same-draft-twice", "chain", "without_replacement")}
 
 
 @pytest.mark.parametrize(
-    "pair,tree,rule",
-    [pytest.param(p, t, r, id=f"{p}-{t}-{r}", marks=() if (p, t, r) in _DEFAULT_TWO_DRAFT else pytest.mark.slow)
-     for p in ("same-draft-twice", "correlated-drafts") for t in ("chain", "static")
-     for r in ("without_replacement", "iid")],
+    "pair,tree,rule,draws",
+    [pytest.param(p, t, r, FAST_DRAWS, id=f"{p}-{t}-{r}-fast")
+     for p, t, r in sorted(_DEFAULT_TWO_DRAFT)]
+    + [pytest.param(p, t, r, TWO_DRAFT_DRAWS, id=f"{p}-{t}-{r}", marks=pytest.mark.slow)
+       for p in ("same-draft-twice", "correlated-drafts") for t in ("chain", "static")
+       for r in ("without_replacement", "iid")],
 )
-def test_two_drafts_sample_the_target_distribution(peaked_models, pair, tree, rule):
+def test_two_drafts_sample_the_target_distribution(peaked_models, pair, tree, rule, draws):
     """Each draft draws from its own random stream, and verification replays every
     draft's proposals against that draft's q: the merged tree keeps the target's
     distribution. (With both drafts on one stream, the same draft twice proposed the
@@ -199,8 +202,8 @@ def test_two_drafts_sample_the_target_distribution(peaked_models, pair, tree, ru
     drafts = [draft, draft] if pair == "same-draft-twice" else [draft, other]
     spec = dict(tree="chain", depth=3) if tree == "chain" else dict(tree="static", expansion=(2, 1))
     # Every request in one batch: all first trees are verified in the same step.
-    llm = _llm(target, drafts, max_num_seqs=TWO_DRAFT_DRAWS, draft_sampling=rule, **spec)
-    counts, _ = _sampled_joint(llm, draws=TWO_DRAFT_DRAWS, first=0)
+    llm = _llm(target, drafts, max_num_seqs=draws, draft_sampling=rule, **spec)
+    counts, _ = _sampled_joint(llm, draws=draws, first=0)
     stats = llm.stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert _pvalue(counts, _exact_first_pair(target.hf_model)) > P_MIN

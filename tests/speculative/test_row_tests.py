@@ -50,13 +50,14 @@ def test_all_rows_and_along_the_walk_decide_the_same_path():
     assert walks > 50  # paths that accepted something, not only bonus draws at the root
 
 
-def test_rows_decided_at_once_keep_the_target_distribution():
+@pytest.mark.parametrize("draws", [2000, pytest.param(4000, marks=pytest.mark.slow)])
+def test_rows_decided_at_once_keep_the_target_distribution(draws):
     """The chi-square test of ``test_distribution`` with every row decided up front."""
     seed = 3
     p_root, q_root, p_next, q_next = _tables(seed)
     counts = np.zeros((V, V))
     gen = torch.Generator().manual_seed(seed + 1)
-    for _ in range(4000):
+    for _ in range(draws):
         tree = _grow(_builder("static", "iid", gen), q_root, q_next)
         rows = torch.stack([p_root] + [p_next[t] if d == 1 else p_next[0] for t, d in zip(tree.tokens, tree.depths)])
         tokens, accepted = RowTests(tree, rows, gen).all_rows()

@@ -60,6 +60,7 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
     assert "ERR" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
 
 
+@pytest.mark.slow
 def test_missing_triton_is_an_import_error_and_a_clear_value_error():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
@@ -81,6 +82,7 @@ def test_missing_triton_is_an_import_error_and_a_clear_value_error():
     assert "ERR" in result.stdout and "pip install triton" in result.stdout
 
 
+@pytest.mark.slow
 def test_missing_numba_falls_back_to_torch_and_names_the_package():
     code = (
         "import sys; sys.modules['numba'] = None\n"  # makes `import numba` raise ImportError

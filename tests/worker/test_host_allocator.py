@@ -30,6 +30,7 @@ def _run(code: str, **env_values: str | None) -> str:
                           check=True).stdout.strip()
 
 
+@pytest.mark.slow
 def test_tuning_applies_on_glibc_and_can_be_switched_off():
     if GLIBC:
         assert _run(SNIPPET, PAGEDTREE_MALLOC_TUNING=None) == "True True"
