@@ -40,6 +40,7 @@ def test_smollm2_135m_matches_transformers():
     _check(pm.SMOLLM2_135M, new_tokens=24)
 
 
+@pytest.mark.slow
 def test_qwen_coder_0_5b_matches_transformers():
     _check(pm.QWEN_CODER_0_5B, new_tokens=16)
 

@@ -74,3 +74,25 @@ def test_prefix_cache_hits_give_same_tokens(model):
     assert llm.stats()["prefix_cache_hits"] > hits_before
     assert first == expected and second == expected
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (12, 2), (15, 3)], ids=["G7-qwen2.5-0.5b", "G6-qwen2.5-1.5b",
+                                                                            "G5-qwen2.5-14b"])
+def test_real_models_head_groupings_match_transformers(tmp_path, heads, kv_heads):
+    """Query heads per KV head as the real models have them (Qwen2.5: 7, 6, 5), on a
+    tiny Qwen2 with 16-wide heads: plain decoding on both CPU attention backends and
+    tree speculation all equal transformers."""
+    from tests.conftest import save_tiny_model
+
+    m = save_tiny_model(tmp_path / "grouped", "qwen2", seed=5, with_tokenizer=False,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=16 * heads)
+    prompts = random_prompts(6, vocab=256, min_len=1, max_len=40, seed=11)
+    expected = [hf_greedy(m.hf_model, p, NEW_TOKENS) for p in prompts]
+    for backend in ("cpu", "torch"):
+        llm, got = _run(m.path, prompts, block_size=4, attention_backend=backend)
+        assert got == expected, backend
+        assert_no_leaks(llm)
+    llm, got = _run(m.path, prompts, block_size=4, draft_model=str(m.path),
+                    speculative={"tree": "static", "expansion": (2, 1), "max_nodes": 4, "adaptive": False})
+    assert got == expected and llm.stats()["num_accepted_tokens"] > 0
+    assert_no_leaks(llm)

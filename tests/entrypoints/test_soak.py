@@ -5,7 +5,7 @@ streamed and not, disconnects mid-stream, ``n=8`` logprob chats, hostile bodies
 (huge stop lists, deep JSON, wrong content types, oversized bodies, client
 templates, lone surrogates, extreme floats), distinct long prompts, slowloris.
 
-- ``test_a_short_soak_serves_the_mix`` (default suite, about 15 s): two short rounds
+- ``test_a_short_soak_serves_the_mix`` (slow, about 15 s): two short rounds
   of the mix against a real server: every valid request served, every hostile one
   refused with a 4xx, no 500, the server healthy and stopping cleanly afterwards.
 - ``test_fast_soak_leaves_memory_flat`` (slow, about 90 s): rounds of load,
@@ -136,6 +136,7 @@ def flat(readings: list[IdleReading], counts: SoakCounts) -> tuple[bool, str]:
     return blocks <= BLOCKS_PER_REQUEST and rss <= FAST_RSS_GROWTH, figures
 
 
+@pytest.mark.slow
 def test_a_short_soak_serves_the_mix(chat_model_path):
     readings, counts = fast_soak(str(chat_model_path), "--max-model-len", "512", "--block-size", "4",
                                  rounds=2, round_seconds=3.0)
