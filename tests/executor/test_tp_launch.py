@@ -52,6 +52,7 @@ def test_a_worker_joining_through_the_environment(tiny_llama, monkeypatch, tmp_p
         worker.communicate()
 
 
+@pytest.mark.slow
 def test_a_worker_without_the_model_is_quoted_by_rank_0(tiny_llama, monkeypatch, tmp_path):
     # The model path is relative to rank 0's folder; the worker runs elsewhere (as on
     # a machine where the model sits at another path) and cannot load it.

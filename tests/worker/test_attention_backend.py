@@ -43,6 +43,7 @@ def test_triton_on_cpu_uses_the_interpreter():
     assert make_backend("triton", [(cache, cache.clone())], 1.0).name == "triton"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_triton_on_cpu_without_interpreter_says_how_to_fix_it():
     pytest.importorskip("triton")

@@ -108,6 +108,7 @@ print(before[0].free, before[1] - after[1], after[0].free)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="mallinfo2 and malloc_trim are glibc's")
 def test_heap_figures_and_trimming():
     tuned, free_before, returned, free_after = _run(TRIM_SNIPPET, PAGEDTREE_MALLOC_TUNING=None).split()
