@@ -16,11 +16,11 @@ setup(
         "torch>=2.5",
         "triton>=3.0,<3.8",  # 3.7.1 is what the kernels are tested with (see scripts/setup.sh)
         "transformers>=5.0,<6",  # configs, tokenizers (it brings `tokenizers`), GGUF conversion
-        "sentencepiece",  # not imported here: transformers needs it for SentencePiece tokenizers (Llama 2, Mistral)
+        "sentencepiece",  # not imported by pagedtree: transformers needs it for SentencePiece tokenizers (Llama 2, Mistral)
         "safetensors",
-        "gguf>=0.10",  # not imported here: transformers reads .gguf files through it
+        "gguf>=0.10",  # reading GGUF blocks (pagedtree/loading/gguf_weights.py); transformers converts .gguf files through it
         "numpy",
-        "numba>=0.60",  # the CPU attention kernel (pagedtree/attention/cpu_kernels.py)
+        "numba>=0.60",  # the CPU kernels: attention and element-wise ops (pagedtree/kernels/cpu_*.py), seeded noise
         "tqdm",
         "onnxruntime>=1.22",  # the q4/q8 formats: MatMulNBits (MLAS) kernels (pagedtree/worker/models/block_quant.py)
         "onnx",  # builds the one-node graphs those kernels run in
@@ -28,7 +28,7 @@ setup(
         "uvloop",
         "prometheus-client",
         "huggingface-hub",
-        "accelerate",  # transformers needs it to read GGUF files
+        "accelerate",  # not imported by pagedtree: transformers refuses to read a GGUF file without it
     ],
     extras_require={"bench": ["matplotlib"], "test": ["scipy", "pytest", "hypothesis", "openai"]},  # + text-generation --no-deps: scripts/setup.sh
     entry_points={"console_scripts": ["pagedtree=pagedtree.entrypoints.cli:main"]},

@@ -41,15 +41,12 @@ import json, sys, time
 case = json.loads(sys.argv[1]); output_len = int(sys.argv[2])
 import pagedtree
 from pagedtree import LLM, SamplingParams
-from pagedtree.bench.datasets import PROMPT_SETS
+from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
 kwargs = {k: case[k] for k in ("dtype", "draft_model", "speculative") if k in case}
 llm = LLM(case["model"], max_model_len=2048, **kwargs)
 tok = llm.engine.tokenizer
-prompts = []
-for name in case["datasets"]:
-    for text in PROMPT_SETS[name][: case["num_prompts"]]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        prompts.append({"prompt_token_ids": list(ids["input_ids"] if isinstance(ids, dict) else ids)})
+prompts = [{"prompt_token_ids": chat_token_ids(tok, chat)}
+           for name in case["datasets"] for chat in PROMPT_SETS[name][: case["num_prompts"]]]
 params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
 batch = case["batch"]
@@ -71,7 +68,9 @@ def _worktree(rev: str, root: Path) -> Path:
 def _arm(tree: Path, case: dict, output_len: int) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree))
     done = subprocess.run([sys.executable, "-c", _ARM, json.dumps(case), str(output_len)], cwd=tree, env=env,
-                          check=True, capture_output=True, text=True)
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the arm in {tree} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result["tokens"] / result["seconds"]
 
