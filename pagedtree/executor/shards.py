@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from pagedtree.attention import resolve_backend_name
 from pagedtree.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelGroup
