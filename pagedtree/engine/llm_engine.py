@@ -103,8 +103,8 @@ class LLMEngine:
 
     def _load(self, config: ResolvedConfig) -> None:
         channel = self.tensor_parallel.channel if self.tensor_parallel is not None else None
-        max_tree_nodes = config.max_tree_nodes if config.speculative is not None else None
-        target = load_target(config.target, config.cache, config.scheduler, config.max_model_len, max_tree_nodes, channel)
+        target = load_target(config.target, config.cache, config.scheduler, config.max_model_len, config.speculative,
+                             channel)
         loaded = target.loaded
         self.model_path = loaded.path
         self.model_config = loaded.config

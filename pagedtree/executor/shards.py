@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from pagedtree.attention import resolve_backend_name
-from pagedtree.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedtree.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelGroup
 from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
@@ -63,11 +63,11 @@ def _graphs_wanted(model: ModelConfig, backend: str, group: TensorParallelGroup 
 
 
 def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int | None,
-                max_tree_nodes: int | None, channel: CommandChannel | None = None) -> LoadedShard:
+                speculative: SpeculativeConfig | None, channel: CommandChannel | None = None) -> LoadedShard:
     """The target (this rank's shard with a ``channel``), its cache and runner.
 
     ``max_model_len`` is the one asked for (None: the model's positions), capped by
-    what the cache holds. ``max_tree_nodes`` is None without speculation.
+    what the cache holds. ``speculative`` is None without speculation.
     """
     group = channel.group if channel is not None else None
     loaded = load_model(model.model, dtype=model.dtype, device=model.device, quantization=model.quantization,
@@ -82,8 +82,9 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     max_model_len = min(requested_len, blocks * cache.block_size)
     if _graphs_wanted(model, backend, group):
         # Verify steps hold a tree and its root.
-        runner.enable_cuda_graphs(scheduler.max_num_seqs, max_model_len, 1 + (max_tree_nodes or 0), capture=True)
-    if max_tree_nodes is not None:
+        tree_nodes = speculative.max_nodes if speculative is not None else 0
+        runner.enable_cuda_graphs(scheduler.max_num_seqs, max_model_len, 1 + tree_nodes, capture=True)
+    if speculative is not None:
         # A token's logits must not depend on whether a tree pass or a one-token
         # decode computed them (greedy with speculation == without, in any dtype).
         loaded.model.make_rows_consistent()

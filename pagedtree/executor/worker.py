@@ -42,9 +42,8 @@ def load_rank_models(config: EngineConfig, channel: CommandChannel) -> list[Mode
     """This rank's shard of the target and of the sharded drafts, in the order rank 0 loads them."""
     resolved = resolve_config(config)
     device = channel.group.device
-    max_tree_nodes = resolved.max_tree_nodes if resolved.speculative is not None else None
     target = load_target(dataclasses.replace(resolved.target, device=device), resolved.cache, resolved.scheduler,
-                         resolved.max_model_len, max_tree_nodes, channel)
+                         resolved.max_model_len, resolved.speculative, channel)
     runners = [target.runner]
     if resolved.parallel.draft_tensor_parallel_size > 1:
         for index, draft_config in enumerate(resolved.drafts):
