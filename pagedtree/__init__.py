@@ -22,6 +22,7 @@ from pagedtree.engine.llm import LLM
 from pagedtree.engine.llm_engine import LLMEngine
 from pagedtree.outputs import CompletionOutput, RequestOutput
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.structured_params import StructuredOutputLimits, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SpeculativeConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SpeculativeConfig", "SamplingParams", "StructuredOutputsParams", "StructuredOutputLimits", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

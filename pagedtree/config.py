@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagedtree.structured_params import StructuredOutputLimits
+
 
 DTYPES = {
     "float32": torch.float32,
@@ -156,6 +158,8 @@ class EngineConfig:
     (``num_draft_kv_blocks`` overrides it).
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
+    ``structured_output_limits`` bounds what a request's ``structured_outputs`` may
+    ask (size, schema nesting, choices, compile time; a dict of its fields works too).
 
     ``enforce_eager=True`` runs every op eagerly in torch; by default fp32/bf16
     models on CPU fuse each layer's residual adds, RMSNorms and rotary embedding into
@@ -208,8 +212,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int | None = None
     distributed_timeout: float = 60.0
+    structured_output_limits: StructuredOutputLimits | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_output_limits is None:
+            self.structured_output_limits = StructuredOutputLimits()
+        elif isinstance(self.structured_output_limits, Mapping):
+            try:
+                self.structured_output_limits = StructuredOutputLimits(**self.structured_output_limits)
+            except TypeError as exc:
+                raise ValueError(f"structured_output_limits: {exc}") from exc
+        elif not isinstance(self.structured_output_limits, StructuredOutputLimits):
+            raise ValueError("structured_output_limits must be a StructuredOutputLimits or a dict, got "
+                             f"{type(self.structured_output_limits).__name__}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +58,8 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # The grammar its output must follow (``SamplingParams.structured_outputs``).
+    grammar: RequestGrammar | None = None
     # Tree speculation, per request.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

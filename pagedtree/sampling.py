@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.structured.matcher import apply_bitmasks
 from pagedtree.uploads import to_device, upload
 
 # Keys that separate the random streams derived from one request seed.
@@ -136,6 +137,7 @@ class SamplingRow:
     num_output_tokens: int  # generated so far, for min_tokens (and the noise position)
     generator: torch.Generator | None  # inverse-transform stream; None for greedy and seeded rows
     coupling_seed: int | None = None  # seeded rows: Gumbel-max with this seed's noise
+    bitmask: torch.Tensor | None = None  # [W] int32: the tokens a grammar allows (None: all)
 
 
 class NonFiniteDistributionError(RuntimeError):
@@ -380,8 +382,12 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows
     logits = logits.float()
     device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    # Penalties edit a copy: the raw logits stay for the reported logprobs.
-    processed = apply_penalties(logits.clone(), rows) if any(map(needs_penalties, rows)) else logits
+    # Penalties and grammar masks edit a copy: the raw logits stay for the reported logprobs.
+    masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
+    processed = logits.clone() if masked or any(map(needs_penalties, rows)) else logits
+    if any(map(needs_penalties, rows)):
+        apply_penalties(processed, rows)
+    apply_bitmasks(processed, masked, [rows[i].bitmask for i in masked])
     tokens = torch.zeros(len(rows), dtype=torch.long, device=device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedtree.structured_params import StructuredOutputsParams
 from pagedtree.text_checks import has_surrogate
 
 
@@ -46,6 +47,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match this (a JSON schema, a regex, a choice, a grammar).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/config; users normally leave these alone.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -110,6 +113,8 @@ class SamplingParams:
             or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "must be a finite number > 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")

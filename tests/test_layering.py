@@ -19,18 +19,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedtree"
 
 # Lower numbers are lower layers; each key is a package or a top-level module.
 LAYERS = {
-    "text_checks": -1,
-    "config": 0, "sampling_params": 0, "outputs": 0, "uploads": 0,
-    "request": 1, "sampling": 1,
-    "step_data": 2,
-    "kernels": 3,
-    "attention": 4, "scheduler": 4, "distributed": 4,
-    "worker": 5,
-    "loading": 6, "speculative": 6,
-    "executor": 7,
-    "engine": 8,
-    "bench": 9,
-    "entrypoints": 10,
+    "text_checks": 0,
+    "structured_params": 1,
+    "config": 2, "sampling_params": 2, "outputs": 2, "uploads": 2,
+    "structured": 3,
+    "request": 4, "sampling": 4,
+    "step_data": 5,
+    "kernels": 6,
+    "attention": 7, "scheduler": 7, "distributed": 7,
+    "worker": 8,
+    "loading": 9, "speculative": 9,
+    "executor": 10,
+    "engine": 11,
+    "bench": 12,
+    "entrypoints": 13,
 }
 
 

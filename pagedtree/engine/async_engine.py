@@ -132,11 +132,14 @@ class AsyncEngine:
         self.resolved = engine.resolved  # device, dtypes, formats (frozen plain data)
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = engine.eos_token_ids
+        self.grammars = engine.grammars  # thread-safe: compiled in the tokenizer pool, read by the engine
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         # Text prompts are tokenized here, never on the engine thread.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(2, os.cpu_count() or 1), thread_name_prefix="pagedtree-tokenize"
         )
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pagedtree-grammar")
         if freeze_gc:
             gc.collect()
             gc.freeze()
@@ -224,6 +227,8 @@ class AsyncEngine:
         command: AddCommand | None = None
         try:
             ready = await loop.run_in_executor(self._tokenize_pool, self._prepare_prompts, prompts)
+            if any(p is not None and p.structured_outputs is not None for p in params_list):
+                await loop.run_in_executor(self._grammar_pool, self._compile_grammars, params_list)
             command = AddCommand(
                 [NewRequest(rid, prompt, params, stream) for rid, prompt, params, stream
                  in zip(ids, ready, params_list, streams)],
@@ -253,6 +258,17 @@ class AsyncEngine:
             except ValueError as exc:
                 raise InvalidRequestError(index, str(exc)) from exc
         return out
+
+    def _compile_grammars(self, params_list: list[SamplingParams | None]) -> None:
+        """Runs in the grammar pool: every constraint compiled (in the compiler's
+        process, within its time limit), so the engine thread only takes them from
+        the cache; a slow compile holds neither the tokenizer pool nor the engine."""
+        for index, params in enumerate(params_list):
+            if params is not None and params.structured_outputs is not None:
+                try:
+                    self.grammars.compile(params.structured_outputs)
+                except ValueError as exc:
+                    raise InvalidRequestError(index, str(exc)) from exc
 
     def _prepare_prompt(self, prompt: PromptType) -> PromptType:
         text = prompt
@@ -376,6 +392,8 @@ class AsyncEngine:
                 pass
         await asyncio.to_thread(self._thread.join, 30.0)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     def hurry_shutdown(self) -> None:
         """End a running shutdown's grace period now: what still runs is aborted at

@@ -37,6 +37,7 @@ from pagedtree.loading.resolve import resolve_config, with_default_quantization
 from pagedtree.scheduler.scheduler import Scheduler
 from pagedtree.engine.speculation_setup import calibrate_speculation, load_speculator
 from pagedtree.speculative.step_runner import StepRunner
+from pagedtree.structured.grammars import Grammars
 from pagedtree.step_data import StepPlan, StepResult
 from pagedtree.text_checks import check_text
 
@@ -136,6 +137,9 @@ class LLMEngine:
         if self.speculator is not None and config.speculative.adaptive:
             calibrate_speculation(self.speculator, config, self.runner, loaded.path)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        # Compiled on first use (a worker process, started then).
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                 self.config.structured_output_limits)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, ParentRequest] = {}
@@ -144,8 +148,11 @@ class LLMEngine:
         self.num_failed_requests = 0
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (a no-op on one process). Idempotent; also
-        runs when the engine is garbage-collected or the interpreter exits."""
+        """Stop the tensor-parallel ranks and the grammar compiler's process.
+        Idempotent; the ranks are also stopped when the engine is garbage-collected
+        or the interpreter exits, and the compiler when its input closes."""
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -221,13 +228,17 @@ class LLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         params = replace(params, eos_token_ids=self.eos_token_ids)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            self.grammars.compile(constraint)  # ValueError naming the field; cached for the children
         parent = ParentRequest(request_id, text, ids)
         for i, child_id in enumerate(child_ids):
             # Seeds are hashed into streams, so seed + i needs no wrap-around.
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            parent.children.append(
-                Request(child_id, text, list(ids), replace(params, n=1), sampling_seed=seed)
-            )
+            child = Request(child_id, text, list(ids), replace(params, n=1), sampling_seed=seed)
+            if constraint is not None:
+                child.grammar = self.grammars.matcher(constraint)
+            parent.children.append(child)
         return parent
 
     def add_request(
@@ -301,7 +312,11 @@ class LLMEngine:
             if not request.status.finished and tokens is not None:
                 for token_id, logprob, top in tokens:
                     status = self.output_processor.append_token(request, token_id, logprob, top)
+                    if status is None and request.grammar is not None:
+                        status = self._advance_grammar(request, token_id)
                     if status is not None:
+                        if status == RequestStatus.FINISHED_ERROR:
+                            break  # failed (and finished) by _advance_grammar
                         self._finish(request, status)
                         break
             elif not request.status.finished:
@@ -312,6 +327,16 @@ class LLMEngine:
             self.speculator.observe(plan, result, time.perf_counter() - started,
                                     queue_empty=not self.scheduler.waiting)
         return [self._output(parent) for parent in {id(p): p for p in touched.values()}.values()]
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Move the request's grammar past a committed token: ``FINISHED_STOPPED`` once
+        the grammar has ended, ``FINISHED_ERROR`` (the request failed) if it does not
+        allow the token, which masked sampling and verification never commit."""
+        if not request.grammar.accept(token_id):
+            self._fail(request, RuntimeError(f"token {token_id} does not follow the request's structured_outputs "
+                                             "grammar"))
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if request.grammar.terminated else None
 
     def set_speculation(self, enabled: bool) -> None:
         """Turn tree speculation on or off for the following steps (benchmarks use it
@@ -406,6 +431,8 @@ class LLMEngine:
         }
         if self.speculator is not None:
             stats.update(self.speculator.stats())
+            stats["num_forced_tokens"] = self.speculator.proposer.num_forced_tokens
+        stats.update(self.grammars.stats())
         return stats
 
 

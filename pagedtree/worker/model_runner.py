@@ -234,4 +234,5 @@ class ModelRunner:
             num_output_tokens=len(request.output_token_ids),
             generator=generator,
             coupling_seed=request.sampling_seed if seeded and not params.greedy else None,
+            bitmask=request.grammar.bitmask() if request.grammar is not None else None,
         )

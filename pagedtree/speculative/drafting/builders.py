@@ -17,6 +17,7 @@ import torch
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, TreeShape
 from pagedtree.sampling import target_probs
+from pagedtree.structured.matcher import RequestGrammar, apply_bitmasks
 
 # depth of the children to propose (1 = the root's) -> the request's Gumbel noise
 # for that output position (coupled proposals of seeded requests).
@@ -119,6 +120,7 @@ class TreeBuilder:
         rule: str,
         generator: torch.Generator | None,
         noise: NoiseForDepth | None = None,
+        grammar: RequestGrammar | None = None,
     ):
         # Greedy requests verify by argmax: their children are always the draft's top tokens.
         rule = "topk" if params.greedy else rule
@@ -129,9 +131,23 @@ class TreeBuilder:
         self.rule = rule
         self.generator = generator
         self.noise = noise
+        self.grammar = grammar
 
     def _stage_children(self, node: int, logits: torch.Tensor, k: int) -> StagedChildren:
-        """Draw up to ``k`` children below ``node`` on the device (``stage_children``)."""
+        """Draw up to ``k`` children below ``node`` on the device (``stage_children``).
+
+        Under a grammar the draft proposes only what the grammar allows after the
+        node's path: its logits are masked there, so its distribution (which random
+        proposals are verified against) is the masked one."""
+        if self.grammar is not None:
+            path = [] if node == ROOT else [self.tree.tokens[i] for i in self.tree.path_to(node)]
+            bitmask = self.grammar.bitmask_after(path)
+            logits = logits.float().reshape(1, -1).clone()
+            if bitmask is not None:
+                apply_bitmasks(logits, [0], [bitmask])
+            else:  # a path the grammar rejects: nothing below it is worth proposing
+                logits.fill_(-float("inf"))
+            logits = logits[0]
         logprobs = draft_distribution(logits, self.params)
         depth = 1 if node == ROOT else self.tree.depths[node] + 1
         noise = self.noise(depth) if self.rule == "coupled" else None
@@ -183,8 +199,8 @@ class ShapeTreeBuilder(TreeBuilder):
     """
 
     def __init__(self, shape: TreeShape, root_token: int, params: SamplingParams, rule: str, generator,
-                 noise: NoiseForDepth | None = None):
-        super().__init__(root_token, params, rule, generator, noise)
+                 noise: NoiseForDepth | None = None, grammar: RequestGrammar | None = None):
+        super().__init__(root_token, params, rule, generator, noise, grammar)
         self.shape = shape
         self._children = {ROOT: []}
         for i, p in enumerate(shape.parents):
@@ -224,10 +240,10 @@ class DynamicTreeBuilder(TreeBuilder):
     """
 
     def __init__(self, top_k: int, depth: int, max_nodes: int, root_token: int, params: SamplingParams,
-                 rule: str = "topk", noise: NoiseForDepth | None = None):
+                 rule: str = "topk", noise: NoiseForDepth | None = None, grammar: RequestGrammar | None = None):
         if rule not in ("topk", "coupled"):
             raise ValueError(f"dynamic trees propose deterministic children, not {rule!r}")
-        super().__init__(root_token, params, rule, None, noise)
+        super().__init__(root_token, params, rule, None, noise, grammar)
         self.top_k = top_k
         self.depth = depth
         self.max_nodes = max_nodes

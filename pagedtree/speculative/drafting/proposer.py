@@ -19,6 +19,7 @@ from pagedtree.speculative.budget.policy import BudgetPolicy
 from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
 from pagedtree.config import SpeculativeConfig
 from pagedtree.speculative.drafting.draft_worker import DraftJob, DraftWorker
+from pagedtree.speculative.drafting.grammar_spans import forced_chain, prune_to_grammar
 from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.noise import NoiseCache
 from pagedtree.speculative.drafting.suffix_drafter import SuffixDrafter
@@ -60,6 +61,7 @@ class TreeProposer:
             draft.on_forward = self._observe_draft_forward
         self.last_draft_seconds = 0.0  # time they took
         self.num_suffix_alone = 0  # trees the suffix drafter proposed without the draft models
+        self.num_forced_tokens = 0  # proposals a grammar forced (no draft pass)
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -112,9 +114,11 @@ class TreeProposer:
         for request, budget in requests_and_budgets:
             rid = request.request_id
             found = [d[rid] for d in per_draft if rid in d]
-            if not found:
-                continue
             try:
+                if request.grammar is not None:
+                    found = self._under_grammar(request, found, budget)
+                if not found:
+                    continue
                 tree = found[0] if len(found) == 1 and found[0].num_nodes <= budget else merge_trees(found, budget)
             except Exception as exc:  # noqa: BLE001 - this request decodes plainly, the others go on
                 logger.warning("merging the drafts' trees of request %s failed (%s: %s); it decodes "
@@ -123,6 +127,21 @@ class TreeProposer:
                 continue
             trees[rid] = tree
         return trees
+
+    def _under_grammar(self, request: Request, found: list[TokenTree], budget: int) -> list[TokenTree]:
+        """The trees to merge for a request under a grammar: the tokens the grammar
+        forces first (free proposals), then the sources' trees without the proposals
+        it forbids. Random draws cannot share a budget they were not sized for, so
+        where the grammar forces tokens, a request drafting at random proposes those
+        alone this step."""
+        grammar = request.grammar
+        forced = forced_chain(grammar, request.output_token_ids[-1], budget)
+        if forced is not None:
+            self.num_forced_tokens += forced.num_nodes
+            if proposal_rule(request, self.config) not in DETERMINISTIC_RULES:
+                return [forced]
+        found = [prune_to_grammar(tree, grammar) for tree in found]
+        return ([forced] if forced is not None else []) + [t for t in found if t.num_nodes]
 
     def _observe_draft_forward(self, num_tokens: int, seconds: float) -> None:
         self.budget.draft_cost.observe(num_tokens, seconds)
@@ -177,9 +196,10 @@ class TreeProposer:
         generator = draft.generator_for(request) if rule in RANDOM_RULES else None
         noise = self._noise_for(request) if rule == "coupled" else None
         root = request.output_token_ids[-1]
+        grammar = request.grammar
         if cfg.tree == "dynamic":
-            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, root, params, rule, noise)
-        return ShapeTreeBuilder(self.budget.shape_for(budget), root, params, rule, generator, noise)
+            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, root, params, rule, noise, grammar)
+        return ShapeTreeBuilder(self.budget.shape_for(budget), root, params, rule, generator, noise, grammar)
 
     def _noise_for(self, request: Request) -> Callable[[int], torch.Tensor]:
         """Depth of the children to propose -> the request's noise at that position."""

@@ -1,7 +1,8 @@
 """Verifying one request's tree against the target's logits at every tree node.
 
 The verifier computes, at each verify row, exactly the distribution plain sampling
-would draw from there (penalties and ``min_tokens`` with that node's own history),
+would draw from there (penalties and ``min_tokens`` with that node's own history, a
+grammar's mask in the state after that node's path),
 then gives every row the target's token by the rule that matches how the children
 were proposed (``row_outcomes``, on the device), and, once the step is read back,
 accepts a path (``walk``) and reports each committed token's logprob from its
@@ -26,6 +27,7 @@ from pagedtree.sampling import (
     target_probs,
 )
 from pagedtree.speculative.noise import NoiseCache
+from pagedtree.structured.matcher import apply_bitmasks
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.speculative.verification.rules import RowTests, VerifyResult, verify_greedy, walk_stochastic
 
@@ -59,6 +61,11 @@ class Verifier:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = apply_penalties(logits.clone(), self._sampling_rows(request, tree))
+        if request.grammar is not None:
+            # Each row's distribution is the constrained one plain decoding would have
+            # there: masked by the grammar's state after that row's path.
+            masks = request.grammar.tree_bitmasks(tree.tokens, tree.parents)
+            apply_bitmasks(processed, range(tree.num_nodes + 1), list(masks))
         accepted = None
         if params.greedy:
             tokens = processed.argmax(dim=-1)

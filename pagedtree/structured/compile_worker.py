@@ -1,0 +1,206 @@
+"""Compiling grammars in a child process that can be stopped.
+
+A grammar compile runs native code that cannot be interrupted from Python, and a
+hostile constraint (a regex or schema whose automaton explodes) can take minutes
+and gigabytes. So compiles run in one long-lived child process: the parent waits
+at most the limit, then kills the child (and starts a fresh one for the next
+compile) and refuses the request. The child sends back the compiled grammar as
+xgrammar's JSON, which the parent reads back in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, BinaryIO
+
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+class CompileTimeout(RuntimeError):
+    """A compile ran past its time limit (the worker was killed)."""
+
+
+def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bool) -> Any:
+    """Compile one constraint with an ``xgrammar.GrammarCompiler`` (in whichever
+    process calls it); raises ``ValueError`` for a constraint xgrammar rejects.
+
+    JSON schemas compile in xgrammar's strict mode, as vLLM compiles them: an object
+    whose schema does not say ``additionalProperties`` takes only its listed
+    properties, and an array only its listed items."""
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(value, any_whitespace=any_whitespace, strict_mode=True)
+        if kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return compiler.compile_regex(value)
+        if kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(ebnf_literal(c) for c in value))
+        if kind == "grammar":
+            if "::=" in value:
+                return compiler.compile_grammar(value)
+            return compiler.compile_lark(value)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        # xgrammar's messages start with a C++ source location: keep the reason.
+        reason = str(exc).split("\n")[0]
+        reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
+        raise ValueError(reason[:500]) from None
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def ebnf_literal(text: str) -> str:
+    """``text`` as an EBNF string literal (quotes, backslashes and non-ASCII escaped)."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 32 <= code < 127:
+            out.append(ch)
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _serve(tokenizer_info_json: str, reader: BinaryIO, writer: BinaryIO) -> None:  # pragma: no cover - child
+    """The child's loop: a request in, a compiled grammar's JSON (or an error) out."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    _send(writer, ("ready", None))
+    while True:
+        request = _receive(reader)
+        if request is None:
+            return
+        try:
+            compiled = compile_in_xgrammar(compiler, *request)
+            _send(writer, ("ok", compiled.serialize_json()))
+        except ValueError as exc:
+            _send(writer, ("invalid", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            _send(writer, ("error", f"{type(exc).__name__}: {exc}"[:500]))
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    """The next message, or None at the end of the stream."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (size,) = struct.unpack("<Q", head)
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+class CompileWorker:
+    """One child process that compiles grammars, one at a time, each within a time limit.
+
+    The child is a fresh interpreter (``python -c``), not a fork (the parent has
+    threads) nor a multiprocessing spawn (which re-imports the user's main script:
+    one without a ``__main__`` guard would run again in it)."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self._info_json = tokenizer_info_json
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self.num_killed = 0
+
+    def compile(self, request: tuple, timeout_s: float) -> str:
+        """The compiled grammar's JSON for ``request`` = (kind, value, any_whitespace);
+        ``ValueError`` if xgrammar rejects it, ``CompileTimeout`` if it takes longer
+        than ``timeout_s`` (the worker is then killed)."""
+        with self._lock:
+            process = self._ensure_started()
+            try:
+                _send(process.stdin, request)
+                reply = self._wait(process, timeout_s)
+            except (BrokenPipeError, OSError):
+                reply = None
+            if reply is _TIMED_OUT:
+                self._kill()
+                raise CompileTimeout(f"compiling took longer than {timeout_s:g} s")
+            if reply is None:  # the child died (out of memory, say)
+                self._kill()
+                raise ValueError("the grammar compiler ran out of resources on this constraint")
+        status, payload = reply
+        if status == "ok":
+            return payload
+        if status == "invalid":
+            raise ValueError(payload)
+        raise RuntimeError(payload)
+
+    @staticmethod
+    def _wait(process: subprocess.Popen, timeout_s: float) -> Any:
+        ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+        if not ready:
+            return _TIMED_OUT
+        return _receive(process.stdout)
+
+    def _ensure_started(self) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            process = subprocess.Popen(
+                [sys.executable, "-c", "from pagedtree.structured.compile_worker import main; main()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env())
+            self._process = process
+            _send(process.stdin, self._info_json)
+            # Starting (an interpreter, xgrammar, the vocabulary) is not a request's
+            # compile time: it is waited for apart, with its own generous bound.
+            reply = self._wait(process, STARTUP_TIMEOUT_S)
+            if not isinstance(reply, tuple) or reply[0] != "ready":
+                self._kill()
+                raise RuntimeError(f"the grammar compiler process did not start within {STARTUP_TIMEOUT_S:g} s")
+        return self._process
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(5)
+            for stream in (self._process.stdin, self._process.stdout):
+                stream.close()
+            self.num_killed += 1
+        self._process = None
+
+    def close(self) -> None:
+        """Stop the child process (idempotent)."""
+        with self._lock:
+            if self._process is not None:
+                self._kill()
+                self.num_killed -= 1  # a shutdown, not a compile killed
+
+
+_TIMED_OUT = object()
+
+
+def _child_env() -> dict[str, str]:
+    """The child's environment: one thread (compiles are serial; the cores are the
+    engine's), and this package importable whatever the working directory."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def main() -> None:  # pragma: no cover - the child process
+    """The child process's entry point."""
+    # Replies go out on a private copy of stdout; anything a library prints goes to stderr.
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    _serve(_receive(sys.stdin.buffer), sys.stdin.buffer, replies)

@@ -1,0 +1,137 @@
+"""One request's grammar state: the tokens it may take next, at its committed end
+and at every node of a token tree.
+
+``RequestGrammar`` wraps an ``xgrammar.GrammarMatcher`` that advances only on
+committed tokens. Speculation asks for masks below the committed end: the state
+after any path of draft tokens comes from a fork of the state one token shorter
+(cached per path until the next commit), so a tree of ``T`` nodes costs ``T``
+forks and ``T`` mask fills, and the committed state is never rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# A path whose tokens the grammar does not accept: nothing below it can be committed.
+_DEAD = object()
+
+
+class RequestGrammar:
+    """The grammar state of one request (see module docstring)."""
+
+    def __init__(self, compiled: Any, vocab_size: int, stop_token_ids: Sequence[int], tokenizer: Any = None):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+        self.width = xgr.get_bitmask_shape(1, vocab_size)[1]
+        self._forks: dict[tuple[int, ...], Any] = {}
+
+    # ------------------------------------------------------------- committed
+    def accept(self, token_id: int) -> bool:
+        """Advance on a committed token; False if the grammar does not allow it."""
+        self._forks.clear()
+        return bool(self.matcher.accept_token(int(token_id)))
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar has ended (its stop token was accepted)."""
+        return bool(self.matcher.is_terminated())
+
+    @property
+    def completed(self) -> bool:
+        """Whether the output so far is a complete match (a stop token may follow)."""
+        return bool(self.matcher.is_completed())
+
+    def bitmask(self) -> torch.Tensor:
+        """``[W]`` int32 bitmask of the tokens allowed next (bit ``t`` of the row is
+        token ``t``)."""
+        out = torch.empty((1, self.width), dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(out, 0)
+        return out[0]
+
+    # ------------------------------------------------------------- below the end
+    def bitmask_after(self, path: Sequence[int]) -> torch.Tensor | None:
+        """The bitmask after the draft ``path`` (tokens past the committed end), or
+        None if the grammar rejects the path (nothing below it can be committed)."""
+        matcher = self._matcher_after(tuple(int(t) for t in path))
+        if matcher is None:
+            return None
+        out = torch.empty((1, self.width), dtype=torch.int32)
+        matcher.fill_next_token_bitmask(out, 0)
+        return out[0]
+
+    def tree_bitmasks(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """``[1 + T, W]``: the committed end's bitmask, then each tree node's (the
+        state after its path). A node on a path the grammar rejects gets every token
+        allowed: its row can never be reached by an accepted walk, since its own
+        token was masked out at its parent."""
+        rows = torch.full((1 + len(tokens), self.width), -1, dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(rows, 0)
+        paths: list[tuple[int, ...]] = []
+        for node, (token, parent) in enumerate(zip(tokens, parents)):
+            path = (paths[parent] if parent >= 0 else ()) + (int(token),)
+            paths.append(path)
+            matcher = self._matcher_after(path)
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(rows, 1 + node)
+        return rows
+
+    def forced_tokens(self, max_tokens: int) -> list[int]:
+        """Tokens of the string the grammar forces next (``find_jump_forward_string``),
+        tokenized and cut where the grammar stops accepting them: proposals that need
+        no draft model (an object's opening ``{"name": "`` under a schema, say)."""
+        if self.tokenizer is None or max_tokens <= 0 or self.terminated:
+            return []
+        text = self.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))[:max_tokens]
+        fork = self.matcher.fork()
+        kept = []
+        for token in ids:
+            if not fork.accept_token(int(token)):
+                break
+            kept.append(int(token))
+        return kept
+
+    def _matcher_after(self, path: tuple[int, ...]) -> Any:
+        """A matcher in the state after ``path`` (forked from the one a token shorter,
+        cached until the next commit), or None if the grammar rejects the path."""
+        if not path:
+            return self.matcher
+        found = self._forks.get(path)
+        if found is not None:
+            return None if found is _DEAD else found
+        parent = self._matcher_after(path[:-1])
+        matcher = None
+        if parent is not None and not parent.is_terminated():
+            fork = parent.fork()
+            if fork.accept_token(path[-1]):
+                matcher = fork
+        self._forks[path] = _DEAD if matcher is None else matcher
+        return matcher
+
+    def clear_forks(self) -> None:
+        """Drop the draft states (a step's trees are done with)."""
+        self._forks.clear()
+
+
+def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor]) -> None:
+    """Set to ``-inf``, in place, the logits of the tokens each bitmask forbids:
+    ``bitmasks[i]`` applies to row ``rows[i]`` of fp32 ``logits [N, V]``. Tokens past
+    a bitmask's width (a logits row wider than the vocabulary) are forbidden."""
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    rows = list(rows)
+    full = torch.full((logits.shape[0], bitmasks[0].shape[-1]), -1, dtype=torch.int32)
+    full[rows] = torch.stack(list(bitmasks))
+    full = full.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
