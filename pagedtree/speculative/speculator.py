@@ -160,7 +160,10 @@ class Speculator:
             out.committed[rid] = verified.committed
             self.proposer.commit(rid, [token for token, _, _ in verified.committed[:-1]])
             self.metrics.record(request, tree, verified)
-            self.budget.observe_verification(request, verified.trials)
+            if rid not in self.proposer.forced:
+                # Tokens a grammar forced are accepted almost always: counted, they
+                # would tell the budget the drafts do better than they do.
+                self.budget.observe_verification(request, verified.trials)
         return out
 
     def observe(self, plan: StepPlan, result: StepResult, step_seconds: float, queue_empty: bool) -> None:

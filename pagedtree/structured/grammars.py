@@ -43,14 +43,15 @@ class Grammars:
         self._worker: CompileWorker | None = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cached_bytes = 0
-        self._lock = threading.Lock()  # the cache and the lazily built parts
+        self._lock = threading.Lock()  # the cache and the worker
+        self._info_lock = threading.Lock()  # building the vocabulary's view (a second; cache hits must not wait)
         self.num_compiled = 0
         self.num_cache_hits = 0
 
     def tokenizer_info(self) -> Any:
         """xgrammar's view of the vocabulary (built once, on first use: about a second
         for a 150k vocabulary)."""
-        with self._lock:
+        with self._info_lock:
             if self._info is None:
                 if self.tokenizer is None:
                     raise ValueError("structured_outputs needs the model's tokenizer; this model has none")

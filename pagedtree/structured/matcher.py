@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+# Characters of a forced string looked at (a tree holds at most a few dozen nodes).
+_MAX_FORCED_CHARS = 512
 # A path whose tokens the grammar does not accept: nothing below it can be committed.
 _DEAD = object()
 
@@ -31,11 +33,13 @@ class RequestGrammar:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
         self.width = xgr.get_bitmask_shape(1, vocab_size)[1]
         self._forks: dict[tuple[int, ...], Any] = {}
+        self._forced: list[int] | None = None  # forced_tokens at the committed end, until the next commit
 
     # ------------------------------------------------------------- committed
     def accept(self, token_id: int) -> bool:
         """Advance on a committed token; False if the grammar does not allow it."""
         self._forks.clear()
+        self._forced = None
         return bool(self.matcher.accept_token(int(token_id)))
 
     @property
@@ -86,12 +90,18 @@ class RequestGrammar:
         """Tokens of the string the grammar forces next (``find_jump_forward_string``),
         tokenized and cut where the grammar stops accepting them: proposals that need
         no draft model (an object's opening ``{"name": "`` under a schema, say)."""
-        if self.tokenizer is None or max_tokens <= 0 or self.terminated:
+        if self._forced is None:
+            self._forced = self._find_forced()
+        return self._forced[:max(0, max_tokens)]
+
+    def _find_forced(self) -> list[int]:
+        if self.tokenizer is None or self.terminated:
             return []
         text = self.matcher.find_jump_forward_string()
         if not text:
             return []
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))[:max_tokens]
+        # Bounded: a grammar may force a long literal; a tree holds at most a few dozen nodes.
+        ids = list(self.tokenizer.encode(text[:_MAX_FORCED_CHARS], add_special_tokens=False))
         fork = self.matcher.fork()
         kept = []
         for token in ids:

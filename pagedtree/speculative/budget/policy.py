@@ -160,10 +160,24 @@ class BudgetPolicy:
         self.last_plan = plan
         self.draft_free = {rid for rid in free if plan.budgets.get(rid, 0) > 0}
         self._free_predicted = {rid: expected_accepted(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
+        self._add_forced_spans(requests, plan.budgets)
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
         return plan.budgets
+
+    def _add_forced_spans(self, requests: Sequence[Request], budgets: dict[str, int]) -> None:
+        """A request the plan keeps plain whose grammar forces the next tokens still
+        verifies them (a few rows, no draft pass): it gets a budget of that many
+        nodes and goes draft-free."""
+        for request in requests:
+            rid = request.request_id
+            if request.grammar is None or budgets.get(rid, 0) > 0:
+                continue
+            forced = len(request.grammar.forced_tokens(self.config.max_nodes))
+            if forced:
+                budgets[rid] = forced
+                self.draft_free.add(rid)
 
     def _amortised_backlog(self, request: Request, expected: Mapping[int, float]) -> float:
         """The draft's backlog for a request as tokens fed this step: a first prompt

@@ -62,6 +62,7 @@ class TreeProposer:
         self.last_draft_seconds = 0.0  # time they took
         self.num_suffix_alone = 0  # trees the suffix drafter proposed without the draft models
         self.num_forced_tokens = 0  # proposals a grammar forced (no draft pass)
+        self.forced: set[str] = set()  # this step's requests whose tree holds forced tokens
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -93,17 +94,19 @@ class TreeProposer:
         this step); the others are unaffected.
         """
         self.last_draft_seconds = 0.0
+        self.forced = set()
         shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
         suffix_trees: dict[str, TokenTree] = {}
+        # The requests the budget made draft-free get the suffix tree (or the tokens
+        # their grammar forces) alone, at the whole budget (drafting them costs
+        # nothing); the others get it within its share, merged with the draft
+        # models' trees.
+        if self.drafts:
+            for request, budget in requests_and_budgets:
+                if request.request_id in self.budget.draft_free:
+                    shares[request.request_id] = [0] * len(self.drafts) + ([budget] if self.suffix else [])
+                    self.num_suffix_alone += self.suffix is not None
         if self.suffix is not None:
-            # The requests the budget made draft-free get the suffix tree alone, at the
-            # whole budget (drafting them costs nothing); the others get it within its
-            # share, merged with the draft models' trees.
-            if self.drafts:
-                for request, budget in requests_and_budgets:
-                    if request.request_id in self.budget.draft_free:
-                        shares[request.request_id] = [0] * len(self.drafts) + [budget]
-                        self.num_suffix_alone += 1
             suffix_trees = self._propose_suffix([(r, shares[r.request_id][-1]) for r, _ in requests_and_budgets])
         per_draft: list[dict[str, TokenTree]] = []
         for index, draft in enumerate(self.drafts):
@@ -138,6 +141,7 @@ class TreeProposer:
         forced = forced_chain(grammar, request.output_token_ids[-1], budget)
         if forced is not None:
             self.num_forced_tokens += forced.num_nodes
+            self.forced.add(request.request_id)
             if proposal_rule(request, self.config) not in DETERMINISTIC_RULES:
                 return [forced]
         found = [prune_to_grammar(tree, grammar) for tree in found]
