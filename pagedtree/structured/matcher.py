@@ -132,16 +132,23 @@ class RequestGrammar:
         self._forks.clear()
 
 
-def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor]) -> None:
+def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor] | torch.Tensor) -> None:
     """Set to ``-inf``, in place, the logits of the tokens each bitmask forbids:
-    ``bitmasks[i]`` applies to row ``rows[i]`` of fp32 ``logits [N, V]``. Tokens past
-    a bitmask's width (a logits row wider than the vocabulary) are forbidden."""
+    ``bitmasks[i]`` (a ``[W]`` row, or row ``i`` of a ``[len(rows), W]`` tensor)
+    applies to row ``rows[i]`` of fp32 ``logits [N, V]``. Tokens past a bitmask's
+    width (a logits row wider than the vocabulary) are forbidden."""
+    rows = list(rows)
     if not rows:
         return
     import xgrammar as xgr
 
-    rows = list(rows)
-    full = torch.full((logits.shape[0], bitmasks[0].shape[-1]), -1, dtype=torch.int32)
-    full[rows] = torch.stack(list(bitmasks))
+    stacked = bitmasks if isinstance(bitmasks, torch.Tensor) else torch.stack(list(bitmasks))
+    if rows == list(range(logits.shape[0])):
+        full = stacked
+    else:
+        # index_copy_, not ``full[rows] = ...``: indexing with a list takes torch's
+        # slow path (8 ms for one 150k-token row).
+        full = torch.full((logits.shape[0], stacked.shape[-1]), -1, dtype=torch.int32)
+        full.index_copy_(0, torch.tensor(rows, dtype=torch.long), stacked)
     full = full.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, full)

@@ -65,7 +65,7 @@ class Verifier:
             # Each row's distribution is the constrained one plain decoding would have
             # there: masked by the grammar's state after that row's path.
             masks = request.grammar.tree_bitmasks(tree.tokens, tree.parents)
-            apply_bitmasks(processed, range(tree.num_nodes + 1), list(masks))
+            apply_bitmasks(processed, range(tree.num_nodes + 1), masks)
         accepted = None
         if params.greedy:
             tokens = processed.argmax(dim=-1)
