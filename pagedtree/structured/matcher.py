@@ -62,7 +62,8 @@ class RequestGrammar:
     # ------------------------------------------------------------- below the end
     def bitmask_after(self, path: Sequence[int]) -> torch.Tensor | None:
         """The bitmask after the draft ``path`` (tokens past the committed end), or
-        None if the grammar rejects the path (nothing below it can be committed)."""
+        None if the grammar rejects the path or ends with it (nothing below it can
+        be committed)."""
         matcher = self._matcher_after(tuple(int(t) for t in path))
         if matcher is None:
             return None
@@ -74,7 +75,8 @@ class RequestGrammar:
         """``[1 + T, W]``: the committed end's bitmask, then each tree node's (the
         state after its path). A node on a path the grammar rejects gets every token
         allowed: its row can never be reached by an accepted walk, since its own
-        token was masked out at its parent."""
+        token was masked out at its parent; nor can a node's after the grammar's
+        stop token (the request ends there)."""
         rows = torch.full((1 + len(tokens), self.width), -1, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(rows, 0)
         paths: list[tuple[int, ...]] = []
@@ -112,7 +114,8 @@ class RequestGrammar:
 
     def _matcher_after(self, path: tuple[int, ...]) -> Any:
         """A matcher in the state after ``path`` (forked from the one a token shorter,
-        cached until the next commit), or None if the grammar rejects the path."""
+        cached until the next commit), or None if the grammar rejects the path or
+        ends with it (nothing can follow either)."""
         if not path:
             return self.matcher
         found = self._forks.get(path)
@@ -120,9 +123,10 @@ class RequestGrammar:
             return None if found is _DEAD else found
         parent = self._matcher_after(path[:-1])
         matcher = None
-        if parent is not None and not parent.is_terminated():
+        if parent is not None:
             fork = parent.fork()
-            if fork.accept_token(path[-1]):
+            # A path that ends the grammar (its stop token) has no next token either.
+            if fork.accept_token(path[-1]) and not fork.is_terminated():
                 matcher = fork
         self._forks[path] = _DEAD if matcher is None else matcher
         return matcher

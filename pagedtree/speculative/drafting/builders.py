@@ -142,11 +142,11 @@ class TreeBuilder:
         if self.grammar is not None:
             path = [] if node == ROOT else [self.tree.tokens[i] for i in self.tree.path_to(node)]
             bitmask = self.grammar.bitmask_after(path)
+            if bitmask is None:  # the grammar ends here (or rejects the path): no children
+                empty = torch.empty(0, dtype=torch.long, device=logits.device)
+                return StagedChildren(node, empty, empty.float(), ChildDraw(self.rule, ROOT))
             logits = logits.float().reshape(1, -1).clone()
-            if bitmask is not None:
-                apply_bitmasks(logits, [0], [bitmask])
-            else:  # a path the grammar rejects: nothing below it is worth proposing
-                logits.fill_(-float("inf"))
+            apply_bitmasks(logits, [0], [bitmask])
             logits = logits[0]
         logprobs = draft_distribution(logits, self.params)
         depth = 1 if node == ROOT else self.tree.depths[node] + 1
