@@ -11,6 +11,7 @@ from pagedtree.config import QUANTIZATIONS
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
 from pagedtree.speculative.presets import TREE_PRESETS, tree_preset
+from pagedtree.structured_params import StructuredOutputLimits
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +105,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def structured_output_limits(args: argparse.Namespace) -> StructuredOutputLimits:
+    """The bounds on a request's output constraint from ``serve``'s flags (ValueError if invalid)."""
+    return StructuredOutputLimits(
+        max_bytes=args.max_grammar_bytes,
+        max_schema_depth=args.max_schema_depth,
+        max_choices=args.max_grammar_choices,
+        compile_timeout_s=args.grammar_compile_timeout,
+    )
+
+
 def torchrun_worker_rank() -> bool:
     """Whether torch.distributed's environment makes this process a rank other than 0
     (torchrun starts the same command on every rank: those run ``pagedtree worker``)."""
@@ -174,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if torchrun_worker_rank():
         return cmd_worker(args)
     kwargs = engine_kwargs(args)
+    kwargs["structured_output_limits"] = structured_output_limits(args)
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_json_depth=args.max_json_depth,
@@ -268,6 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive_timeout,
                         help="seconds a connection may stay without a complete request: idle keep-alive, and "
                              f"slow headers (default {defaults.keepalive_timeout:g})")
+    grammar = serve.add_argument_group(
+        "structured outputs and tools per request (response_format, structured_outputs, guided_*, tools, TGI "
+        "grammar; over a limit: a 400 naming the field)")
+    so = StructuredOutputLimits()
+    grammar.add_argument("--max-grammar-bytes", type=int, default=so.max_bytes,
+                         help="largest JSON schema, regex or grammar, all choices together, or all tool definitions "
+                              f"together, in UTF-8 bytes (default {so.max_bytes})")
+    grammar.add_argument("--max-schema-depth", type=int, default=so.max_schema_depth,
+                         help=f"deepest nesting of objects/arrays a JSON schema describes (default {so.max_schema_depth})")
+    grammar.add_argument("--max-grammar-choices", type=int, default=so.max_choices,
+                         help=f"most strings of a choice constraint (guided_choice; default {so.max_choices})")
+    grammar.add_argument("--grammar-compile-timeout", type=float, default=so.compile_timeout_s,
+                         help="seconds a constraint may take to compile before the request is refused with a 400 "
+                              f"(default {so.compile_timeout_s:g})")
     serve.set_defaults(func=cmd_serve)
 
     worker = sub.add_parser(

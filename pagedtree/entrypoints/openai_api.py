@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
-Bodies are read by ``openai_params``; this module runs the requests and shapes the
-responses: JSON, or SSE chunks ending with ``data: [DONE]``, with usage counts.
+Bodies are read by ``openai_params`` (output constraints by ``structured_fields``,
+tools by ``tool_calls``); this module runs the requests and shapes the responses:
+JSON, or SSE chunks ending with ``data: [DONE]``, with usage counts and tool calls.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pagedtree.entrypoints.openai_params import (
     parse_template_kwargs,
 )
 from pagedtree.entrypoints.server_context import ServerContext, merge_streams, request_id_of, sse_event
+from pagedtree.entrypoints.structured_fields import Constraint, parse_openai_constraint
+from pagedtree.entrypoints.tool_calls import ToolCallParser, ToolRequest, parse_tool_request, parse_whole
+from pagedtree.structured_params import StructuredOutputLimits, StructuredOutputsParams
 
 _DONE = sse_event("[DONE]")
 
@@ -95,10 +99,12 @@ class OpenAIRoutes:
         num_logprobs = body.get_int("logprobs", None, 0, self._max_logprobs)
         if echo and num_logprobs is not None:
             raise BadRequest("echo together with logprobs is not supported", "echo")
-        params = parse_sampling_params(body, 16, num_logprobs, self.ctx.config.limits)
+        constraint = parse_openai_constraint(body, self._structured_limits)
+        params = parse_sampling_params(body, 16, num_logprobs, self.ctx.config.limits,
+                                       structured=_params_of(constraint))
         stream, include_usage = parse_stream_options(body)
         meta = _Meta(f"cmpl-{request_id_of(request)}", "text_completion", int(time.time()), model)
-        async with self.ctx.generation(request, prompts, params) as streams:
+        async with self.ctx.generation(request, prompts, params, structured_field=_field_of(constraint)) as streams:
             if stream:
                 return await self._stream_completions(request, streams, meta, params.n, include_usage, echo)
             return await self._complete(streams, meta, params.n, echo)
@@ -175,34 +181,42 @@ class OpenAIRoutes:
         body = Fields(await self.ctx.read_body(request))
         model = self._check_model(body)
         messages = parse_messages(body)
-        for key in ("tools", "functions", "response_format"):
+        for key in ("functions", "function_call"):  # the deprecated forms of tools
             body.unsupported(key)
-        body.unsupported("tool_choice", "none", "auto")
+        tools = parse_tool_request(body, self._structured_limits.max_bytes)
+        constraint = parse_openai_constraint(body, self._structured_limits,
+                                             tools.constraint() if tools is not None else None)
         want_logprobs = body.get_bool("logprobs", False)
         top = body.get_int("top_logprobs", None, 0, self._max_logprobs)
         if top is not None and not want_logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         max_key = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
         params = parse_sampling_params(body, None, (top or 0) if want_logprobs else None, self.ctx.config.limits,
-                                       max_key)
+                                       max_key, _params_of(constraint))
         stream, include_usage = parse_stream_options(body)
         add_generation_prompt = body.get_bool("add_generation_prompt", True)
         kwargs = parse_template_kwargs(body, self._reserved_template_args)
         # Rendering and tokenizing run in the engine's tokenizer pool, off the loop.
-        prompt = await self.ctx.engine.run_in_tokenizer_pool(self._render_chat, messages, add_generation_prompt, kwargs)
+        prompt = await self.ctx.engine.run_in_tokenizer_pool(
+            self._render_chat, messages, add_generation_prompt, kwargs, tools.template_tools() if tools else None)
         meta = _Meta(f"chatcmpl-{request_id_of(request)}", "chat.completion", int(time.time()), model)
         names = {"prompt": "messages", "max_tokens": max_key}
-        async with self.ctx.generation(request, [prompt], params, names) as streams:
+        async with self.ctx.generation(request, [prompt], params, names, _field_of(constraint)) as streams:
             if stream:
-                return await self._stream_chat(request, streams[0], meta, include_usage, top or 0)
-            return await self._chat(streams[0], meta, top or 0)
+                return await self._stream_chat(request, streams[0], meta, include_usage, top or 0, tools)
+            return await self._chat(streams[0], meta, top or 0, tools)
 
     @property
     def _max_logprobs(self) -> int:
         return self.ctx.engine.config.max_logprobs
 
+    @property
+    def _structured_limits(self) -> StructuredOutputLimits:
+        """The engine's bounds on output constraints, checked here before it sees them."""
+        return getattr(self.ctx.engine.config, "structured_output_limits", None) or StructuredOutputLimits()
+
     def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     kwargs: dict[str, Any]) -> dict[str, Any]:
+                     kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         tokenizer = self.ctx.engine.tokenizer
         template = self.ctx.config.chat_template
         if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
@@ -211,7 +225,7 @@ class OpenAIRoutes:
         try:
             text = tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **kwargs,
+                tools=tools, **kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the client's (roles, ...)
             raise BadRequest(f"messages: the chat template rejected them: {exc}", "messages") from exc
@@ -222,7 +236,7 @@ class OpenAIRoutes:
         # The template already wrote any BOS; encoding with special tokens would double it.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
-    async def _chat(self, stream: RequestStream, meta: _Meta, top: int) -> web.Response:
+    async def _chat(self, stream: RequestStream, meta: _Meta, top: int, tools: ToolRequest | None) -> web.Response:
         choices: dict[int, _Choice] = {}
         prompt_tokens = 0
         async for out in stream:
@@ -232,20 +246,22 @@ class OpenAIRoutes:
             prompt_tokens = len(out.prompt_token_ids)
         body = meta.head() | {
             "choices": [
-                {"index": k, "message": {"role": "assistant", "content": c.text},
+                {"index": k, "message": message,
                  "logprobs": self._chat_logprobs(c.logprobs, top) if stream.params.logprobs is not None else None,
-                 "finish_reason": c.finish_reason}
+                 "finish_reason": finish_reason}
                 for k, c in sorted(choices.items())
+                for message, finish_reason in [_chat_message(c, tools)]
             ],
             "usage": _usage(prompt_tokens, sum(c.num_tokens for c in choices.values())),
         }
         return web.json_response(body)
 
     async def _stream_chat(self, request: web.Request, stream: RequestStream, meta: _Meta, include_usage: bool,
-                           top: int) -> web.StreamResponse:
+                           top: int, tools: ToolRequest | None) -> web.StreamResponse:
         response = await self.ctx.open_sse(request)
         want_logprobs = stream.params.logprobs is not None
         meta.object = "chat.completion.chunk"
+        parsers: dict[int, ToolCallParser | None] = {}  # per choice, when tool calls are read
         started: set[int] = set()
         completion_tokens = 0
         prompt_tokens = 0
@@ -261,17 +277,25 @@ class OpenAIRoutes:
                     completion_tokens += len(c.delta_token_ids)
                     if c.index not in started:
                         started.add(c.index)
+                        parsers[c.index] = tools.parser() if tools is not None else None
                         chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None})
-                    if c.delta_text or (want_logprobs and c.delta_token_ids):
+                    parser = parsers[c.index]
+                    content, calls = c.delta_text, []
+                    if parser is not None:
+                        delta = parser.feed(c.delta_text)
+                        if c.just_finished:
+                            delta.extend(parser.finish())
+                        content, calls = delta.content, delta.calls
+                    if content or calls or (want_logprobs and c.delta_token_ids):
                         logprobs = None
                         if want_logprobs:
                             logprobs = self._chat_logprobs(list(zip(c.delta_token_ids, c.delta_logprobs or [])), top)
-                        chunks.append({"index": c.index, "delta": {"content": c.delta_text},
+                        chunks.append({"index": c.index, "delta": _chunk_delta(content, calls),
                                        "logprobs": logprobs, "finish_reason": None})
                     if c.just_finished:
                         chunks.append({"index": c.index, "delta": {}, "logprobs": None,
-                                       "finish_reason": c.finish_reason})
+                                       "finish_reason": _finish_reason(c.finish_reason, parser)})
                 if chunks:
                     await response.write(b"".join(
                         sse_event(meta.head(include_usage) | {"choices": [choice]}) for choice in chunks
@@ -345,6 +369,40 @@ class _Meta:
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _params_of(constraint: Constraint | None) -> StructuredOutputsParams | None:
+    return constraint.params if constraint is not None else None
+
+
+def _field_of(constraint: Constraint | None) -> str | None:
+    return constraint.field if constraint is not None else None
+
+
+def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended with calls (a cut one stays "length")."""
+    return "tool_calls" if parser is not None and parser.called and reason == "stop" else reason
+
+
+def _chunk_delta(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if content or not calls:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
+def _chat_message(choice: _Choice, tools: ToolRequest | None) -> tuple[dict[str, Any], str | None]:
+    """A non-streamed choice's message (content, tool calls) and finish reason."""
+    parser = tools.parser() if tools is not None else None
+    if parser is None:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    content, calls = parse_whole(parser, choice.text)
+    if not calls:
+        return {"role": "assistant", "content": content}, choice.finish_reason
+    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+    return message, _finish_reason(choice.finish_reason, parser)
 
 
 def _accumulate(choice: _Choice, c: CompletionDelta) -> None:

@@ -3,6 +3,7 @@
 Fields follow OpenAI's API plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``repetition_penalty``, ``stop_token_ids``, ...).
 Fields the engine cannot honour are rejected with a 400 naming them, never ignored.
+Output constraints are read by ``structured_fields`` and tools by ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any
 
 from pagedtree.entrypoints.fields import BadRequest, Fields
 from pagedtree.entrypoints.limits import ServerLimits
+from pagedtree.entrypoints.tool_calls import message_tool_calls
 from pagedtree.sampling_params import MAX_SEED, SamplingParams
+from pagedtree.structured_params import StructuredOutputsParams
 
 MAX_N = 64  # choices per request (OpenAI's own bound is 128; each is a sequence here)
 # Chat template variables a client may set: plain values of bounded size, never
@@ -59,7 +62,15 @@ def parse_messages(body: Fields) -> list[dict[str, Any]]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise m.error("content", "must be a string or an array of text parts")
-        result.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        # Tool use in the history: an assistant's calls, and a tool's answer to one.
+        if m.has("tool_calls"):
+            entry["tool_calls"] = message_tool_calls(m.data["tool_calls"], m.name("tool_calls"))
+        for key in ("tool_call_id", "name"):
+            value = m.get_str(key)
+            if value is not None:
+                entry[key] = value
+        result.append(entry)
     return result
 
 
@@ -93,8 +104,10 @@ def parse_template_kwargs(body: Fields, reserved: frozenset[str]) -> dict[str, A
 
 
 def parse_sampling_params(body: Fields, default_max_tokens: int | None, num_logprobs: int | None,
-                          limits: ServerLimits, max_key: str = "max_tokens") -> SamplingParams:
-    """OpenAI (and vLLM-extra) sampling fields as ``SamplingParams``; errors name the field."""
+                          limits: ServerLimits, max_key: str = "max_tokens",
+                          structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """OpenAI (and vLLM-extra) sampling fields as ``SamplingParams``; errors name the field.
+    ``structured`` is the output constraint (read by ``structured_fields``)."""
     body.unsupported("presence_penalty", 0, 0.0)
     body.unsupported("frequency_penalty", 0, 0.0)
     body.unsupported("logit_bias", {})
@@ -123,6 +136,7 @@ def parse_sampling_params(body: Fields, default_max_tokens: int | None, num_logp
             repetition_penalty=body.get_float("repetition_penalty", 1.0, 0.0, exclusive_minimum=True),
             include_stop_str_in_output=body.get_bool("include_stop_str_in_output", False),
             skip_special_tokens=body.get_bool("skip_special_tokens", True),
+            structured_outputs=structured,
         )
     except ValueError as exc:  # a combination SamplingParams refuses
         field_name = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")

@@ -28,6 +28,7 @@ from pagedtree.entrypoints.error_log import RateLimitedErrorLog
 from pagedtree.entrypoints.fields import BadRequest
 from pagedtree.entrypoints.limits import ServerLimits, read_json_object
 from pagedtree.entrypoints.metrics import ServerMetrics
+from pagedtree.entrypoints.structured_fields import field_message
 from pagedtree.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedtree.server")
@@ -205,6 +206,7 @@ class ServerContext:
         prompts: Sequence[PromptType],
         params: SamplingParams,
         names: Mapping[str, str] | None = None,
+        structured_field: str | None = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all in one engine command.
 
@@ -212,7 +214,9 @@ class ServerContext:
         ``X-Request-Id`` is only echoed and logged, so no client can name (or
         collide with) another client's request. If any prompt is rejected nothing
         is queued. ``names`` renames the engine's fields in error messages to the
-        protocol's (``max_tokens`` is TGI's ``parameters.max_new_tokens``).
+        protocol's (``max_tokens`` is TGI's ``parameters.max_new_tokens``);
+        ``structured_field`` is the field the output constraint came from, named when
+        the engine refuses the constraint (it does not compile, or not in time).
         """
         limit = self.config.limits.max_prompts_per_request
         if len(prompts) > limit:
@@ -223,13 +227,13 @@ class ServerContext:
         try:
             return await self.engine.add_requests(prompts, params, engine_ids, check_context=True,
                                                   label=request_id_of(request))
-        except InvalidRequestError as exc:
-            where = f"prompt {exc.index}: " if len(prompts) > 1 else ""
+        except ValueError as exc:  # an InvalidRequestError says which prompt
+            where = f"prompt {exc.index}: " if isinstance(exc, InvalidRequestError) and len(prompts) > 1 else ""
+            if structured_field is not None and _about_constraint(str(exc)):
+                # The engine refused the constraint (it does not compile, or not in time).
+                raise BadRequest(field_message(str(exc), structured_field), structured_field) from exc
             message, param = _rename(str(exc), _param_of(str(exc)), names or {})
             raise BadRequest(f"{where}{message}", param) from exc
-        except ValueError as exc:
-            message, param = _rename(str(exc), _param_of(str(exc)), names or {})
-            raise BadRequest(message, param) from exc
 
     @contextlib.asynccontextmanager
     async def generation(
@@ -238,6 +242,7 @@ class ServerContext:
         prompts: Sequence[PromptType],
         params: SamplingParams,
         names: Mapping[str, str] | None = None,
+        structured_field: str | None = None,
     ) -> AsyncIterator[list[RequestStream]]:
         """Queue the prompts (see ``start``) and yield their streams; on exit abort what still runs.
 
@@ -250,7 +255,7 @@ class ServerContext:
         handler = asyncio.current_task()
         watcher = asyncio.create_task(self._watch(request, handler))
         try:
-            streams += await self.start(request, prompts, params, names)
+            streams += await self.start(request, prompts, params, names, structured_field)
             yield streams
         finally:
             watcher.cancel()
@@ -356,6 +361,11 @@ def _rename(message: str, param: str | None, names: Mapping[str, str]) -> tuple[
     for engine_name, protocol_name in names.items():
         message = re.sub(rf"\b{engine_name}\b", protocol_name, message)
     return message, names.get(param, param) if param else None
+
+
+def _about_constraint(message: str) -> bool:
+    """Whether an engine ``ValueError`` is about the request's output constraint."""
+    return message.startswith("StructuredOutputsParams") or "structured_outputs" in message
 
 
 def _param_of(message: str) -> str | None:

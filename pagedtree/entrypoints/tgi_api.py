@@ -3,7 +3,8 @@
 Shapes follow TGI's router so its clients (``text_generation.Client``, which posts
 to the base URL, i.e. ``/``) work unchanged: token events carry
 ``{id, text, logprob, special}``; the last one also ``generated_text`` and
-``details``; errors are ``{error, error_type}``.
+``details``; errors are ``{error, error_type}``. ``parameters.grammar`` constrains
+the output (a JSON schema or a regex; read by ``structured_fields``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pagedtree.engine.async_stream import CompletionDelta, StreamOutput
 from pagedtree.entrypoints.fields import BadRequest, Fields
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.entrypoints.server_context import ServerContext, sse_event
+from pagedtree.entrypoints.structured_fields import parse_tgi_grammar
 from pagedtree.sampling_params import MAX_SEED, SamplingParams
+from pagedtree.structured_params import StructuredOutputLimits
 
 MAX_TOP_N_TOKENS = 10
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -35,6 +38,7 @@ class _TGIRequest:
     details: bool
     return_full_text: bool
     top_n_tokens: int
+    grammar_field: str | None = None  # where the output constraint came from (named in errors)
 
 
 @dataclass(slots=True)
@@ -51,6 +55,11 @@ class TGIRoutes:
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
+
+    @property
+    def _structured_limits(self) -> StructuredOutputLimits:
+        """The engine's bounds on output constraints, checked here before it sees them."""
+        return getattr(self.ctx.engine.config, "structured_output_limits", None) or StructuredOutputLimits()
 
     def add_to(self, app: web.Application, prefix: str) -> None:
         """Register the routes under ``prefix`` (the compat route is ``prefix`` itself)."""
@@ -91,27 +100,29 @@ class TGIRoutes:
 
     async def generate(self, request: web.Request) -> web.Response:
         """``POST /generate``: ``{generated_text, details?}``."""
-        parsed = _parse(await self.ctx.read_body(request), self.ctx.config.limits)
+        parsed = _parse(await self.ctx.read_body(request), self.ctx.config.limits, self._structured_limits)
         return web.json_response(await self._generate(request, parsed))
 
     async def compat_generate(self, request: web.Request) -> web.StreamResponse:
         """``POST /``: TGI's compat route, ``/generate`` as a one-item list, or a stream."""
         body = await self.ctx.read_body(request)
         stream = Fields(body).get_bool("stream", False)
-        parsed = _parse(body, self.ctx.config.limits)
+        parsed = _parse(body, self.ctx.config.limits, self._structured_limits)
         if stream:
             return await self._stream(request, parsed)
         return web.json_response([await self._generate(request, parsed)])
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """``POST /generate_stream``: one SSE event per token."""
-        return await self._stream(request, _parse(await self.ctx.read_body(request), self.ctx.config.limits))
+        parsed = _parse(await self.ctx.read_body(request), self.ctx.config.limits, self._structured_limits)
+        return await self._stream(request, parsed)
 
     # ------------------------------------------------------- generation
     async def _generate(self, request: web.Request, parsed: _TGIRequest) -> dict[str, Any]:
         records = _Tokens()
         final: StreamOutput | None = None
-        async with self.ctx.generation(request, [parsed.inputs], parsed.params, _NAMES) as streams:
+        async with self.ctx.generation(request, [parsed.inputs], parsed.params, _NAMES,
+                                       parsed.grammar_field) as streams:
             async for out in streams[0]:
                 c = out.outputs[0]
                 if out.finished:
@@ -133,7 +144,8 @@ class TGIRoutes:
         return result
 
     async def _stream(self, request: web.Request, parsed: _TGIRequest) -> web.StreamResponse:
-        async with self.ctx.generation(request, [parsed.inputs], parsed.params, _NAMES) as streams:
+        async with self.ctx.generation(request, [parsed.inputs], parsed.params, _NAMES,
+                                       parsed.grammar_field) as streams:
             response = await self.ctx.open_sse(request)
             records = _Tokens()
             try:
@@ -207,7 +219,7 @@ def _finish_reason(c: CompletionDelta) -> str:
     return "stop_sequence" if isinstance(c.stop_reason, str) else "eos_token"
 
 
-def _parse(body: dict[str, Any], limits: ServerLimits) -> _TGIRequest:
+def _parse(body: dict[str, Any], limits: ServerLimits, structured_limits: StructuredOutputLimits) -> _TGIRequest:
     """TGI's ``{inputs, parameters}`` as engine inputs; errors name ``parameters.<field>``."""
     f = Fields(body)
     inputs = f.required("inputs")
@@ -217,7 +229,7 @@ def _parse(body: dict[str, Any], limits: ServerLimits) -> _TGIRequest:
         raise BadRequest("inputs must not be empty", "inputs")
     p = f.get_object("parameters")
     for key, allowed in (("best_of", (1,)), ("decoder_input_details", (False,)), ("truncate", ()),
-                         ("typical_p", (1.0,)), ("watermark", (False,)), ("grammar", ()),
+                         ("typical_p", (1.0,)), ("watermark", (False,)),
                          ("frequency_penalty", (0.0,)), ("adapter_id", ())):
         p.unsupported(key, *allowed)
     do_sample = p.get_bool("do_sample", False)
@@ -230,6 +242,7 @@ def _parse(body: dict[str, Any], limits: ServerLimits) -> _TGIRequest:
     if sampling and seed is None:
         seed = random.getrandbits(63)  # chosen here so that details can report it
     top_n = p.get_int("top_n_tokens", 0, 0, MAX_TOP_N_TOKENS) or 0
+    grammar = parse_tgi_grammar(p, structured_limits)
     params = SamplingParams(
         temperature=(temperature or 1.0) if sampling else 0.0,
         top_p=top_p or 1.0,
@@ -239,6 +252,7 @@ def _parse(body: dict[str, Any], limits: ServerLimits) -> _TGIRequest:
         stop=p.str_list("stop", limits.max_stop_sequences, limits.max_stop_length),
         repetition_penalty=p.get_float("repetition_penalty", 1.0, 0.0, exclusive_minimum=True),
         logprobs=top_n,  # 0 still reports each sampled token's logprob
+        structured_outputs=grammar.params if grammar is not None else None,
     )
     return _TGIRequest(
         inputs=inputs,
@@ -247,4 +261,5 @@ def _parse(body: dict[str, Any], limits: ServerLimits) -> _TGIRequest:
         details=p.get_bool("details", False),
         return_full_text=p.get_bool("return_full_text", False),
         top_n_tokens=top_n,
+        grammar_field=grammar.field if grammar is not None else None,
     )

@@ -173,7 +173,7 @@ def test_bad_chat_input(server, body, param):
     ({"inputs": "hi", "parameters": {"max_new_tokens": 0}}, "parameters.max_new_tokens must be >= 1"),
     ({"inputs": "hi", "parameters": {"top_k": -1}}, "parameters.top_k"),
     ({"inputs": "hi", "parameters": {"max_new_tokens": 400}}, "plus parameters.max_new_tokens (400) exceeds"),
-    ({"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {}}}}, "parameters.grammar"),
+    ({"inputs": "hi", "parameters": {"grammar": {"type": "xml", "value": "a"}}}, "parameters.grammar.type"),
     ({"inputs": "hi", "parameters": []}, "parameters must be a JSON object"),
 ])
 def test_bad_tgi_input_gets_tgi_errors(server, body, message):
