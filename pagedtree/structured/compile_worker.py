@@ -112,9 +112,11 @@ def _receive(stream: BinaryIO) -> Any:
 class CompileWorker:
     """One child process that compiles grammars, one at a time, each within a time limit.
 
-    The child is a fresh interpreter (``python -c``), not a fork (the parent has
-    threads) nor a multiprocessing spawn (which re-imports the user's main script:
-    one without a ``__main__`` guard would run again in it)."""
+    The child is a fresh interpreter running this file as a script: not a fork (the
+    parent has threads), nor a multiprocessing spawn (which re-imports the user's
+    main script: one without a ``__main__`` guard would run again in it), and
+    without importing pagedtree (the engine's modules would double its memory: it
+    holds about 270 MiB, xgrammar with torch)."""
 
     def __init__(self, tokenizer_info_json: str):
         self._info_json = tokenizer_info_json
@@ -156,7 +158,7 @@ class CompileWorker:
     def _ensure_started(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
             process = subprocess.Popen(
-                [sys.executable, "-c", "from pagedtree.structured.compile_worker import main; main()"],
+                [sys.executable, os.path.abspath(__file__)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env())
             self._process = process
             _send(process.stdin, self._info_json)
@@ -190,17 +192,22 @@ _TIMED_OUT = object()
 
 def _child_env() -> dict[str, str]:
     """The child's environment: one thread (compiles are serial; the cores are the
-    engine's), and this package importable whatever the working directory."""
+    engine's)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
 def main() -> None:  # pragma: no cover - the child process
-    """The child process's entry point."""
+    """The child process's entry point (this file run as a script)."""
+    # The script's folder is first on the path; its modules must not shadow others'.
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
     # Replies go out on a private copy of stdout; anything a library prints goes to stderr.
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     _serve(_receive(sys.stdin.buffer), sys.stdin.buffer, replies)
+
+
+if __name__ == "__main__":  # pragma: no cover - the child process
+    main()
