@@ -33,26 +33,78 @@ def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bo
 
     JSON schemas compile in xgrammar's strict mode, as vLLM compiles them: an object
     whose schema does not say ``additionalProperties`` takes only its listed
-    properties, and an array only its listed items."""
+    properties, and an array only its listed items. ``json_object`` is the schema
+    ``{"type": "object"}`` (any object, with the whitespace option), not xgrammar's
+    built-in JSON grammar, whose root may also be an array. Every grammar goes
+    through ``repair_ebnf`` before it is compiled."""
+    import xgrammar as xgr
+
     try:
         if kind == "json":
-            return compiler.compile_json_schema(value, any_whitespace=any_whitespace, strict_mode=True)
-        if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
-        if kind == "regex":
-            return compiler.compile_regex(value)
-        if kind == "choice":
-            return compiler.compile_grammar("root ::= " + " | ".join(ebnf_literal(c) for c in value))
-        if kind == "grammar":
-            if "::=" in value:
-                return compiler.compile_grammar(value)
-            return compiler.compile_lark(value)
+            grammar = xgr.Grammar.from_json_schema(value, any_whitespace=any_whitespace, strict_mode=True)
+        elif kind == "json_object":
+            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                   strict_mode=False)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(value)
+        elif kind == "choice":
+            grammar = xgr.Grammar.from_ebnf("root ::= " + " | ".join(ebnf_literal(c) for c in value))
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(value) if "::=" in value else xgr.Grammar.from_lark(value)
+        else:
+            raise ValueError(f"unknown constraint kind {kind!r}")
+        return compiler.compile_grammar(repair_ebnf(str(grammar), json_strings=kind in ("json", "json_object")))
     except (RuntimeError, ValueError, TypeError) as exc:
         # xgrammar's messages start with a C++ source location: keep the reason.
         reason = str(exc).split("\n")[0]
         reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
         raise ValueError(reason[:500]) from None
-    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+# The character class xgrammar 0.2.8 gives the characters of a JSON string with a
+# minLength or maxLength: it lets control characters through raw (invalid JSON) and
+# takes no escapes at all. Replaced by what its unbounded strings take.
+_BOUNDED_STRING_CLASS = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = (r'([^\0-\x1f\"\\\ud800-\udfff] | ("\\" (([\"\\/bfnrt]) | '
+                     r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))')
+_SURROGATES = r"\ud800-\udfff"
+
+
+def repair_ebnf(text: str, json_strings: bool) -> str:
+    """An xgrammar EBNF grammar with two of xgrammar's gaps closed:
+
+    - every negated character class (``[^...]``, outside string literals) also
+      excludes the UTF-16 surrogates U+D800-U+DFFF, whose three-byte encodings are
+      not UTF-8 but which xgrammar's classes accept (an output holding one cannot be
+      decoded, and its length checks break);
+    - with ``json_strings``, the class of bounded-length JSON strings (see
+      ``_BOUNDED_STRING_CLASS``) becomes a JSON string character or escape.
+    """
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == '"':  # a string literal: copied as it is
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif ch == "[":
+            j = i + 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            klass = text[i:j + 1]
+            if json_strings and klass == _BOUNDED_STRING_CLASS:
+                klass = _JSON_STRING_CHAR
+            elif klass.startswith("[^") and _SURROGATES not in klass:
+                klass = klass[:-1] + _SURROGATES + "]"
+            out.append(klass)
+            i = j + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
 
 
 def ebnf_literal(text: str) -> str:

@@ -139,8 +139,8 @@ class RequestGrammar:
 def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor] | torch.Tensor) -> None:
     """Set to ``-inf``, in place, the logits of the tokens each bitmask forbids:
     ``bitmasks[i]`` (a ``[W]`` row, or row ``i`` of a ``[len(rows), W]`` tensor)
-    applies to row ``rows[i]`` of fp32 ``logits [N, V]``. Tokens past a bitmask's
-    width (a logits row wider than the vocabulary) are forbidden."""
+    applies to row ``rows[i]`` of fp32 ``logits [N, V]`` (``V`` the vocabulary the
+    bitmask covers: the model's, which every logits row here has)."""
     rows = list(rows)
     if not rows:
         return
