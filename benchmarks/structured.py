@@ -25,6 +25,13 @@ draw the same tokens, with speculation or without.
     python benchmarks/structured.py --batch-sizes 1,8 --max-tokens 128 --rounds 3
     python benchmarks/structured.py --model smollm2-135m-instruct --drafter suffix --rounds 1 --batch-sizes 1
 
+``--engine vllm`` runs the same workload on vLLM's offline ``LLM`` with its own
+structured outputs (xgrammar; run it with vLLM's environment, ``.venv-vllm``):
+the unconstrained and constrained arms, in the same table format, so a pagedtree run
+and a vLLM run of the same model, dtype and batch sizes compare cell by cell.
+
+    .venv-vllm/bin/python benchmarks/structured.py --engine vllm --model smollm2-135m-instruct --dtype float32
+
 Writes ``TAG.md`` (the table, the command on its second line), ``TAG.json`` and
 ``TAG.png`` under ``--out-dir``.
 """
@@ -159,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="let the JSON carry free whitespace (default: compact, disable_any_whitespace)")
     parser.add_argument("--out-dir", default="benchmarks/results/structured")
     parser.add_argument("--tag", default="structured", help="file name stem of the outputs")
+    parser.add_argument("--engine", default="pagedtree", choices=["pagedtree", "vllm"],
+                        help="vllm: vLLM's own structured outputs, unconstrained and constrained arms (no speculation)")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes) < 1 or args.rounds < 1 or args.max_tokens < 1:
         parser.error("--batch-sizes, --rounds and --max-tokens must be >= 1")
+    if args.engine == "vllm":
+        return run_vllm(args, batch_sizes, argv)
 
     from tqdm.auto import tqdm
 
@@ -291,6 +302,97 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / f"{args.tag}.json").write_text(json.dumps(report, indent=1, default=str))
     plot(cells, batch_sizes, out_dir / f"{args.tag}.png", f"{args.model}, drafter {drafter}")
     print(f"wrote {out_dir / args.tag}.md, .json, .png")
+    return 0
+
+
+def run_vllm(args: argparse.Namespace, batch_sizes: list[int], argv: list[str] | None) -> int:
+    """The workload on vLLM (its offline ``LLM``, structured outputs by xgrammar):
+    unconstrained and constrained arms, alternating, the same prompts and lengths."""
+    import os
+
+    from tqdm.auto import tqdm
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    folder = os.path.expanduser(f"~/.cache/pagedtree/hf/{args.model}")
+    model = folder if os.path.isdir(folder) else args.model  # a packaged name's converted folder, else as given
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    started = time.perf_counter()
+    llm = LLM(model=model, dtype=dtype, max_model_len=4096, seed=args.seed, max_num_seqs=max(batch_sizes),
+              enable_prefix_caching=False)
+    load_seconds = time.perf_counter() - started
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for text, schema in TASKS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": task_text(text, schema)}],
+                                            add_generation_prompt=True, tokenize=True)
+        prompts.append([int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)])
+    schemas = [schema for _, schema in TASKS]
+
+    def params(i: int, arm: str, lengths: list[int] | None):
+        if arm == "unconstrained":
+            return SamplingParams(temperature=args.temperature, seed=args.seed, ignore_eos=True,
+                                  max_tokens=lengths[i] if lengths else args.max_tokens)
+        return SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens,
+                              structured_outputs=StructuredOutputsParams(
+                                  json=schemas[i], disable_any_whitespace=not args.any_whitespace))
+
+    def generate(indices: list[int], arm: str, lengths: list[int] | None):
+        return llm.generate([{"prompt_token_ids": prompts[i]} for i in indices],
+                            [params(i, arm, lengths) for i in indices], use_tqdm=False)
+
+    reference = generate(list(range(len(prompts))), "constrained", None)  # compiles every schema too
+    lengths = [max(1, len(o.outputs[0].token_ids)) for o in reference]
+    arms = ARMS[:2]
+    for arm in arms:
+        generate(list(range(min(max(batch_sizes), len(prompts)))), arm, lengths)
+    cells = {(arm, b): Cell(arm, b) for b in batch_sizes for arm in ARMS}
+    with tqdm(total=args.rounds * len(batch_sizes) * len(arms), desc="rounds", unit="arm") as bar:
+        for _ in range(args.rounds):
+            for b in batch_sizes:
+                for arm in arms:
+                    cell = cells[(arm, b)]
+                    tokens, seconds = 0, 0.0
+                    for start in range(0, len(prompts), b):
+                        indices = list(range(start, min(start + b, len(prompts))))
+                        t0 = time.perf_counter()
+                        outs = generate(indices, arm, lengths)
+                        seconds += time.perf_counter() - t0
+                        for i, out in zip(indices, outs):
+                            completion = out.outputs[0]
+                            tokens += len(completion.token_ids)
+                            cell.requests += 1
+                            cell.finished += completion.finish_reason == "stop"
+                            cell.valid += validates(completion.text, schemas[i])
+                    cell.tokens.append(tokens)
+                    cell.seconds.append(seconds)
+                    bar.update()
+    import vllm
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/structured.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    lines = [f"# Structured outputs on vLLM {vllm.__version__}: {args.model}", f"`{command}`", "",
+             f"{platform.machine()}; dtype {dtype}; {len(TASKS)} JSON-extraction prompts, max {args.max_tokens} "
+             f"tokens, temperature {args.temperature:g}, {'any whitespace' if args.any_whitespace else 'compact JSON'}; "
+             f"median of {args.rounds} alternating rounds; loaded in {load_seconds:.0f} s. Unconstrained requests "
+             f"are cut to their constrained length (mean {statistics.mean(lengths):.1f} tokens).", "",
+             "| batch | arm | tokens/s | ms/token | cost vs unconstrained | valid |", "|---:|---|---:|---:|---:|---:|"]
+    for b in batch_sizes:
+        base = cells[("unconstrained", b)]
+        for arm in arms:
+            cell = cells[(arm, b)]
+            cost = f"{cell.ms_per_token / base.ms_per_token:.3f}x" if arm != "unconstrained" and base.ms_per_token else ""
+            lines.append(f"| {b} | {arm} | {cell.tokens_per_s:.2f} | {cell.ms_per_token:.2f} | {cost} "
+                         f"| {cell.valid / cell.requests:.0%} |")
+    table = "\n".join(lines) + "\n"
+    print("\n" + table)
+    (out_dir / f"{args.tag}.md").write_text(table)
+    (out_dir / f"{args.tag}.json").write_text(json.dumps(
+        {"command": command, "args": vars(args), "lengths": lengths, "load_seconds": load_seconds,
+         "cells": [asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells.values() if c.tokens]},
+        indent=1, default=str))
+    print(f"wrote {out_dir / args.tag}.md, .json")
     return 0
 
 

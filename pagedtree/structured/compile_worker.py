@@ -62,11 +62,12 @@ def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bo
 
 
 # The character class xgrammar 0.2.8 gives the characters of a JSON string with a
-# minLength or maxLength: it lets control characters through raw (invalid JSON) and
-# takes no escapes at all. Replaced by what its unbounded strings take.
+# minLength or maxLength lets control characters through raw (invalid JSON). It is
+# replaced by the class of what JSON takes unescaped. (Such strings take no escapes,
+# as in xgrammar: one class keeps its fast bounded repetition; an alternation with
+# escapes made every mask 13 ms on a 49k vocabulary.)
 _BOUNDED_STRING_CLASS = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = (r'([^\0-\x1f\"\\\ud800-\udfff] | ("\\" (([\"\\/bfnrt]) | '
-                     r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 _SURROGATES = r"\ud800-\udfff"
 
 
@@ -78,7 +79,7 @@ def repair_ebnf(text: str, json_strings: bool) -> str:
       not UTF-8 but which xgrammar's classes accept (an output holding one cannot be
       decoded, and its length checks break);
     - with ``json_strings``, the class of bounded-length JSON strings (see
-      ``_BOUNDED_STRING_CLASS``) becomes a JSON string character or escape.
+      ``_BOUNDED_STRING_CLASS``) becomes that of JSON's unescaped characters.
     """
     out: list[str] = []
     i, n = 0, len(text)
