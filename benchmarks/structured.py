@@ -166,12 +166,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="let the JSON carry free whitespace (default: compact, disable_any_whitespace)")
     parser.add_argument("--out-dir", default="benchmarks/results/structured")
     parser.add_argument("--tag", default="structured", help="file name stem of the outputs")
+    parser.add_argument("--num-prompts", type=int, default=len(TASKS),
+                        help=f"the first N of the {len(TASKS)} extraction prompts")
     parser.add_argument("--engine", default="pagedtree", choices=["pagedtree", "vllm"],
                         help="vllm: vLLM's own structured outputs, unconstrained and constrained arms (no speculation)")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes) < 1 or args.rounds < 1 or args.max_tokens < 1:
         parser.error("--batch-sizes, --rounds and --max-tokens must be >= 1")
+    if not 1 <= args.num_prompts <= len(TASKS):
+        parser.error(f"--num-prompts must be in [1, {len(TASKS)}]")
+    del TASKS[args.num_prompts:]
     if args.engine == "vllm":
         return run_vllm(args, batch_sizes, argv)
 
