@@ -10,6 +10,7 @@ xgrammar's JSON, which the parent reads back in milliseconds.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import select
@@ -176,6 +177,7 @@ class CompileWorker:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self.num_killed = 0
+        self.key = ""  # its vocabulary's digest, when shared (``shared_worker``)
 
     def compile(self, request: tuple, timeout_s: float) -> str:
         """The compiled grammar's JSON for ``request`` = (kind, value, any_whitespace);
@@ -241,6 +243,35 @@ class CompileWorker:
 
 
 _TIMED_OUT = object()
+
+# Engines of one process with the same vocabulary share one worker (its process costs
+# seconds to start and about 330 MiB): vocabulary digest -> (worker, users).
+_SHARED: dict[str, tuple[CompileWorker, int]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_worker(tokenizer_info_json: str) -> CompileWorker:
+    """The process's worker for this vocabulary (made on first use); give it back with
+    ``release_worker``."""
+    key = hashlib.sha256(tokenizer_info_json.encode()).hexdigest()
+    with _SHARED_LOCK:
+        worker, users = _SHARED.get(key, (None, 0))
+        if worker is None:
+            worker = CompileWorker(tokenizer_info_json)
+            worker.key = key
+        _SHARED[key] = (worker, users + 1)
+        return worker
+
+
+def release_worker(worker: CompileWorker) -> None:
+    """One user fewer; the last one stops the worker's process."""
+    with _SHARED_LOCK:
+        _, users = _SHARED.get(worker.key, (worker, 1))
+        if users > 1:
+            _SHARED[worker.key] = (worker, users - 1)
+            return
+        _SHARED.pop(worker.key, None)
+    worker.close()
 
 
 def _child_env() -> dict[str, str]:

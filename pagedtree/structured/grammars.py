@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from pagedtree.structured.compile_worker import CompileTimeout, CompileWorker
+from pagedtree.structured.compile_worker import CompileTimeout, CompileWorker, release_worker, shared_worker
 from pagedtree.structured.matcher import RequestGrammar
 from pagedtree.structured_params import StructuredOutputLimits, StructuredOutputsParams
 
@@ -109,13 +109,15 @@ class Grammars:
 
     def close(self) -> None:
         """Stop the worker process."""
-        if self._worker is not None:
-            self._worker.close()
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            release_worker(worker)
 
     def _compile_worker(self, info: Any) -> CompileWorker:
         with self._lock:
             if self._worker is None:
-                self._worker = CompileWorker(info.serialize_json())
+                self._worker = shared_worker(info.serialize_json())
             return self._worker
 
 

@@ -570,7 +570,8 @@ class InProcessWorker:
 @pytest.fixture
 def grammars(tiny_text_model, monkeypatch):
     """A ``Grammars`` of the tiny text model's vocabulary, compiling in this process."""
-    monkeypatch.setattr("pagedtree.structured.grammars.CompileWorker", InProcessWorker)
+    monkeypatch.setattr("pagedtree.structured.grammars.shared_worker", InProcessWorker)
+    monkeypatch.setattr("pagedtree.structured.grammars.release_worker", lambda worker: worker.close())
     tokenizer = tiny_text_model.tokenizer
     out = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], StructuredOutputLimits())
     yield out
