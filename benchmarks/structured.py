@@ -331,7 +331,9 @@ def run_vllm(args: argparse.Namespace, batch_sizes: list[int], argv: list[str] |
     for text, schema in TASKS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": task_text(text, schema)}],
                                             add_generation_prompt=True, tokenize=True)
-        prompts.append([int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)])
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        prompts.append([int(t) for t in ids])
     schemas = [schema for _, schema in TASKS]
 
     def params(i: int, arm: str, lengths: list[int] | None):
