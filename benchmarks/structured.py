@@ -147,6 +147,30 @@ class Cell:
         return 1 + self.accepted / self.drafts if self.drafts else None
 
 
+def time_arm(cell: Cell, generate, num_prompts: int, schemas: list[dict],
+             samples: dict[str, str] | None = None) -> None:
+    """One round of ``cell``'s arm: every prompt, ``cell.batch_size`` at a time, through
+    ``generate(indices) -> outputs`` (timed around the calls only); records the round's
+    tokens and seconds, and each output's finish and validity (and first text in
+    ``samples``)."""
+    tokens, seconds = 0, 0.0
+    for start in range(0, num_prompts, cell.batch_size):
+        indices = list(range(start, min(start + cell.batch_size, num_prompts)))
+        t0 = time.perf_counter()
+        outs = generate(indices)
+        seconds += time.perf_counter() - t0
+        for i, out in zip(indices, outs):
+            completion = out.outputs[0]
+            tokens += len(completion.token_ids)
+            cell.requests += 1
+            cell.finished += completion.finish_reason == "stop"
+            cell.valid += validates(completion.text, schemas[i])
+            if samples is not None:
+                samples.setdefault(f"{cell.arm} #{i}", completion.text)
+    cell.tokens.append(tokens)
+    cell.seconds.append(seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -236,22 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                     cell = cells[(arm, b)]
                     clear_suffix_cache(llm)  # no memory of the last round's outputs
                     before = llm.stats()
-                    tokens, seconds = 0, 0.0
-                    for start in range(0, len(prompts), b):
-                        indices = list(range(start, min(start + b, len(prompts))))
-                        t0 = time.perf_counter()
-                        outs = generate(indices, arm, lengths)
-                        seconds += time.perf_counter() - t0
-                        for i, out in zip(indices, outs):
-                            completion = out.outputs[0]
-                            tokens += len(completion.token_ids)
-                            cell.requests += 1
-                            cell.finished += completion.finish_reason == "stop"
-                            cell.valid += validates(completion.text, schemas[i])
-                            samples.setdefault(f"{arm} #{i}", completion.text)
+                    time_arm(cell, lambda indices: generate(indices, arm, lengths), len(prompts), schemas, samples)
                     after = llm.stats()
-                    cell.tokens.append(tokens)
-                    cell.seconds.append(seconds)
                     if arm == "constrained+spec":
                         cell.drafts += after.get("num_drafts", 0) - before.get("num_drafts", 0)
                         cell.accepted += after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
@@ -359,20 +369,7 @@ def run_vllm(args: argparse.Namespace, batch_sizes: list[int], argv: list[str] |
             for b in batch_sizes:
                 for arm in arms:
                     cell = cells[(arm, b)]
-                    tokens, seconds = 0, 0.0
-                    for start in range(0, len(prompts), b):
-                        indices = list(range(start, min(start + b, len(prompts))))
-                        t0 = time.perf_counter()
-                        outs = generate(indices, arm, lengths)
-                        seconds += time.perf_counter() - t0
-                        for i, out in zip(indices, outs):
-                            completion = out.outputs[0]
-                            tokens += len(completion.token_ids)
-                            cell.requests += 1
-                            cell.finished += completion.finish_reason == "stop"
-                            cell.valid += validates(completion.text, schemas[i])
-                    cell.tokens.append(tokens)
-                    cell.seconds.append(seconds)
+                    time_arm(cell, lambda indices: generate(indices, arm, lengths), len(prompts), schemas)
                     bar.update()
     import vllm
 
