@@ -384,8 +384,9 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     # Penalties and grammar masks edit a copy: the raw logits stay for the reported logprobs.
     masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
-    processed = logits.clone() if masked or any(map(needs_penalties, rows)) else logits
-    if any(map(needs_penalties, rows)):
+    penalised = any(map(needs_penalties, rows))
+    processed = logits.clone() if masked or penalised else logits
+    if penalised:
         apply_penalties(processed, rows)
     apply_bitmasks(processed, masked, [rows[i].bitmask for i in masked])
     tokens = torch.zeros(len(rows), dtype=torch.long, device=device)
