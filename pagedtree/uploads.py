@@ -59,7 +59,7 @@ class StagedUpload:
             self._device[:n].copy_(values)
             return self._device[:n]
         assert self._host is not None
-        if self._copied is not None:
+        if self._copied is not None and not self._copied.query():  # query() does not wait
             self._copied.synchronize()
         self._host[:n].copy_(values)
         self._device[:n].copy_(self._host[:n], non_blocking=True)

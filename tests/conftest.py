@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run in Triton's interpreter, which must be on
-# before any kernel is defined (pagedtree.kernels.triton_kernels decides at import).
-if not torch.cuda.is_available():
+# The Triton kernels run in Triton's interpreter (on CPU tensors, with or without a
+# GPU), which must be on before any kernel is defined (pagedtree.kernels.triton_kernels
+# decides at import). PAGEDTREE_TEST_CUDA=1 asks for compiled kernels on a GPU instead:
+# the tests that need the interpreter are then skipped (docs/testing.md).
+CUDA_KERNELS = os.environ.get("PAGEDTREE_TEST_CUDA") == "1"
+INTERPRETER_SKIP = "needs Triton's interpreter (the Triton kernels on CPU tensors); PAGEDTREE_TEST_CUDA=1 compiles them"
+if CUDA_KERNELS:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Cost calibrations of the tests' throw-away models go to a throw-away folder.
@@ -22,6 +28,42 @@ if "PAGEDTREE_CALIBRATION_DIR" not in os.environ:
 
 # Keep the 2-core CI machine from oversubscribing when pytest runs alongside torch.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    if CUDA_KERNELS and not torch.cuda.is_available():
+        raise pytest.UsageError("PAGEDTREE_TEST_CUDA=1 runs the Triton kernels compiled, which needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Compiled kernels: skip the tests marked ``triton_interpreter`` up front."""
+    if CUDA_KERNELS:
+        skip = pytest.mark.skip(reason=INTERPRETER_SKIP)
+        for item in items:
+            if "triton_interpreter" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_cpu_needs_the_interpreter(monkeypatch):
+    """Compiled kernels: a test that builds the Triton backend on CPU tensors without
+    saying so (no ``triton_interpreter`` mark) is skipped where the kernels check
+    their device, instead of failing there."""
+    if not CUDA_KERNELS:
+        return
+    try:
+        from pagedtree.kernels import triton_ops
+    except ImportError:  # no Triton: nothing to check
+        return
+    check_device = triton_ops.check_device
+
+    def check_device_or_skip(device: torch.device) -> None:
+        if device.type == "cpu":
+            pytest.skip(INTERPRETER_SKIP)
+        check_device(device)
+
+    monkeypatch.setattr(triton_ops, "check_device", check_device_or_skip)
+
 
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",

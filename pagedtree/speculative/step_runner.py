@@ -51,9 +51,15 @@ class StepRunner:
         verify = [c for c in chunks if c.phase == Phase.VERIFY and not _failed(result, c)]
         if spec is not None and verify:
             result.failed += spec.stage(verify, trees, step)  # every tree's row outcomes, on the device
+        synced = bool(step.sample_groups or step.verify_rows)
         step.read_back()  # the step's one device-to-host copy
-        # After the readback: on a GPU, the forward has only been queued before it.
-        result.forward_seconds = time.perf_counter() - started
+        # The clock is read after the readback, the step's one sync: on CUDA the
+        # forward has only been queued before it, and an explicit synchronize would
+        # be a second sync. A CUDA step with nothing to read back (prefill chunks
+        # that need no logits yet) has no sync: its forward is left unmeasured (0,
+        # which the cost model skips) rather than synced for.
+        if synced or self.runner.device.type != "cuda":
+            result.forward_seconds = time.perf_counter() - started
         for chunk in chunks:
             sample = step.samples.get(chunk.request.request_id)
             if chunk.phase == Phase.VERIFY or sample is None or _failed(result, chunk):

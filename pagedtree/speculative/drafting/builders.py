@@ -77,7 +77,7 @@ def stage_children(
         return tokens, ranked[tokens], ChildDraw(rule, ROOT)
     probs = logprobs.exp()
     if rule == "iid":
-        tokens = torch.multinomial(probs, k, replacement=True, generator=generator)
+        tokens = _iid_draws(probs, k, generator)
     elif rule == "without_replacement":
         u = torch.rand(logprobs.shape, generator=generator, device=logprobs.device, dtype=torch.float64)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
@@ -87,14 +87,34 @@ def stage_children(
     return tokens, logprobs[tokens], ChildDraw(rule, ROOT, probs=probs)
 
 
+def _iid_draws(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``k`` independent draws from ``probs [V]`` on the device, the tokens
+    ``torch.multinomial(probs, k, replacement=True)`` draws, without a host sync.
+
+    For one sample, torch's own algorithm (argmax of ``probs / E``, ``E ~ Exp(1)``)
+    without torch's checks of the distribution, which are host reads in older torch
+    releases (newer ones assert on the device): the same token and the same
+    generator state. Several samples with replacement are kernels only in every
+    release. A distribution without mass gives a token of log-probability
+    ``-inf`` (dropped on reading back), a NaN one a NaN increment (refused there).
+    """
+    if k == 1:
+        race = torch.empty_like(probs).exponential_(1, generator=generator)
+        return torch.argmax(probs / race, dim=-1, keepdim=True)
+    return torch.multinomial(probs, k, replacement=True, generator=generator)
+
+
 def read_children(staged: Sequence[StagedChildren]) -> None:
     """Fill every staged node's host tokens and increments in one device-to-host
     copy (one sync per draft level, not two per fed node), dropping the tokens the
-    rule could not have drawn."""
+    rule could not have drawn. A NaN increment (a draft distribution that is not a
+    distribution) raises ``ValueError``: the request then drafts nothing this step."""
     if not staged:
         return
     flat = torch.cat([t for s in staged for t in (s.tokens.to(torch.float64), s.increments.to(torch.float64))])
     host = flat.tolist()
+    if any(value != value for value in host):
+        raise ValueError("the draft's distribution has NaN entries")
     offset = 0
     for s in staged:
         k = s.tokens.numel()

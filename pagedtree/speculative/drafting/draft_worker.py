@@ -8,6 +8,9 @@ copy-on-write and decodes its own token. All requests' nodes of a level go into 
 batched draft forward, and all their children are drawn on the device and read back
 in one copy (one sync per level).
 
+Each draft forward is timed for the cost model (``on_forward``) without a sync of
+its own (``ForwardTimer``).
+
 After verification, ``commit`` keeps the one branch that holds the longest accepted
 path (its KV is already in sequence order) and frees every other branch at once.
 """
@@ -31,6 +34,48 @@ from pagedtree.worker.step_inputs import query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")
+
+
+class ForwardTimer:
+    """The seconds one forward took, measured without a sync of its own.
+
+    On a CPU the forward has run when the call returns: the clock around the call.
+    On CUDA the call only queues the forward, and the clock would time the queueing:
+    a pair of CUDA events around the call instead, read once the draft level's one
+    readback (``read_children``) has waited for everything queued before it. An
+    explicit synchronize would give each level a second sync.
+    """
+
+    def __init__(self, device: torch.device | None):
+        self.cuda = device is not None and device.type == "cuda"
+        self._started = 0.0
+        self._seconds = 0.0
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            assert self._events is not None
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._started
+
+    def seconds(self) -> float | None:
+        """The forward's seconds; on CUDA, None while the end event has not been
+        reached (read it after a sync)."""
+        if not self.cuda:
+            return self._seconds
+        assert self._events is not None
+        start, end = self._events
+        if not end.query():
+            return None
+        return start.elapsed_time(end) / 1000.0
 
 
 @dataclass(slots=True)
@@ -86,7 +131,8 @@ class DraftWorker:
                 level.append((job, ROOT, chunk))
         trees: dict[str, TokenTree] = {}
         while level:
-            logits = self._forward(copies, [chunk for _, _, chunk in level])
+            chunks = [chunk for _, _, chunk in level]
+            logits, timer = self._forward(copies, chunks)
             copies = []
             fed_by_job: dict[int, tuple[DraftJob, list[tuple[int, torch.Tensor]]]] = {}
             for (job, node, _), row in zip(level, logits):
@@ -95,6 +141,11 @@ class DraftWorker:
             # read back in one copy: one sync per draft level.
             staged = [(job, job.builder.stage_level(fed)) for job, fed in fed_by_job.values()]
             read_children([children for _, picks in staged for children in picks])
+            # After the readback: on CUDA the forward has run (a level whose
+            # readback copied nothing leaves it unmeasured rather than sync for it).
+            seconds = timer.seconds()
+            if self.on_forward is not None and seconds is not None:
+                self.on_forward(sum(c.num_tokens for c in chunks), seconds)
             level = []
             for job, picks in staged:
                 level.extend(self._branch_chunks(job, job.builder.grow(picks), copies))
@@ -177,15 +228,17 @@ class DraftWorker:
             out.append((job, node, chunk))
         return out
 
-    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> torch.Tensor:
-        started = time.perf_counter()
+    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ForwardTimer]:
+        """The block copies and one draft forward over ``chunks``: the logits of each
+        chunk's last token, and the timer of the forward (read after the readback)."""
+        timer = ForwardTimer(getattr(self.runner, "device", None))  # none: a host-side stand-in
+        timer.start()
         self.runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
         rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
         logits = self.runner.forward(chunks, rows)
+        timer.stop()
         self.num_forward_passes += 1
-        if self.on_forward is not None:
-            self.on_forward(sum(c.num_tokens for c in chunks), time.perf_counter() - started)
-        return logits
+        return logits, timer
 
     # ---------------------------------------------------------------- commit
     def commit(self, request_id: str, accepted_tokens: Sequence[int]) -> None:
