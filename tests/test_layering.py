@@ -1,6 +1,6 @@
 """The packages depend on each other one way only, and no two files import each other.
 
-entrypoints -> bench -> engine -> executor -> speculative/loading -> worker ->
+entrypoints -> bench/diagnostics -> engine -> executor -> speculative/loading -> worker ->
 scheduler/attention/distributed -> kernels -> step_data -> plain data (config,
 sampling_params, request, outputs, uploads, sampling) -> text_checks. Every import
 (at module level, inside a function, or under ``TYPE_CHECKING``) must point to a
@@ -31,7 +31,7 @@ LAYERS = {
     "loading": 9, "speculative": 9,
     "executor": 10,
     "engine": 11,
-    "bench": 12,
+    "bench": 12, "diagnostics": 12,
     "entrypoints": 13,
 }
 

@@ -317,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serve.add_argument("args", nargs=argparse.REMAINDER)
     bench_serve.set_defaults(func=cmd_bench_serve)
+
+    # main() hands everything after "doctor" to cmd_doctor (the check has its own parser).
+    doctor = sub.add_parser(
+        "doctor", add_help=False, help="check this machine: --gpu runs the GPU-day check (kernels against a "
+                                       "reference, CUDA graphs, speculation, syncs, kernel timings); "
+                                       "see 'pagedtree doctor --gpu --help'")
+    doctor.add_argument("args", nargs=argparse.REMAINDER)
+    doctor.set_defaults(func=lambda args: cmd_doctor(args.args))
     return parser
 
 
@@ -326,11 +334,33 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return serving_main(args.args, prog="pagedtree bench serve")
 
 
+DOCTOR_USAGE = """usage: pagedtree doctor --gpu [options]
+
+Check this machine. --gpu runs the GPU-day check (pagedtree.diagnostics.gpu_check):
+the Triton kernels against a float64 reference, CUDA graphs against eager steps,
+greedy tree speculation against plain decoding, syncs per speculative step and the
+tree/decode kernel time, as one table; exit status 1 when any check fails.
+'pagedtree doctor --gpu --help' lists its options (--device cpu, --quick, --json)."""
+
+
+def cmd_doctor(argv: list[str]) -> int:
+    """``pagedtree doctor --gpu [options]``: the GPU-day check."""
+    if "--gpu" not in argv:
+        wants_help = any(a in ("-h", "--help") for a in argv)
+        print(DOCTOR_USAGE, file=sys.stdout if wants_help else sys.stderr)
+        return 0 if wants_help else 2
+    from pagedtree.diagnostics.gpu_check import main as gpu_check_main
+
+    return gpu_check_main([a for a in argv if a != "--gpu"], prog="pagedtree doctor --gpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedtree`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "serve"]:
         return cmd_bench_serve(argparse.Namespace(args=argv[2:]))
+    if argv[:1] == ["doctor"]:
+        return cmd_doctor(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,273 @@
+"""Checks 2 and 3: greedy tokens of the engine, compared run against run.
+
+- CUDA graphs against eager steps: the same greedy tokens with decode and verify
+  steps replayed as CUDA graphs and with ``enforce_eager`` (plain decoding, and tree
+  speculation, whose verify steps and draft levels have graphs of their own). On a
+  CPU the graph runs take the same padded static steps without capturing them.
+- Tree speculation against plain decoding, in bf16: greedy outputs must be equal
+  token for token (a tree pass and a one-token decode must give a token the same
+  logits).
+
+Every run asks for the top-2 logprobs, so a difference is reported with the
+reference run's gap between its two best tokens there: a gap near bf16 rounding
+points at a near-tie, a wide one at a bug.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedtree.config import SpeculativeConfig
+from pagedtree.diagnostics.report import FAIL, PASS, Row, failed_run, skipped
+
+GRAPHS = "cuda graphs vs eager"
+SPECULATION = "speculative vs plain"
+# On a GPU, verify steps of up to 16 nodes and their root (token buckets 1..16 and
+# 17); in the interpreter, small trees (every padded token is interpreted).
+CUDA_TREE = SpeculativeConfig(tree="static", expansion=(2, 2, 2, 1), max_nodes=16, adaptive=False)
+CPU_TREE = SpeculativeConfig(tree="static", expansion=(2, 1, 1), max_nodes=4, adaptive=False)
+
+
+def tree_name(config: SpeculativeConfig) -> str:
+    """A tree configuration in a few words, e.g. ``16-node static tree 2,2,2,1``."""
+    return f"{config.max_nodes}-node {config.tree} tree {','.join(map(str, config.expansion))}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """What every engine run of the checks shares: models, device, dtype, prompts."""
+
+    target: str
+    draft: str
+    device: str  # "cuda" or "cpu"
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    max_model_len: int = 256
+    speculative: SpeculativeConfig = field(default_factory=lambda: CUDA_TREE)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens a run generates over all prompts."""
+        return len(self.prompts) * self.max_tokens
+
+
+def short_dtype(dtype: str) -> str:
+    """``bf16`` for ``bfloat16`` and so on."""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
+def random_prompts(count: int, min_len: int, max_len: int, seed: int, vocab: int = 256) -> tuple[tuple[int, ...], ...]:
+    """``count`` token-id prompts of random lengths (ids 3..vocab-1: no special tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=gen).tolist()
+    return tuple(tuple(torch.randint(3, vocab, (n,), generator=gen).tolist()) for n in lengths)
+
+
+def engine_setup(device_type: str, quick: bool, target: str, draft: str, seed: int = 0) -> EngineSetup:
+    """The runs' sizes for ``device_type``: a batch of 8 prompts (4 with ``quick``) of
+    up to 40 tokens and 16-node trees on a GPU; 3 (2) short prompts and 4-node trees
+    in the interpreter."""
+    if device_type == "cuda":
+        count, tokens = (4, 16) if quick else (8, 32)
+        return EngineSetup(target, draft, "cuda", random_prompts(count, 4, 40, seed), tokens,
+                           max_num_seqs=8, num_kv_blocks=256, speculative=CUDA_TREE)
+    count, tokens = (2, 6) if quick else (3, 10)
+    return EngineSetup(target, draft, "cpu", random_prompts(count, 3, 12, seed), tokens,
+                       max_num_seqs=count, num_kv_blocks=64, speculative=CPU_TREE)
+
+
+def make_llm(setup: EngineSetup, speculative: bool, graphs: bool):
+    """An ``LLM`` on the Triton backend, with tree speculation or not, and with CUDA
+    graphs (on a CPU: the padded static steps graphs replay, uncaptured) or eager."""
+    from pagedtree import LLM
+
+    kwargs: dict = dict(device=setup.device, dtype=setup.dtype, attention_backend="triton",
+                        block_size=setup.block_size, max_num_seqs=setup.max_num_seqs,
+                        max_model_len=setup.max_model_len, num_kv_blocks=setup.num_kv_blocks, seed=0,
+                        enforce_eager=setup.device != "cuda" or not graphs)
+    if speculative:
+        kwargs.update(draft_model=setup.draft, speculative=setup.speculative)
+    llm = LLM(setup.target, **kwargs)
+    if setup.device != "cuda" and graphs:
+        engine = llm.engine
+        tree_tokens = 1 + setup.speculative.max_nodes if speculative else 1
+        engine.runner.enable_cuda_graphs(setup.max_num_seqs, engine.max_model_len, tree_tokens, capture=False)
+        for draft in engine.speculator.drafts if engine.speculator is not None else ():
+            draft.runner.enable_cuda_graphs(setup.max_num_seqs * 4, engine.max_model_len, 1, capture=False)
+    return llm
+
+
+def release(llm) -> None:
+    """Shut ``llm`` down and give the device memory of what is no longer referenced back."""
+    llm.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Greedy tokens of one run, the top-2 logprob gap at every token, and what the
+    run did: padded (graph) steps, graphs captured, draft tokens and accepted ones."""
+
+    tokens: list[list[int]]
+    gaps: list[list[float]]
+    graph_steps: int = 0
+    graphs_captured: int = 0
+    graphs_active: bool = False
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def top2_gap(logprobs: dict[int, float] | None) -> float:
+    """The logprob gap between the two best tokens of a position (inf when unknown)."""
+    if not logprobs or len(logprobs) < 2:
+        return float("inf")
+    best = sorted((float(getattr(v, "logprob", v)) for v in logprobs.values()), reverse=True)
+    return best[0] - best[1]
+
+
+def greedy_run(setup: EngineSetup, speculative: bool, graphs: bool) -> RunResult:
+    """Generate greedily for every prompt (EOS ignored) and collect the run's result."""
+    from pagedtree import SamplingParams
+
+    llm = make_llm(setup, speculative, graphs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True, logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in setup.prompts], params, use_tqdm=False)
+        result = RunResult(tokens=[list(o.outputs[0].token_ids) for o in outs],
+                           gaps=[[top2_gap(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs])
+        _record_graphs(llm, result)
+        stats = llm.stats()
+        result.draft_tokens = int(stats.get("num_draft_tokens", 0))
+        result.accepted_tokens = int(stats.get("num_accepted_tokens", 0))
+        return result
+    finally:
+        release(llm)
+
+
+def _record_graphs(llm, result: RunResult) -> None:
+    runners = [llm.engine.runner]
+    if llm.engine.speculator is not None:
+        runners += [d.runner for d in llm.engine.speculator.drafts]
+    graphs = [r.graphs for r in runners if getattr(r, "graphs", None) is not None]
+    result.graphs_active = len(graphs) == len(runners)
+    result.graph_steps = sum(g.num_steps for g in graphs)
+    result.graphs_captured = sum(len(getattr(g, "_graphs", {})) for g in graphs)
+
+
+class EngineRuns:
+    """The runs of checks 2 and 3, each made once and shared by both checks."""
+
+    def __init__(self, setup: EngineSetup):
+        self.setup = setup
+        self._runs: dict[tuple[bool, bool], RunResult] = {}
+
+    def get(self, speculative: bool, graphs: bool) -> RunResult:
+        """The run with tree speculation or not, graphs or eager (made on first use)."""
+        key = (speculative, graphs)
+        if key not in self._runs:
+            self._runs[key] = greedy_run(self.setup, speculative, graphs)
+        return self._runs[key]
+
+
+@dataclass(slots=True)
+class TokenComparison:
+    """Two runs' tokens side by side: how many agree, and the first difference with
+    the reference run's top-2 gap there."""
+
+    equal: int
+    total: int
+    first_difference: tuple[int, int] | None = None  # (prompt, token position)
+    gap: float | None = None
+
+    @property
+    def same(self) -> bool:
+        """Whether every token of every prompt agrees."""
+        return self.first_difference is None and self.equal == self.total
+
+    def describe(self) -> str:
+        """``N/N tokens equal`` or where the first difference is."""
+        if self.same:
+            return f"{self.equal}/{self.total} tokens equal"
+        prompt, pos = self.first_difference or (-1, -1)
+        gap = f", top-2 gap {self.gap:.3g}" if self.gap is not None and self.gap != float("inf") else ""
+        return f"{self.equal}/{self.total} equal; prompt {prompt} differs at token {pos}{gap}"
+
+
+def compare_tokens(reference: RunResult, other: RunResult) -> TokenComparison:
+    """Token-for-token comparison of ``other`` against ``reference``."""
+    equal = total = 0
+    first = gap = None
+    for i, (ref, got) in enumerate(zip(reference.tokens, other.tokens)):
+        total += max(len(ref), len(got))
+        equal += sum(a == b for a, b in zip(ref, got))
+        if ref != got and first is None:
+            pos = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            first = (i, pos)
+            gaps = reference.gaps[i] if i < len(reference.gaps) else []
+            gap = gaps[pos] if pos < len(gaps) else None
+    if len(reference.tokens) != len(other.tokens) and first is None:
+        first = (min(len(reference.tokens), len(other.tokens)), 0)
+    return TokenComparison(equal, total, first, gap)
+
+
+def graph_rows(runs: EngineRuns) -> list[Row]:
+    """Check 2's rows: graphs against eager, for plain decoding and tree speculation."""
+    setup = runs.setup
+    cuda = setup.device == "cuda"
+    rows = []
+    for speculative, name in ((False, "decode"), (True, f"tree speculation ({tree_name(setup.speculative)})")):
+        case = f"{name}, {short_dtype(setup.dtype)}" + ("" if cuda else ", static steps uncaptured")
+        try:
+            eager, graphed = runs.get(speculative, False), runs.get(speculative, True)
+        except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+            rows.append(failed_run(GRAPHS, case, exc))
+            continue
+        rows.append(_graph_row(case, eager, graphed, cuda))
+    if not cuda:
+        rows.append(skipped(GRAPHS, "captured replay", "no CUDA"))
+    return rows
+
+
+def _graph_row(case: str, eager: RunResult, graphed: RunResult, cuda: bool) -> Row:
+    comparison = compare_tokens(eager, graphed)
+    used = graphed.graphs_active and graphed.graph_steps > 0 and (graphed.graphs_captured > 0 or not cuda)
+    figure = f"{graphed.graph_steps} padded steps" + (f", {graphed.graphs_captured} graphs captured" if cuda else "")
+    if not used:
+        result = "graphs not used (capture failed or no step fit a shape)"
+        return Row(GRAPHS, case, result, figure, FAIL, _detail(comparison, graphed))
+    verdict = PASS if comparison.same else FAIL
+    return Row(GRAPHS, case, comparison.describe(), figure, verdict, _detail(comparison, graphed))
+
+
+def speculation_rows(runs: EngineRuns) -> list[Row]:
+    """Check 3's row: greedy tree speculation against plain decoding, with the
+    device's default step path (graphs on a GPU)."""
+    setup = runs.setup
+    graphs = setup.device == "cuda"
+    case = f"greedy, {short_dtype(setup.dtype)}, {tree_name(setup.speculative)}"
+    try:
+        plain, spec = runs.get(False, graphs), runs.get(True, graphs)
+    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+        return [failed_run(SPECULATION, case, exc)]
+    comparison = compare_tokens(plain, spec)
+    figure = f"{spec.draft_tokens} draft tokens, {spec.accepted_tokens} accepted"
+    if spec.draft_tokens == 0:
+        return [Row(SPECULATION, case, "no tree was drafted", figure, FAIL, _detail(comparison, spec))]
+    verdict = PASS if comparison.same else FAIL
+    return [Row(SPECULATION, case, comparison.describe(), figure, verdict, _detail(comparison, spec))]
+
+
+def _detail(comparison: TokenComparison, run: RunResult) -> dict:
+    return dict(equal=comparison.equal, total=comparison.total, first_difference=comparison.first_difference,
+                top2_gap=comparison.gap, graph_steps=run.graph_steps, graphs_captured=run.graphs_captured,
+                draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens)
+
