@@ -32,7 +32,7 @@ from pagedtree.speculative.budget.priors import AcceptancePrior, acceptance_prio
 from pagedtree.speculative.drafting.proposer import TreeProposer, proposal_rule
 from pagedtree.speculative.drafting.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
-from pagedtree.speculative.verification.verifier import Verifier
+from pagedtree.speculative.verification.verifier import Verifier, tree_bitmasks_of
 from pagedtree.step_data import Phase, ScheduledChunk, StepOutput, StepPlan, StepResult
 
 logger = logging.getLogger("pagedtree")
@@ -127,6 +127,10 @@ class Speculator:
         device (``Verifier.row_outcomes``), into ``step.verify_rows`` for the step's
         one readback. Returns the requests whose staging raised (to fail alone)."""
         failed = []
+        try:  # every constrained tree's masks in one fill; on failure each request fills its own
+            masks = tree_bitmasks_of([c.request for c in chunks if c.request.request_id in step.verify_logits], trees)
+        except Exception:  # noqa: BLE001 - the per-request fill below fails only its request
+            masks = {}
         for chunk in chunks:
             request = chunk.request
             logits = step.verify_logits.get(request.request_id)
@@ -134,7 +138,8 @@ class Speculator:
                 continue
             try:
                 step.verify_rows[request.request_id] = self.verifier.row_outcomes(
-                    request, trees[request.request_id], logits, proposal_rule(request, self.config))
+                    request, trees[request.request_id], logits, proposal_rule(request, self.config),
+                    masks.get(request.request_id))
             except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
                 failed.append((request, exc))
         return failed

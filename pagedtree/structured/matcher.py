@@ -10,10 +10,13 @@ forks and ``T`` mask fills, and the committed state is never rolled back.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from pagedtree.uploads import to_device
 
 # Characters of a forced string looked at (a tree holds at most a few dozen nodes).
 _MAX_FORCED_CHARS = 512
@@ -77,16 +80,19 @@ class RequestGrammar:
         allowed: its row can never be reached by an accepted walk, since its own
         token was masked out at its parent; nor can a node's after the grammar's
         stop token (the request ends there)."""
-        rows = torch.full((1 + len(tokens), self.width), -1, dtype=torch.int32)
-        self.matcher.fill_next_token_bitmask(rows, 0)
+        return fill_bitmasks(self.tree_matchers(tokens, parents), self.width)
+
+    def tree_matchers(self, tokens: Sequence[int], parents: Sequence[int]) -> list[Any]:
+        """The committed matcher, then each tree node's state after its path (None
+        where the path is rejected or ends the grammar): the rows of
+        :meth:`tree_bitmasks`, for :func:`fill_bitmasks` over many requests at once."""
+        matchers: list[Any] = [self.matcher]
         paths: list[tuple[int, ...]] = []
-        for node, (token, parent) in enumerate(zip(tokens, parents)):
+        for token, parent in zip(tokens, parents):
             path = (paths[parent] if parent >= 0 else ()) + (int(token),)
             paths.append(path)
-            matcher = self._matcher_after(path)
-            if matcher is not None:
-                matcher.fill_next_token_bitmask(rows, 1 + node)
-        return rows
+            matchers.append(self._matcher_after(path))
+        return matchers
 
     def forced_tokens(self, max_tokens: int) -> list[int]:
         """Tokens of the string the grammar forces next (``find_jump_forward_string``),
@@ -136,6 +142,26 @@ class RequestGrammar:
         self._forks.clear()
 
 
+_local = threading.local()
+
+
+def fill_bitmasks(matchers: Sequence[Any], width: int) -> torch.Tensor:
+    """``[len(matchers), width]`` int32 bitmasks: row ``i`` the tokens ``matchers[i]``
+    allows next, every token where it is None. One call into xgrammar's batch fill,
+    which spreads the rows over threads (a step's requests and tree nodes at once,
+    not one Python call each)."""
+    out = torch.full((len(matchers), width), -1, dtype=torch.int32)
+    live = [i for i, m in enumerate(matchers) if m is not None]
+    if live:
+        batch = getattr(_local, "batch", None)
+        if batch is None:  # one per thread: the engine thread, the server's compile pool
+            import xgrammar as xgr
+
+            batch = _local.batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in live], out, live)
+    return out
+
+
 def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor] | torch.Tensor) -> None:
     """Set to ``-inf``, in place, the logits of the tokens each bitmask forbids:
     ``bitmasks[i]`` (a ``[W]`` row, or row ``i`` of a ``[len(rows), W]`` tensor)
@@ -154,5 +180,5 @@ def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence
         # slow path (8 ms for one 150k-token row).
         full = torch.full((logits.shape[0], stacked.shape[-1]), -1, dtype=torch.int32)
         full.index_copy_(0, torch.tensor(rows, dtype=torch.long), stacked)
-    full = full.to(logits.device, non_blocking=True)
+    full = to_device(full, logits.device)  # from pinned memory: the host does not wait for the copy
     xgr.apply_token_bitmask_inplace(logits, full)

@@ -279,14 +279,13 @@ def test_seeded_requests_draw_the_plain_constrained_tokens(default_llm, letter_p
 def _root_row_only(monkeypatch) -> None:
     """The mutation: verification masks the root row by the grammar and leaves every
     row below it unmasked (as if the committed state applied to the root only)."""
-    original = RequestGrammar.tree_bitmasks
+    original = RequestGrammar.tree_matchers
 
     def root_only(self, tokens, parents):
         rows = original(self, tokens, parents)
-        rows[1:] = -1
-        return rows
+        return rows[:1] + [None] * (len(rows) - 1)  # None: every token allowed
 
-    monkeypatch.setattr(RequestGrammar, "tree_bitmasks", root_only)
+    monkeypatch.setattr(RequestGrammar, "tree_matchers", root_only)
 
 
 def test_masking_only_the_root_row_fails(default_llm, letter_pair, monkeypatch):

@@ -11,6 +11,8 @@ parent's row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pagedtree.request import Request
@@ -27,7 +29,7 @@ from pagedtree.sampling import (
     target_probs,
 )
 from pagedtree.speculative.noise import NoiseCache
-from pagedtree.structured.matcher import apply_bitmasks
+from pagedtree.structured.matcher import apply_bitmasks, fill_bitmasks
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.speculative.verification.rules import RowTests, VerifyResult, verify_greedy, walk_stochastic
 
@@ -44,7 +46,8 @@ class Verifier:
         self.decide_all_rows = torch.device(device).type != "cpu"
         self._generators: dict[str, torch.Generator] = {}
 
-    def row_outcomes(self, request: Request, tree: TokenTree, logits: torch.Tensor, rule: str) -> DeviceRows:
+    def row_outcomes(self, request: Request, tree: TokenTree, logits: torch.Tensor, rule: str,
+                     bitmasks: torch.Tensor | None = None) -> DeviceRows:
         """The target's token at every verify row of ``tree``, on the logits' device
         (no host sync), from its logits ``[1 + T, V]``.
 
@@ -53,7 +56,8 @@ class Verifier:
         request's noise, the others the outcome of stochastic verification at that
         row (``RowTests``). Each row also carries the raw logprob of its
         token and the top logprobs asked for: the committed token drawn at a row is
-        that row's token.
+        that row's token. ``bitmasks`` are the grammar's ``[1 + T, W]`` rows when
+        the caller filled them already (:func:`tree_bitmasks_of`).
         """
         params = request.params
         if logits.shape[0] != tree.num_nodes + 1:
@@ -64,8 +68,9 @@ class Verifier:
         if request.grammar is not None:
             # Each row's distribution is the constrained one plain decoding would have
             # there: masked by the grammar's state after that row's path.
-            masks = request.grammar.tree_bitmasks(tree.tokens, tree.parents)
-            apply_bitmasks(processed, range(tree.num_nodes + 1), masks)
+            if bitmasks is None:
+                bitmasks = request.grammar.tree_bitmasks(tree.tokens, tree.parents)
+            apply_bitmasks(processed, range(tree.num_nodes + 1), bitmasks)
         accepted = None
         if params.greedy:
             tokens = processed.argmax(dim=-1)
@@ -123,3 +128,23 @@ class Verifier:
                 history = list(base) + [tree.tokens[i] for i in tree.path_to(node)]
             rows.append(SamplingRow(params, history, n_out + tree.depths[node], None))
         return rows
+
+
+def tree_bitmasks_of(requests: Sequence[Request], trees: dict[str, TokenTree]) -> dict[str, torch.Tensor]:
+    """The grammar bitmasks ``[1 + T, W]`` of every constrained request's tree, by
+    request id, filled in one batch (xgrammar spreads the rows over threads)."""
+    spans: list[tuple[str, int, int]] = []
+    matchers: list = []
+    width = 0
+    for request in requests:
+        if request.grammar is None:
+            continue
+        tree = trees[request.request_id]
+        rows = request.grammar.tree_matchers(tree.tokens, tree.parents)
+        spans.append((request.request_id, len(matchers), len(rows)))
+        matchers += rows
+        width = request.grammar.width  # one vocabulary per engine: one width
+    if not matchers:
+        return {}
+    filled = fill_bitmasks(matchers, width)
+    return {rid: filled[start:start + n] for rid, start, n in spans}
