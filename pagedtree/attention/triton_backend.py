@@ -14,6 +14,7 @@ when split-KV is on).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,22 +55,25 @@ class TritonPagedAttention(AttentionBackend):
         self._flat_caches = [c for pair in kv_caches for c in pair]
         self._cache_table = triton_ops.pointer_table(self._flat_caches, self.device)
 
-    def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
+    def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0,
+                   row_keys: Sequence[Hashable | None] | None = None) -> None:
         """Validate the step and upload its metadata once for every layer.
 
         With ``static`` (a padded decode or verify step that a CUDA graph replays), the plan
         has that fixed shape and its program tiles for ``num_heads`` query heads are
-        uploaded here too, so the layers' launches upload nothing.
+        uploaded here too, so the layers' launches upload nothing; its block tables
+        live on the device between steps and only their changes go up (``row_keys``:
+        the request each row holds, so rows that moved are copied on the device).
         """
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
-        plan = self._plan = build_kernel_plan(meta, self.num_blocks, self._buffers, static)
+        plan = self._plan = build_kernel_plan(meta, self.num_blocks, self._buffers, static, row_keys)
         if static is not None:
             if num_heads < 1:
                 raise ValueError("a static step needs the number of query heads")
             tile = triton_ops.default_tile_shape(plan, num_heads, self.num_kv_heads, self.device, self.head_dim,
                                                  self._flat_caches[0].element_size())
-            plan.tiles(tile.block_q)
+            plan.tiles(tile.block_q, tile.first_query())
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

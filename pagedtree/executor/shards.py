@@ -20,7 +20,7 @@ from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
 from pagedtree.loading.loader import LoadedModel, load_model
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
-from pagedtree.worker.model_runner import ModelRunner, num_draft_kv_blocks, num_kv_blocks
+from pagedtree.worker.model_runner import ModelRunner, measure_cuda_graph_memory, num_draft_kv_blocks, num_kv_blocks
 
 logger = logging.getLogger("pagedtree")
 
@@ -76,18 +76,29 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     requested_len = max_model_len or model_limit
     if requested_len > model_limit:
         raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
-    blocks = _agree(num_kv_blocks(loaded.model, cache, scheduler, model.dtype, model.device, requested_len), group)
-    backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
-    runner = _runner(loaded, blocks, cache.block_size, model, backend, channel, TARGET)
-    max_model_len = min(requested_len, blocks * cache.block_size)
-    if _graphs_wanted(model, backend, group):
-        # Verify steps hold a tree and its root.
-        tree_nodes = speculative.max_nodes if speculative is not None else 0
-        runner.enable_cuda_graphs(scheduler.max_num_seqs, max_model_len, 1 + tree_nodes, capture=True)
     if speculative is not None:
         # A token's logits must not depend on whether a tree pass or a one-token
         # decode computed them (greedy with speculation == without, in any dtype).
+        # Before any graph is captured: the graphs freeze the forward as it is then.
         loaded.model.make_rows_consistent()
+    backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
+    graphs = _graphs_wanted(model, backend, group)
+    max_tree_tokens = 1 + (speculative.max_nodes if speculative is not None else 0)  # a tree and its root
+    # The graphs' memory is measured first, so that a cache sized from the memory
+    # budget leaves room for it.
+    sized = graphs and cache.num_kv_blocks is None
+    graph_memory = (measure_cuda_graph_memory(loaded.model, cache.block_size, model.device, model.dtype,
+                                              scheduler.max_num_seqs, requested_len, max_tree_tokens)
+                    if sized else 0)
+    blocks = _agree(num_kv_blocks(loaded.model, cache, scheduler, model.dtype, model.device, requested_len,
+                                  graph_memory), group)
+    runner = _runner(loaded, blocks, cache.block_size, model, backend, channel, TARGET)
+    max_model_len = min(requested_len, blocks * cache.block_size)
+    if graphs:  # every shape captured now, before serving
+        report = runner.enable_cuda_graphs(scheduler.max_num_seqs, max_model_len, max_tree_tokens, capture=True)
+        if sized and report.memory_bytes > graph_memory + (64 << 20):
+            logger.warning("the CUDA graphs took %.0f MiB, %.0f MiB more than was held back from the KV cache",
+                           report.memory_bytes / 2**20, (report.memory_bytes - graph_memory) / 2**20)
     return LoadedShard(loaded, runner, blocks, max_model_len, backend)
 
 
@@ -113,7 +124,7 @@ def load_draft(draft: ModelConfig, index: int, cache: CacheConfig, scheduler: Sc
     runner = _runner(loaded, blocks, cache.block_size, draft, backend, channel, TARGET + 1 + index)
     if _graphs_wanted(draft, backend, group):
         # A draft level is a step of one-token chunks, one per node fed: as many as the
-        # graphs' batch limit allows.
+        # graphs' batch limit allows. Captured now, before serving.
         runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, 1, capture=True)
     logger.info("draft %d: %s with %d KV blocks%s", index, loaded.path, blocks,
                 f" (rank {group.rank} of {group.size})" if group is not None else "")

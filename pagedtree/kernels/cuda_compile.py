@@ -38,20 +38,25 @@ from types import SimpleNamespace
 
 import torch
 
-# The SM count of the GPU each target stands for (tile shapes depend on it).
-ARCH_SMS = {80: 108, 90: 132}
+# The SM count of the GPU each target stands for (tile shapes depend on it): A100,
+# H100, B200 and an RTX 5090 (sm_120: consumer Blackwell, mma.sync like sm_80).
+ARCH_SMS = {80: 108, 90: 132, 100: 148, 120: 170}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128)
-GROUPS = (1, 4, 8)  # query heads per KV head
+# Query heads per KV head: Llama-3.2-3B has 3, Llama-3-8B 4, Qwen2.5-14B 5,
+# Qwen2.5-1.5B 6, Qwen2.5-7B 7, Qwen2.5-32B 8.
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 BLOCK_SIZES = (16, 32)
 NUM_KV_HEADS = 8
-# (name, requests, new tokens per request, context length per request, tree or causal)
+# (name, requests, new tokens per request, context length per request, tree or
+# causal). The engine sends a tree of N nodes as N + 1 queries (its root first).
 PHASES = {
     "decode": (32, 1, 512, False),
     "split_decode": (1, 1, 4096, False),  # too few programs for the GPU: split-KV
-    "tree16": (4, 16, 1024, True),
-    "tree32": (4, 32, 1024, True),
-    "tree64": (4, 64, 1024, True),
+    "tree16": (4, 17, 1024, True),
+    "tree32": (4, 33, 1024, True),
+    "tree64": (4, 65, 1024, True),
+    "split_tree16": (1, 17, 4096, True),  # a lone tree on a long context: split-KV with trees
     "prefill": (2, 256, 256, False),
 }
 
@@ -242,7 +247,7 @@ def varying_steps(arch: int) -> dict[str, int]:
     server never compiles mid-run once warmed up."""
     variants: dict[str, set] = {}
     steps = [(b, 1, ctx, False) for b, ctx in ((17, 100), (24, 517), (33, 900), (64, 260))]
-    steps += [(b, 16, ctx, True) for b, ctx in ((9, 40), (12, 333), (20, 800))]
+    steps += [(b, 17, ctx, True) for b, ctx in ((9, 40), (12, 333), (20, 800))]
     for requests, new, context, tree in steps:
         with compile_only(arch) as sink:
             _launch_step(arch, torch.bfloat16, 128, 4, 16, requests, new, context, tree, copies=False)

@@ -148,16 +148,18 @@ def _attend_rows(
 
 @triton.jit
 def _query_rows(q_ptr, q_begin, q_len, q_start, kv_head, stride_qt, stride_qh,
-                GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, DOT_FP32: tl.constexpr):
-    """The program's query tile from query ``q_start`` on: ``BLOCK_M`` rows,
-    token-major, each token with the ``GROUP`` query heads of the KV head. Returns
-    its queries, the rows' query indices, validity, token ids (int32: the host keeps
-    ``num_tokens * tree_words`` below 2**31) and heads."""
+    """The program's query tile from query ``q_start`` on: ``BLOCK_Q`` tokens of
+    ``GROUP_P`` rows each (``GROUP_P`` is the group itself, rows packed, or padded
+    to a power of two), token-major, each token with the ``GROUP`` query heads of
+    the KV head, in ``BLOCK_M`` rows (the rows past ``BLOCK_Q * GROUP_P`` are
+    padding). Returns its queries, the rows' query indices, validity, token ids
+    (int32: the host keeps ``num_tokens * tree_words`` below 2**31) and heads."""
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_start + rows // GROUP_P
     head_in_group = rows % GROUP_P
-    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    row_valid = (rows < BLOCK_Q * GROUP_P) & (q_idx < q_len) & (head_in_group < GROUP)
     tok = q_begin + q_idx
     head = kv_head * GROUP + head_in_group
     dims = tl.arange(0, HEAD_DIM_P)
@@ -201,7 +203,8 @@ def _unified_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, tree_words,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    ROOT_SIDE: tl.constexpr, ROOT_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, MANUAL_BF16: tl.constexpr,
     COUNT_LOADS: tl.constexpr,
@@ -210,15 +213,17 @@ def _unified_attention_kernel(
 
     Grid ``(num_tiles, num_kv_heads, NUM_SPLITS)``. A program takes ``BLOCK_Q``
     consecutive new tokens of one request and all ``GROUP`` query heads that share
-    one KV head (``BLOCK_Q * GROUP_P`` rows, up to 256, spread over the program's
-    warps) and walks that request's keys up to its last query, so a token tree
-    whose nodes fit one program reads its KV prefix once, as a decode does. Keys
+    one KV head (``BLOCK_M`` rows, up to 256, spread over the program's warps) and
+    walks that request's keys up to its last query, so a token tree whose nodes fit
+    one program reads its KV prefix once, as a decode does. With ``ROOT_SIDE`` the
+    first program of a request starts at query 1 and takes query 0 (a tree's root)
+    in ``ROOT_M`` rows of their own, against the same key tiles: a root and 64
+    nodes fit a program sized for 64 tokens. Keys
     before the request's prefix end are seen by everyone; among the new tokens the
     mask is causal, or ancestors-only for a tree request. With ``NUM_SPLITS > 1``
     each program takes one segment of the keys and writes unnormalised partial
     results for :func:`_reduce_splits_kernel`.
     """
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     BLOCK_ALIGNED: tl.constexpr = BLOCK_SIZE % TILE_N == 0
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -233,7 +238,7 @@ def _unified_attention_kernel(
     is_tree = tl.load(is_tree_ptr + req)
     prefix = ctx - q_len
     q, q_idx, row_valid, tok, head = _query_rows(q_ptr, q_begin, q_len, q_tile_start, kv_head, stride_qt, stride_qh,
-                                                 GROUP, GROUP_P, BLOCK_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
+                                                 GROUP, GROUP_P, BLOCK_Q, BLOCK_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
 
     # Keys this tile needs: the prefix and the new tokens up to its last query
     # (tree parents precede their children, so a tree needs no more than causal).
@@ -246,6 +251,13 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    if ROOT_SIDE:  # query 0, in the request's first program only (its tile starts at query 1)
+        r_q, r_idx, r_valid, r_tok, r_head = _query_rows(q_ptr, q_begin, q_len, 0, kv_head, stride_qt, stride_qh,
+                                                         GROUP, GROUP, 1, ROOT_M, HEAD_DIM, HEAD_DIM_P, DOT_FP32)
+        r_valid = r_valid & (q_tile_start == 1)
+        r_m = tl.full([ROOT_M], float("-inf"), dtype=tl.float32)
+        r_l = tl.zeros([ROOT_M], dtype=tl.float32)
+        r_acc = tl.zeros([ROOT_M, HEAD_DIM_P], dtype=tl.float32)
     # Two stages, unrolled at compile time: tiles wholly inside the prefix (no mask),
     # then the tiles that reach into the new tokens (causal or tree mask).
     for stage in tl.static_range(2):
@@ -262,9 +274,17 @@ def _unified_attention_kernel(
             acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, k, v, start, pos, key_valid, prefix, tok, q_idx,
                                          row_valid, is_tree, tree_mask_ptr, tree_words, scale_log2, TILE_N,
                                          DOT_FP32, stage == 1)
+            if ROOT_SIDE:
+                if q_tile_start == 1:  # uniform per program: other programs skip the root's products
+                    r_acc, r_m, r_l = _attend_rows(r_acc, r_m, r_l, r_q, k, v, start, pos, key_valid, prefix,
+                                                   r_tok, r_idx, r_valid, is_tree, tree_mask_ptr, tree_words,
+                                                   scale_log2, TILE_N, DOT_FP32, stage == 1)
 
     _finish_rows(acc, m_i, l_i, split, tok, head, row_valid, out_ptr, part_acc_ptr, part_ml_ptr, num_tokens,
                  num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
+    if ROOT_SIDE:
+        _finish_rows(r_acc, r_m, r_l, split, r_tok, r_head, r_valid, out_ptr, part_acc_ptr, part_ml_ptr,
+                     num_tokens, num_heads, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, NUM_SPLITS, MANUAL_BF16)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

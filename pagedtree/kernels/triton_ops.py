@@ -151,13 +151,13 @@ def unified_attention(
         raise ValueError(f"plan is on {plan.query_start.device}, the KV cache on {device}")
     group = num_heads // num_kv_heads
     tile = tile or default_tile_shape(plan, num_heads, num_kv_heads, device, head_dim, key_cache.element_size())
-    if tile.group_p < group or tile.group_p & (tile.group_p - 1):
-        raise ValueError(f"tile group_p {tile.group_p} must be a power of two >= {group}")
+    if tile.group_p != group and (tile.group_p < group or tile.group_p & (tile.group_p - 1)):
+        raise ValueError(f"tile group_p {tile.group_p} must be {group} or a power of two above it")
     for name in ("block_q", "tile_n", "num_splits"):
         if getattr(tile, name) < 1:
             raise ValueError(f"tile {name} must be >= 1")
-    if tile.block_q & (tile.block_q - 1) or tile.tile_n & (tile.tile_n - 1) or tile.tile_n < 16:
-        raise ValueError("tile block_q and tile_n must be powers of two, tile_n >= 16")
+    if tile.tile_n & (tile.tile_n - 1) or tile.tile_n < 16:
+        raise ValueError("tile tile_n must be a power of two >= 16")
     if tile.block_m < 16 and not K.INTERPRETED:
         raise ValueError(f"tile has {tile.block_m} rows; compiled tl.dot needs at least 16")
     if kv_loads is not None and (kv_loads.dtype != torch.int32 or kv_loads.shape != (plan.num_requests,)
@@ -169,7 +169,7 @@ def unified_attention(
         raise ValueError("out must be like query")
     if plan.num_tokens == 0:
         return out
-    tile_req, tile_q, num_tiles = plan.tiles(tile.block_q)
+    tile_req, tile_q, num_tiles = plan.tiles(tile.block_q, tile.first_query())
     head_dim_p = max(16, next_power_of_2(head_dim))
     mixed = query.dtype == torch.float32 or query.dtype != key_cache.dtype
     if dot_fp32 is None:
@@ -193,10 +193,12 @@ def unified_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         plan.block_tables.stride(0), plan.tree_words,
-        GROUP=group, GROUP_P=tile.group_p, BLOCK_Q=tile.block_q,
+        GROUP=group, GROUP_P=tile.group_p, BLOCK_Q=tile.block_q, BLOCK_M=tile.block_m,
+        ROOT_SIDE=tile.root_side, ROOT_M=tile.root_m,
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
         TILE_N=tile.tile_n, NUM_SPLITS=splits, DOT_FP32=dot_fp32, MANUAL_BF16=K.INTERPRETED,
         COUNT_LOADS=kv_loads is not None, **({"num_warps": tile.num_warps} if tile.num_warps else {}),
+        **({"num_stages": tile.num_stages} if tile.num_stages else {}),
     )
     if splits > 1:
         K._reduce_splits_kernel[(plan.num_tokens, num_heads)](

@@ -14,21 +14,36 @@ shapes every time:
   the block manager never hands out, and no real token sees them
   (``step_inputs.pad_step``);
 - the step's inputs and attention plan go to buffers of that shape's own (reused
-  every step: ``StagedUpload`` per shape, ``StaticShape`` for the plan), with block
-  tables as wide as the longest sequence and its padding allow and the kernel
-  choice made for that width (the kernels read each request's real length);
+  every step: ``StagedUpload`` per shape, ``StaticShape`` for the plan), the kernel
+  choice made for the longest sequence and its padding (the kernels read each
+  request's real length); the block tables stay on the device in one table as
+  wide as that, shared by every shape, and a step sends only the entries that
+  changed (``attention_plan.DeviceBlockTables``), so its host work follows the
+  tables' real lengths, not ``max_model_len``;
 - the hidden states of every padded row come out of the graph; the LM head runs
   after it on the rows the step wants, then the sampler or the verifier.
 
+Every shape is captured at start-up (``capture_all``), largest first, into one
+memory pool that all graphs share (each graph's activations are dead once it has
+run, so the smaller graphs reuse the largest one's memory), before the engine
+serves: a capture synchronises the device, which mid-traffic would stall every
+request. The engine measures what the graphs take on a one-block cache first and
+holds it back from the KV cache (``model_runner.measure_cuda_graph_memory``). A
+shape whose capture fails runs eagerly (a warning says why); a replay that fails
+is the step's error and raises.
+
 ``capture=False`` runs the same padded, static steps eagerly: what a CPU can test.
-Steps with prefill chunks, more requests than the largest batch size, or more
-than ``MAX_GRAPH_TOKENS`` padded tokens run eagerly, unpadded (launch overhead is
-small next to their compute).
+Steps with prefill chunks, more requests than the largest batch size, more than
+``MAX_GRAPH_TOKENS`` padded tokens, or a shape whose capture failed run eagerly,
+unpadded (launch overhead is small next to their compute).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -36,7 +51,7 @@ import torch
 from pagedtree.kernels.attention_plan import StaticShape
 from pagedtree.step_data import ScheduledChunk
 from pagedtree.uploads import StagedUpload
-from pagedtree.worker.step_inputs import host_step, pad_step, upload_step
+from pagedtree.worker.step_inputs import HostStep, host_step, pad_step, upload_step
 
 class GraphedRunner(Protocol):
     """What the graphs need of the model runner whose steps they run."""
@@ -50,8 +65,11 @@ class GraphedRunner(Protocol):
 
 logger = logging.getLogger("pagedtree")
 
-MAX_GRAPH_BATCH = 512
-MAX_GRAPH_TOKENS = 512  # padded tokens per captured step (vLLM's default capture limit)
+MAX_GRAPH_BATCH = 512  # requests per captured step (vLLM's default capture limit)
+# Padded tokens per captured step: 32 trees of 64 nodes and their roots. Decodes stop
+# at MAX_GRAPH_BATCH first. All graphs share one pool, which the largest shape's
+# activations size, so this bounds the graphs' memory.
+MAX_GRAPH_TOKENS = 32 * 65
 
 
 def _powers_up_to(top: int) -> list[int]:
@@ -67,8 +85,38 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 def token_buckets(max_tree_tokens: int) -> list[int]:
     """New tokens per request with a graph: 1 (decodes), and for verify steps
-    (a tree and its root) powers of two up to ``max_tree_tokens`` and that itself."""
-    return _powers_up_to(max(1, max_tree_tokens))
+    (a tree and its root) powers of two up to ``max_tree_tokens`` and that itself,
+    but a power within an eighth of it (64 for 65: a 64-node tree and its root),
+    whose graphs would save at most that share of a step's tokens."""
+    top = max(1, max_tree_tokens)
+    return [t for t in _powers_up_to(top) if t == top or 9 * t < 8 * top]
+
+
+def graph_shapes(buckets: list[int], tokens: list[int]) -> list[tuple[int, int]]:
+    """The shapes ``(requests, tokens)`` with a graph (at most ``MAX_GRAPH_TOKENS``
+    padded tokens), largest first: the capture order, so that the first graph sizes
+    the pool the smaller ones reuse."""
+    shapes = [(r, t) for t in tokens for r in buckets if r * t <= MAX_GRAPH_TOKENS]
+    return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape[0]), reverse=True)
+
+
+@dataclass(slots=True)
+class CaptureReport:
+    """What the start-up pass over every shape did."""
+
+    shapes: int  # shapes whose static buffers were prepared
+    captured: int  # graphs captured (0 with capture off)
+    seconds: float
+    memory_bytes: int  # device memory the graphs and their buffers hold (0 with capture off)
+    failed: list[tuple[tuple[int, int], str]] = field(default_factory=list)  # shape, why; they run eagerly
+
+
+def _free_device_memory(device: torch.device) -> int:
+    """Free memory of a CUDA device once queued work is done and the allocator's
+    unused cache is returned (what a capture left behind is then its own)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 class StepGraphs:
@@ -82,17 +130,21 @@ class StepGraphs:
         self.runner = runner
         self.buckets = graph_buckets(max_num_seqs)
         self.token_buckets = token_buckets(max_tree_tokens)
+        self.shapes = graph_shapes(self.buckets, self.token_buckets)
         # Padding tokens extend a request's context by up to the largest tree.
         self.max_blocks = -(-(max_model_len + self.token_buckets[-1]) // runner.block_size)
         self.capture = capture
         self._uploads: dict[tuple[int, int], StagedUpload] = {}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (CUDA graph, its output)
         self._pool = None
+        self._side_stream: torch.cuda.Stream | None = None  # of every warm-up: one cuBLAS workspace
+        self.report: CaptureReport | None = None
         self.num_steps = 0  # steps run padded (replayed, when capturing)
 
     def shape_for(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
         """The padded shape ``(requests, tokens)`` of a step of decodes and token
-        trees, else None (a prefill chunk, too many requests or tokens, a table too wide)."""
+        trees, else None (a prefill chunk, too many requests or tokens, a table too
+        wide, a shape without a graph when capturing)."""
         n = len(chunks)
         if not chunks or n > self.buckets[-1]:
             return None
@@ -107,22 +159,24 @@ class StepGraphs:
         requests = next(b for b in self.buckets if b >= n)
         if tokens is None or requests * tokens > MAX_GRAPH_TOKENS:
             return None
+        if self.capture and (requests, tokens) not in self._graphs:
+            return None  # its capture failed (or has not run): eager
         return requests, tokens
 
     def forward(self, chunks: list[ScheduledChunk], logit_rows: list[int], shape: tuple[int, int]) -> torch.Tensor:
         """Logits ``[len(logit_rows), V]`` of the step, padded to ``shape`` and run from
-        that shape's static buffers (a graph replay when capturing)."""
+        that shape's static buffers (a graph replay when capturing).
+
+        A replay that fails raises: it is this step's fault (a bad input, a device
+        error), not a reason to stop replaying, and running on eagerly would hide it."""
         runner = self.runner
         input_ids, positions, rows = self.prepare(chunks, logit_rows, shape)
         self.num_steps += 1
-        if not self.capture:
-            hidden = runner.model(input_ids, positions, runner.attention)
+        if self.capture:
+            graph, hidden = self._graphs[shape]
+            graph.replay()
         else:
-            graph = self._graphs.get(shape)
-            if graph is None:
-                graph = self._capture(shape, input_ids, positions)
-            graph[0].replay()
-            hidden = graph[1]
+            hidden = runner.model(input_ids, positions, runner.attention)
         return runner.model.compute_logits(hidden[rows[:len(logit_rows)]])
 
     def prepare(self, chunks: list[ScheduledChunk], logit_rows: list[int],
@@ -130,31 +184,83 @@ class StepGraphs:
         """Pad the step to ``shape``, upload its inputs to that shape's buffers and its
         attention plan (``StaticShape``); its token ids, positions and logit-row index
         (the step's rows first, then row 0 up to one per padded token)."""
+        keys = [chunk.request.request_id for chunk in chunks]
+        return self._prepare(host_step(chunks, logit_rows), keys, shape)
+
+    def _prepare(self, step: HostStep, keys: list[Hashable | None],
+                 shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         runner = self.runner
         requests, tokens = shape
-        step = pad_step(host_step(chunks, logit_rows), requests, tokens, runner.scratch_block, runner.block_size)
+        padded = pad_step(step, requests, tokens, runner.scratch_block, runner.block_size)
         upload = self._uploads.get(shape)
         if upload is None:
             upload = self._uploads[shape] = StagedUpload(runner.device, torch.long)
-        input_ids, positions, meta, rows = upload_step(step, upload, runner.block_size)
-        runner.attention.begin_step(meta, StaticShape(requests, self.max_blocks, tokens),
-                                    runner.model.config.num_attention_heads)
+        input_ids, positions, meta, rows = upload_step(padded, upload, runner.block_size)
+        # Every shape's tables are rows of one device table as tall as the largest batch.
+        static = StaticShape(requests, self.max_blocks, tokens, table_rows=self.buckets[-1])
+        runner.attention.begin_step(meta, static, runner.model.config.num_attention_heads,
+                                    row_keys=keys + [None] * (requests - len(keys)))
         return input_ids, positions, rows
 
-    def _capture(self, shape: tuple[int, int], input_ids: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    # No autograd, as in every step; not inference mode, whose tensors (the static
+    # buffers made here) could not be updated by a step run outside it.
+    @torch.no_grad()
+    def capture_all(self, log: bool = True) -> CaptureReport:
+        """Prepare every shape's static buffers, largest first, and capture its graph
+        when capturing: once, at start-up, before any request is served.
+
+        A shape is captured from a step of padding requests only (its kernels and
+        addresses depend on the shape alone). A capture that fails (an operation
+        the device cannot capture, no memory) leaves that shape to eager steps, with
+        a warning that says why; the others are still captured. The report says
+        how long it took and the device memory it took (measured, on CUDA)."""
+        device = self.runner.device
+        measured = self.capture and device.type == "cuda"
+        started = time.perf_counter()
+        free_before = _free_device_memory(device) if measured else 0
+        failed: list[tuple[tuple[int, int], str]] = []
+        for shape in self.shapes:
+            input_ids, positions, _ = self._prepare(HostStep(), [], shape)
+            if not self.capture:
+                continue
+            try:
+                self._graphs[shape] = self._capture(input_ids, positions)
+            except Exception as exc:  # noqa: BLE001 - a shape that cannot be captured runs eagerly
+                failed.append((shape, f"{type(exc).__name__}: {exc}"))
+                if log:
+                    logger.warning("CUDA graph capture failed for steps of %d requests x %d tokens (%s); "
+                                   "those steps run eagerly", shape[0], shape[1], failed[-1][1])
+        memory = free_before - _free_device_memory(device) if measured else 0
+        self.report = CaptureReport(len(self.shapes), len(self._graphs), time.perf_counter() - started, memory,
+                                    failed)
+        if log and self.capture:
+            logger.info("captured %d CUDA graphs (%d batch sizes x %d token counts, at most %d padded tokens) "
+                        "in %.1f s, %.0f MiB", len(self._graphs), len(self.buckets), len(self.token_buckets),
+                        MAX_GRAPH_TOKENS, self.report.seconds, memory / 2**20)
+        return self.report
+
+    def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """A graph of the model over the prepared static step, and its output."""
         runner = self.runner
-        # A warm-up outside the graph compiles the kernels and sizes the allocator
-        # (it writes the same keys and values the replay writes, so it is harmless).
-        side = torch.cuda.Stream(runner.device)
+        # A warm-up outside the graph compiles the kernels and allocates the plan's
+        # work buffers (it writes the same keys and values the replay writes: harmless),
+        # on one side stream for every shape (cuBLAS keeps a workspace per stream).
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(runner.device)
+        side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(side):
             runner.model(input_ids, positions, runner.attention)
-        torch.cuda.current_stream(runner.device).wait_stream(side)
+        stream = torch.cuda.current_stream(runner.device)
+        stream.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden = runner.model(input_ids, positions, runner.attention)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                hidden = runner.model(input_ids, positions, runner.attention)
+        except BaseException:
+            # A capture that fails inside may leave its capture stream current: the
+            # eager steps that follow belong on the stream they ran on before.
+            torch.cuda.set_stream(stream)
+            raise
         self._pool = graph.pool()
-        self._graphs[shape] = (graph, hidden)
-        logger.info("captured a CUDA graph for steps of %d requests x %d tokens", *shape)
         return graph, hidden

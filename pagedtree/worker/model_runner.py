@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -11,9 +12,10 @@ from pagedtree.attention import make_backend
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig
 from pagedtree.sampling import SamplingRow, sample_rows
 from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepOutput, StepPlan
+from pagedtree.structured.matcher import fill_bitmasks
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.step_inputs import HostStep, host_step, query_starts, upload_step
-from pagedtree.worker.cuda_graphs import StepGraphs
+from pagedtree.worker.cuda_graphs import CaptureReport, StepGraphs
 from pagedtree.worker.host_allocator import tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 
@@ -27,11 +29,12 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
 
 
 def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: SchedulerConfig, dtype: torch.dtype,
-                  device: torch.device, max_model_len: int) -> int:
+                  device: torch.device, max_model_len: int, graph_memory: int = 0) -> int:
     """How many KV blocks the target's cache gets: ``num_kv_blocks`` if set, else what
     the memory budget holds (``kv_cache_memory`` on CPU, ``gpu_memory_utilization``
-    of the device minus what is in use and room for activations on CUDA), never more
-    than every sequence at full length could use."""
+    of the device minus what is in use, room for activations and ``graph_memory``,
+    what the CUDA graphs will hold, on CUDA), never more than every sequence at full
+    length could use."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = kv_bytes_per_block(model, cache.block_size, dtype)
@@ -40,7 +43,8 @@ def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: Sche
         used = total - free
         # Leave room for activations of a full token budget (a generous estimate).
         activations = 16 * scheduler.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
-        budget = int(total * cache.gpu_memory_utilization) - used - activations
+        # The graphs' pool is private: eager steps cannot use it, nor the cache.
+        budget = int(total * cache.gpu_memory_utilization) - used - activations - graph_memory
     else:
         budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
     blocks = budget // per_block
@@ -49,6 +53,29 @@ def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: Sche
     if blocks < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes")
     return int(blocks)
+
+
+def measure_cuda_graph_memory(model: DecoderForCausalLM, block_size: int, device: torch.device,
+                              kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
+                              max_tree_tokens: int) -> int:
+    """Device memory the CUDA graphs of a runner with these limits hold (their shared
+    pool and every shape's static buffers), measured before the KV cache is sized, so
+    that the cache leaves room for them: a runner with a one-block cache captures
+    every shape (``StepGraphs.capture_all``) and is dropped. A graph holds the
+    addresses of the cache it was captured on, so the engine's runner captures its
+    own afterwards; the Triton kernels compiled here serve it without compiling
+    again. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    probe = ModelRunner(model, 1, block_size, device, kv_dtype, "triton")
+    graphs = StepGraphs(probe, max_num_seqs, max_model_len, max_tree_tokens, capture=True)
+    report = graphs.capture_all(log=False)
+    del graphs, probe
+    gc.collect()  # the graphs and the runner refer to each other
+    torch.cuda.empty_cache()
+    logger.info("CUDA graphs: %d shapes take %.0f MiB (measured in %.1f s), held back from the KV cache",
+                report.captured, report.memory_bytes / 2**20, report.seconds)
+    return max(0, report.memory_bytes)
 
 
 def num_draft_kv_blocks(cache: CacheConfig, max_num_seqs: int, max_tree_nodes: int, target_blocks: int) -> int:
@@ -126,19 +153,13 @@ class ModelRunner:
         """One forward over the chunks' new tokens; the logits ``[len(logit_rows), V]``
         of the given rows of the step's flat run of tokens (``query_starts``).
 
-        Decode and verify steps go through the CUDA graphs when they are on."""
+        Decode and verify steps go through the CUDA graphs when they are on (a
+        replay that fails raises, as an eager step would)."""
         self.num_forward_passes += 1
         graphs = self.graphs
         shape = graphs.shape_for(chunks) if graphs is not None else None
-        if graphs is not None and shape is not None:
-            try:
-                return graphs.forward(chunks, list(logit_rows), shape)
-            except Exception as exc:  # noqa: BLE001 - a capture that fails must not stop serving
-                if not graphs.capture:
-                    raise
-                logger.warning("CUDA graph capture failed (%s: %s); running steps eagerly from now on",
-                               type(exc).__name__, exc)
-                self.graphs = None
+        if shape is not None:
+            return graphs.forward(chunks, list(logit_rows), shape)
         return self.run_step(host_step(chunks, logit_rows))
 
     @torch.inference_mode()
@@ -160,12 +181,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_tree_tokens: int,
-                           capture: bool) -> None:
+                           capture: bool) -> CaptureReport:
         """Run decode and verify steps (trees of up to ``max_tree_tokens`` tokens with
-        their root) padded to static shapes, captured as CUDA graphs when ``capture``
-        (``cuda_graphs.py``); ``capture=False`` runs the same padded steps eagerly
-        (how a CPU tests them)."""
+        their root) padded to static shapes, every shape captured as a CUDA graph here
+        and now when ``capture`` (``cuda_graphs.py``: a shape whose capture fails runs
+        eagerly); ``capture=False`` prepares every shape's static buffers and runs the
+        same padded steps eagerly (how a CPU tests them)."""
         self.graphs = StepGraphs(self, max_num_seqs, max_model_len, max_tree_tokens, capture)
+        return self.graphs.capture_all()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole KV blocks (copy-on-write orders) in every layer."""
@@ -213,7 +236,14 @@ class ModelRunner:
         logits = self.forward(plan.chunks, rows)  # no rows: prefill chunks that need no logits yet
         out = StepOutput()
         if sampling:
-            drawn = sample_rows(logits[: len(sampling)], [self._sampling_row(chunk) for chunk in sampling])
+            sampling_rows = [self._sampling_row(chunk) for chunk in sampling]
+            constrained = [i for i, chunk in enumerate(sampling) if chunk.request.grammar is not None]
+            if constrained:  # the grammars' masks in one fill (xgrammar threads over the rows)
+                grammars = [sampling[i].request.grammar for i in constrained]
+                masks = fill_bitmasks([g.matcher for g in grammars], grammars[0].width)
+                for k, i in enumerate(constrained):
+                    sampling_rows[i].bitmask = masks[k]
+            drawn = sample_rows(logits[: len(sampling)], sampling_rows)
             out.sample_groups.append(([chunk.request.request_id for chunk in sampling], drawn))
         offset = len(sampling)
         for chunk in verify:
@@ -234,5 +264,4 @@ class ModelRunner:
             num_output_tokens=len(request.output_token_ids),
             generator=generator,
             coupling_seed=request.sampling_seed if seeded and not params.greedy else None,
-            bitmask=request.grammar.bitmask() if request.grammar is not None else None,
         )

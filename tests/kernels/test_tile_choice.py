@@ -52,3 +52,36 @@ def test_the_split_chosen_is_the_cheapest_allowed(batch, tokens):
     partials = batch * tokens * 4 * 8 * 130 * 8
     costs = {s: split_kv_cost(s, programs, kv, partials, 132) for s in SPLIT_CHOICES}
     assert costs[tile.num_splits] == min(costs.values())
+
+
+def _tree(queries: int, group: int, capability: int = 90, head_dim: int = 128):
+    return choose_tile_shape(queries, group, 32, 4, 4096, interpreted=False, num_sms=132, block_size=16,
+                             capability=capability, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("group,block_q,root_side,programs", [
+    (1, 64, True, 1), (2, 64, True, 1), (3, 65, False, 1), (4, 64, True, 1),
+    (5, 33, False, 2), (6, 33, False, 2), (7, 33, False, 2), (8, 32, True, 2),
+])
+def test_a_64_node_tree_and_its_root_take_the_fewest_programs(group, block_q, root_side, programs):
+    # The engine sends a 64-node tree as 65 queries: tree tiles, the group's heads
+    # packed (6 rows a token at 6 heads per KV head), the root aside where that
+    # saves a program, tokens spread evenly over the programs.
+    tile = _tree(65, group)
+    assert (tile.block_q, tile.root_side) == (block_q, root_side)
+    assert -(-(65 - tile.first_query()) // tile.block_q) == programs
+    assert tile.block_q * group <= tile.block_m <= MAX_ROWS and tile.num_warps == (
+        8 if tile.block_m == 256 and root_side else max(4, tile.block_m // 16))
+
+
+def test_the_root_aside_also_saves_padded_rows():
+    # 17 queries at 4 heads per KV head: 16 x 4 = 64 rows and 16 for the root, not 128.
+    tile = _tree(17, 4)
+    assert tile.root_side and tile.block_m == 64 and tile.root_m == 16
+
+
+@pytest.mark.parametrize("capability", [80, 86, 89, 120])
+def test_gpus_without_warpgroup_mma_stop_at_128_rows_at_head_dim_128(capability):
+    assert _tree(65, 4, capability).block_m == 128 and not _tree(65, 4, capability).root_side
+    assert _tree(65, 4, capability, head_dim=64).block_m == 256
+    assert _tree(65, 4, 100).block_m == 256  # sm_100: tensor-memory accumulators

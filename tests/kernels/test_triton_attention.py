@@ -156,16 +156,18 @@ def _kv_loads(kinds, tile: TileShape, kv_heads: int = 2, group: int = 4) -> list
 
 @pytest.mark.parametrize("nodes,group,reads", [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 2)])
 def test_a_tree_reads_its_kv_once_like_a_decode(nodes, group, reads):
-    """With the tile shape a GPU gets, a tree of up to 64 nodes at 4 query heads per
-    KV head (32 at 8: up to 256 rows in one program) loads as many K/V tiles as a
-    decode at the same KV length; a 64-node tree at 8, in two programs, about twice
-    as many (512-row programs would not fit the registers: see choose_tile_shape)."""
+    """With the tile shape a GPU gets, a tree of up to 64 nodes and its root (the
+    engine sends both) at 4 query heads per KV head (32 at 8: up to 256 rows in one
+    program, the root aside) loads as many K/V tiles as a decode at the same KV
+    length; a 64-node tree at 8, in two programs, about twice as many (512-row
+    programs would not fit the registers: see choose_tile_shape)."""
     length = 100
-    tree = [("tree", nodes, length - nodes)] * 2
+    queries = nodes + 1
+    tree = [("tree", queries, length - queries)] * 2
     decode = [("decode", 1, length - 1)] * 2
     shape = lambda kinds: choose_tile_shape(max(n for _, n, _ in kinds), group, len(kinds), 2, length,  # noqa: E731
                                             interpreted=False, block_size=16)
-    assert shape(tree).block_m == min(256, nodes * group)
+    assert shape(tree).block_m == min(256, nodes * group) and shape(tree).root_side
     tree_loads = _kv_loads(tree, shape(tree), group=group)
     decode_loads = _kv_loads(decode, shape(decode), group=group)
     assert decode_loads == [2 * -(-length // 16)] * 2  # KV heads x tiles of 16 keys
@@ -175,7 +177,48 @@ def test_a_tree_reads_its_kv_once_like_a_decode(nodes, group, reads):
         assert all(d < t <= reads * d for t, d in zip(tree_loads, decode_loads))
     # The counter counts: query tiles of 16 tokens re-read the prefix once per tile.
     per_tile = _kv_loads(tree, TileShape(block_q=16, group_p=group, tile_n=16, num_splits=1), group=group)
-    assert per_tile == tree_loads if nodes == 16 else all(a > t for a, t in zip(per_tile, tree_loads))
+    assert all(a > t for a, t in zip(per_tile, tree_loads))
+
+
+# (arch, head dim): the tile a GPU of that kind picks; the kernel runs here at head
+# dim 16 (what it loads does not depend on the head dim, only the tile does).
+_ARCH_DIMS = [(90, 64), (90, 128), (80, 64), (80, 128)]
+_GROUPS = [3, 4, 5, 6, 7, 8]
+_FAST = [(90, 128, 4), (90, 128, 6), (80, 128, 8)]
+
+
+@pytest.mark.parametrize("arch,head_dim,group", [
+    pytest.param(a, d, g, marks=[] if (a, d, g) in _FAST else pytest.mark.slow)
+    for a, d in _ARCH_DIMS for g in _GROUPS
+])
+def test_a_64_node_tree_and_its_root_read_the_prefix_the_fewest_times(arch, head_dim, group):
+    """A 64-node tree is 65 queries. Each program of a request walks the whole KV
+    prefix, so the prefix is read once per program; the programs are the fewest that
+    hold 64 tokens of G rows of fp32 accumulators (256 rows, 128 without warpgroup
+    MMA at head dim 128), the root's G rows aside on sm_90: once at up to 4 query
+    heads per KV head there, twice at 5 to 8."""
+    from pagedtree.kernels.attention_plan import MAX_ROWS, MAX_ROWS_SM80_D128
+
+    length, queries, kv_heads = 48 + 65, 65, 2
+    tree = [("tree", queries, length - queries)] * 2
+    tile = choose_tile_shape(queries, group, 2, kv_heads, length, interpreted=False, block_size=16,
+                             capability=arch, head_dim=head_dim)
+    max_rows = MAX_ROWS if arch == 90 or head_dim < 128 else MAX_ROWS_SM80_D128
+    # Whole tokens per program; the root aside only with warpgroup MMA (mma.sync
+    # has no registers for its rows at head dim 128: sm_80 spills).
+    fewest = -(-(queries - (arch == 90)) // (max_rows // group))
+    programs = -(-(queries - tile.first_query()) // tile.block_q)
+    assert programs == fewest and tile.block_m <= max_rows and tile.block_m >= tile.block_q * group
+    if arch == 90:
+        assert programs == (1 if group <= 4 else 2)
+    loads = _kv_loads(tree, tile, group=group)
+    prefix_tiles = kv_heads * (length - queries) // 16  # whole 16-key tiles before the tree
+    # Every program reads the prefix once, and the keys of the tree up to its own last query.
+    assert all(programs * prefix_tiles <= n <= programs * kv_heads * -(-length // 16) for n in loads)
+    # 64-row tiles (what runs above 64 queries took): more programs, more reads.
+    old = _kv_loads(tree, TileShape(block_q=max(1, 64 // group), group_p=group, tile_n=16, num_splits=1,
+                                    min_rows=16), group=group)
+    assert all(o > n for o, n in zip(old, loads))
 
 
 def test_split_kv_long_prefix():
