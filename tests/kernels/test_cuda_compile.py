@@ -4,7 +4,7 @@ and the 16-bit kernels do not spill registers (``pagedtree.kernels.cuda_compile`
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (the test process
 defines the kernels for the interpreter). The default suite compiles real model
 shapes on sm_80 and sm_90 (Qwen2.5's 6 and 7 query heads per KV head at head dim
-128, bf16: decodes, 64-node trees with their root, a split-KV tree); ``-m slow``
+128, bf16: 64-node trees with their root, a split-KV tree); ``-m slow``
 compiles a pairwise covering of the cases per GPU (every pair of values of dtype,
 head dim, GQA group 1-8, block size and step kind at least once: about 40 cases,
 15 minutes for both GPUs on two cores with an empty Triton cache) and every
@@ -44,10 +44,10 @@ def _compile(out_dir, cover: str, arch: str = "80,90", *extra: str):
 
 def test_real_model_head_groups_compile_for_sm80_and_sm90_without_spills(tmp_path):
     # Qwen2.5-1.5B (the default model's family) has 6 query heads per KV head,
-    # Qwen2.5-7B 7: decodes, 64-node trees sent with their root (65 queries) and a
-    # lone tree on a long context (split-KV), in bf16 at head dim 128.
+    # Qwen2.5-7B 7: 64-node trees sent with their root (65 queries) and a lone tree
+    # on a long context (split-KV), in bf16 at head dim 128 (decodes: -m slow).
     proc, data = _compile(tmp_path, "all", "80,90", "--dtypes", "bf16", "--head-dims", "128", "--groups", "6,7",
-                          "--block-sizes", "16", "--phases", "decode,tree64,split_tree16")
+                          "--block-sizes", "16", "--phases", "tree64,split_tree16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     builds = data["builds"]
     assert {b["kernel"] for b in builds} == KERNELS
