@@ -210,6 +210,21 @@ def choose_tile_shape(
         return TileShape(block_q=block_q, group_p=group_p, tile_n=64, num_splits=1)
     tile_n = GPU_TILE_N if block_size % GPU_TILE_N == 0 else 32
     max_rows = MAX_ROWS if has_warpgroup_mma(capability) or next_power_of_2(head_dim) < 128 else MAX_ROWS_SM80_D128
+    args = (max_query_len, group, num_requests, num_kv_heads, max_context_len, num_sms, capability, head_dim,
+            kv_elem_bytes, tile_n)
+    tile = _gpu_tile(max_rows, *args)
+    if tile.block_m > 128 and group & (group - 1) and tile.num_splits > 1:
+        # 256 rows of a packed group (3, 5, 6, 7 heads a token) writing split-KV
+        # partials spill 8-36 stores at either warp count: where a split pays, take
+        # 128-row tiles (more programs) and split those.
+        tile = _gpu_tile(128, *args)
+    return tile
+
+
+def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, num_kv_heads: int,
+              max_context_len: int, num_sms: int, capability: int, head_dim: int, kv_elem_bytes: int,
+              tile_n: int) -> TileShape:
+    """:func:`choose_tile_shape` on a GPU, with programs of up to ``max_rows`` rows."""
     queries = max(1, max_query_len)
     root_side = False
     if queries <= MAX_TREE_QUERY:
@@ -227,10 +242,6 @@ def choose_tile_shape(
     kv_bytes = programs * max_context_len * head_dim * 2 * kv_elem_bytes  # K and V, read once per program
     partial_bytes = num_requests * max(1, max_query_len) * group * num_kv_heads * (next_power_of_2(head_dim) + 2) * 8
     choices = [s for s in SPLIT_CHOICES if s == 1 or s * MIN_SPLIT_KEYS <= max_context_len]
-    if block_m > 128 and group & (group - 1):
-        # 256 rows of a packed group (3, 5, 6, 7 heads a token) writing split-KV
-        # partials spill 8-36 stores at either warp count: no split there.
-        choices = [1]
     num_splits = min(choices, key=lambda s: split_kv_cost(s, programs, kv_bytes, partial_bytes, num_sms))
     return TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=num_splits, num_warps=num_warps,
                      root_side=root_side, num_stages=num_stages, min_rows=16)
