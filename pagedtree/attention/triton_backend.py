@@ -74,6 +74,8 @@ class TritonPagedAttention(AttentionBackend):
             tile = triton_ops.default_tile_shape(plan, num_heads, self.num_kv_heads, self.device, self.head_dim,
                                                  self._flat_caches[0].element_size())
             plan.tiles(tile.block_q, tile.first_query())
+            triton_ops.step_split_count(plan, tile, num_heads // self.num_kv_heads, self.num_kv_heads, self.device,
+                                        self.head_dim, self._flat_caches[0].element_size())
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

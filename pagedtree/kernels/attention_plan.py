@@ -15,7 +15,7 @@ its ancestors. Any tree size works (``tree_words = ceil(T / 32)``).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -235,16 +235,29 @@ def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, 
         block_q = max(1, PREFILL_ROWS // group)
     block_m = max(16, next_power_of_2(block_q * group))
     num_warps = _num_warps(block_m, root_side, capability)
-    num_stages = (1 if root_side else BIG_TILE_STAGES) if block_m > 128 else None
-    main_queries = queries - 1 if root_side else queries
-    num_tiles = num_requests * max(1, cdiv(main_queries, block_q))
+    num_stages = None
+    if block_m > 128:
+        num_stages = 1 if root_side else BIG_TILE_STAGES
+    elif block_m == 128 and not has_warpgroup_mma(capability):
+        num_stages = BIG_TILE_STAGES  # mma.sync's 128-row tiles: 3 stages spill a store at head dim 64
+    tile = TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=1, num_warps=num_warps,
+                     root_side=root_side, num_stages=num_stages, min_rows=16)
+    num_splits = choose_splits(tile, max_query_len, group, num_requests, num_kv_heads, max_context_len, num_sms,
+                               head_dim, kv_elem_bytes)
+    return replace(tile, num_splits=num_splits)
+
+
+def choose_splits(tile: TileShape, max_query_len: int, group: int, num_requests: int, num_kv_heads: int,
+                  max_context_len: int, num_sms: int, head_dim: int, kv_elem_bytes: int) -> int:
+    """The split-KV count :func:`split_kv_cost` finds cheapest for ``tile``'s programs
+    at a context of ``max_context_len`` keys (segments of at least ``MIN_SPLIT_KEYS``)."""
+    main_queries = max(1, max_query_len) - tile.first_query()
+    num_tiles = num_requests * max(1, cdiv(main_queries, tile.block_q))
     programs = num_tiles * num_kv_heads
     kv_bytes = programs * max_context_len * head_dim * 2 * kv_elem_bytes  # K and V, read once per program
     partial_bytes = num_requests * max(1, max_query_len) * group * num_kv_heads * (next_power_of_2(head_dim) + 2) * 8
     choices = [s for s in SPLIT_CHOICES if s == 1 or s * MIN_SPLIT_KEYS <= max_context_len]
-    num_splits = min(choices, key=lambda s: split_kv_cost(s, programs, kv_bytes, partial_bytes, num_sms))
-    return TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=num_splits, num_warps=num_warps,
-                     root_side=root_side, num_stages=num_stages, min_rows=16)
+    return min(choices, key=lambda s: split_kv_cost(s, programs, kv_bytes, partial_bytes, num_sms))
 
 
 def tree_ancestor_words(parents: Sequence[int], num_words: int) -> list[list[int]]:
@@ -287,6 +300,19 @@ class KernelPlan:
     buffers: "PlanBuffers"
     tile_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]]
     slot_tag: str = ""  # suffix of this plan's buffer slots (a static shape's own)
+    real_max_context_len: int = 0  # the longest real context (static plans: below max_context_len)
+    split_cache: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def split_count(self, count: int) -> torch.Tensor:
+        """int32 ``[1]`` on the device holding ``count``: how many KV segments the
+        kernel uses this step. A static plan's launch grid has the split count of
+        its widest context (a CUDA graph freezes it); the kernel reads the count
+        the step's real context calls for from here, so a graph replays with the
+        right split. Uploaded once per plan (before a capture or replay)."""
+        cached = self.split_cache.get(count)
+        if cached is None:
+            cached = self.split_cache[count] = _upload_sections(self.buffers, f"splits{self.slot_tag}", [[count]])[0]
+        return cached
 
     def tiles(self, block_q: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(tile_req, tile_q, num_tiles)``: the request and first query of each
@@ -653,6 +679,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
         buffers=buffers,
         tile_cache={},
         slot_tag=tag,
+        real_max_context_len=max(context_lens, default=0),
     )
 
 

@@ -198,7 +198,7 @@ def _finish_rows(acc, m_i, l_i, split, tok, head, row_valid, out_ptr, part_acc_p
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_ptr, context_lens_ptr, is_tree_ptr, tree_mask_ptr,
-    tile_req_ptr, tile_q_ptr, part_acc_ptr, part_ml_ptr, kv_loads_ptr,
+    tile_req_ptr, tile_q_ptr, part_acc_ptr, part_ml_ptr, kv_loads_ptr, splits_ptr,
     scale_log2, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -222,7 +222,9 @@ def _unified_attention_kernel(
     before the request's prefix end are seen by everyone; among the new tokens the
     mask is causal, or ancestors-only for a tree request. With ``NUM_SPLITS > 1``
     each program takes one segment of the keys and writes unnormalised partial
-    results for :func:`_reduce_splits_kernel`.
+    results for :func:`_reduce_splits_kernel`; the step uses the first
+    ``splits_ptr[0]`` of the ``NUM_SPLITS`` segment programs (a CUDA graph's grid
+    is fixed, the split its step calls for is not), the others return at once.
     """
     BLOCK_ALIGNED: tl.constexpr = BLOCK_SIZE % TILE_N == 0
     tile = tl.program_id(0)
@@ -231,6 +233,12 @@ def _unified_attention_kernel(
     req = tl.load(tile_req_ptr + tile)
     if req < 0:  # padding tile (a captured grid larger than this step)
         return
+    if NUM_SPLITS > 1:
+        num_splits = tl.load(splits_ptr)
+        if split >= num_splits:
+            return
+    else:
+        num_splits = 1
     q_tile_start = tl.load(tile_q_ptr + tile)
     q_begin = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_begin
@@ -243,7 +251,7 @@ def _unified_attention_kernel(
     # Keys this tile needs: the prefix and the new tokens up to its last query
     # (tree parents precede their children, so a tree needs no more than causal).
     kv_end = prefix + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), num_splits)
     seg_start = split * tiles_per_split * TILE_N
     seg_end = tl.minimum(seg_start + tiles_per_split * TILE_N, kv_end)
     unmasked_end = (prefix // TILE_N) * TILE_N
@@ -289,16 +297,17 @@ def _unified_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, num_heads, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, splits_ptr, num_tokens, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
-    """One program per (token, head): merge the split-KV partial softmax results."""
+    """One program per (token, head): merge the split-KV partial softmax results of
+    the first ``splits_ptr[0]`` segments (of at most ``NUM_SPLITS``)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P)
     dims = tl.arange(0, HEAD_DIM_P)
-    s_mask = splits < NUM_SPLITS
+    s_mask = (splits < NUM_SPLITS) & (splits < tl.load(splits_ptr))
     row = (splits * num_tokens + t) * num_heads + h
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)

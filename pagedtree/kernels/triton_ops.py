@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedtree.kernels import triton_kernels as K
-from pagedtree.kernels.attention_plan import KernelPlan, TileShape, choose_tile_shape, next_power_of_2
+from pagedtree.kernels.attention_plan import KernelPlan, TileShape, choose_splits, choose_tile_shape, next_power_of_2
 from pagedtree.uploads import upload
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -100,18 +100,43 @@ def store_kv(
     )
 
 
+def _device_kind(device: torch.device) -> tuple[int, int]:
+    """``(SMs, compute capability)`` of ``device`` (an H100's for CPU and the interpreter)."""
+    if device.type == "cuda" and not K.INTERPRETED:
+        props = torch.cuda.get_device_properties(device)
+        return props.multi_processor_count, 10 * props.major + props.minor
+    return 132, 90
+
+
+def _num_sms(device: torch.device) -> int:
+    return _device_kind(device)[0]
+
+
 def default_tile_shape(plan: KernelPlan, num_heads: int, num_kv_heads: int, device: torch.device,
                        head_dim: int = 128, kv_elem_bytes: int = 2) -> TileShape:
     """The tile shape :func:`unified_attention` uses when none is given."""
-    num_sms, capability = 132, 90
-    if device.type == "cuda" and not K.INTERPRETED:
-        props = torch.cuda.get_device_properties(device)
-        num_sms, capability = props.multi_processor_count, 10 * props.major + props.minor
+    num_sms, capability = _device_kind(device)
     return choose_tile_shape(
         plan.max_query_len, num_heads // num_kv_heads, plan.num_requests, num_kv_heads,
         plan.max_context_len, interpreted=K.INTERPRETED, num_sms=num_sms, block_size=plan.block_size,
         capability=capability, head_dim=head_dim, kv_elem_bytes=kv_elem_bytes,
     )
+
+
+def step_split_count(plan: KernelPlan, tile: TileShape, group: int, num_kv_heads: int, device: torch.device,
+                     head_dim: int, kv_elem_bytes: int) -> torch.Tensor | None:
+    """The device scalar of KV segments the kernel uses this step (None when the
+    tile does not split). A static plan's grid has the split of its widest context
+    (a CUDA graph freezes the grid); the step uses the split its real longest
+    context calls for, at most the grid's. Static steps call this before a graph
+    captures or replays, so the launches themselves upload nothing."""
+    if tile.num_splits == 1:
+        return None
+    used = tile.num_splits
+    if plan.real_max_context_len < plan.max_context_len:
+        used = min(used, choose_splits(tile, plan.max_query_len, group, plan.num_requests, num_kv_heads,
+                                       plan.real_max_context_len, _num_sms(device), head_dim, kv_elem_bytes))
+    return plan.split_count(used)
 
 
 def unified_attention(
@@ -178,6 +203,9 @@ def unified_attention(
         raise ValueError(f"16-bit products need 16-bit query and cache of one dtype, got {query.dtype} "
                          f"and {key_cache.dtype}")
     splits = tile.num_splits
+    split_count = step_split_count(plan, tile, group, num_kv_heads, device, head_dim, key_cache.element_size())
+    if split_count is None:
+        split_count = tile_req  # never read: the kernel reads the count only when NUM_SPLITS > 1
     if splits > 1:
         # Reused by every layer of the step (launches are stream-ordered).
         part_acc = plan.buffers.scratch("part_acc" + plan.slot_tag, splits * plan.num_tokens * num_heads * head_dim_p)
@@ -187,7 +215,7 @@ def unified_attention(
     K._unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
         out, query, key_cache, value_cache,
         plan.block_tables, plan.query_start, plan.context_lens, plan.is_tree, plan.tree_mask,
-        tile_req, tile_q, part_acc, part_ml, kv_loads if kv_loads is not None else tile_req,
+        tile_req, tile_q, part_acc, part_ml, kv_loads if kv_loads is not None else tile_req, split_count,
         scale * _LOG2E, plan.num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -202,7 +230,7 @@ def unified_attention(
     )
     if splits > 1:
         K._reduce_splits_kernel[(plan.num_tokens, num_heads)](
-            out, part_acc, part_ml, plan.num_tokens, num_heads, out.stride(0), out.stride(1),
+            out, part_acc, part_ml, split_count, plan.num_tokens, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, SPLITS_P=next_power_of_2(splits),
             MANUAL_BF16=K.INTERPRETED,
         )

@@ -365,3 +365,19 @@ def test_copies_reject_bad_indices():
         backend.copy_slots([8], [0])
     with pytest.raises(ValueError, match="repeated"):
         backend.copy_slots([0, 1], [2, 2])
+
+
+@pytest.mark.parametrize("count", [None, 1, 3])
+def test_a_static_grid_uses_the_split_its_real_context_calls_for(count, monkeypatch):
+    """A CUDA graph freezes the grid's split count (its widest context's); the kernel
+    uses the first ``count`` segments, the count the step's real context calls for
+    (None: the cost model's own choice, here 1 at a few hundred keys)."""
+    if count is not None:
+        monkeypatch.setattr(triton_ops, "choose_splits", lambda *args, **kwargs: count)
+    batch = Batch([("decode", 1, 600), ("tree", 9, 300), ("chain", 4, 40)], 16, 4, 2, 32, torch.float32, seed=12)
+    plan = batch.plan()
+    plan.max_context_len = 16 * 1024  # the width of a static plan's tables
+    tile = TileShape(block_q=16, group_p=2, tile_n=16, num_splits=8, min_rows=16)
+    out = triton_ops.unified_attention(batch.query, batch.k_cache, batch.v_cache, plan, batch.scale, tile=tile)
+    torch.testing.assert_close(out.float(), batch.expected(), atol=1e-4, rtol=1e-4)
+    assert list(plan.split_cache) == [count if count is not None else 1]
