@@ -85,6 +85,11 @@ class Grammars:
         import xgrammar as xgr
 
         compiled = xgr.CompiledGrammar.deserialize_json(text, info)
+        if not _allows_a_token(compiled, self.vocab_size):
+            # A schema that only refers to itself, say: every request would fail on its
+            # first token, so it is the client's error, found here once.
+            raise ValueError(f"StructuredOutputsParams.{spec.kind} allows no output at all (no token can start "
+                             f"a match of this {_WHAT[spec.kind]})")
         size = int(compiled.memory_size_bytes)
         with self._lock:
             self.num_compiled += 1
@@ -119,6 +124,16 @@ class Grammars:
             if self._worker is None:
                 self._worker = shared_worker(info.serialize_json())
             return self._worker
+
+
+def _allows_a_token(compiled: Any, vocab_size: int) -> bool:
+    """Whether the grammar allows any first token (its start state's bitmask)."""
+    import torch
+    import xgrammar as xgr
+
+    mask = torch.zeros(xgr.get_bitmask_shape(1, vocab_size), dtype=torch.int32)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+    return bool(mask.any())
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",

@@ -780,3 +780,12 @@ def test_apply_bitmasks_masks_the_listed_rows():
     expected[1, 3:] = -float("inf")
     apply_bitmasks(odd, [1], [torch.tensor([0b111, 0], dtype=torch.int32)])
     assert torch.equal(odd, expected)
+
+
+def test_a_constraint_that_allows_no_output_is_refused(suffix_llm):
+    """A schema that only refers to itself has no first token: refused at
+    ``generate`` with an error naming it (not a failed draw on the engine)."""
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json={"$ref": "#"}))
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json allows no output"):
+        suffix_llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    _assert_all_free(suffix_llm)

@@ -97,6 +97,7 @@ def post(server, path: str, body: dict) -> tuple[int, dict | list]:
      "tool_choice"),
     ("/v1/chat/completions", {"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"guided_json": {"$ref": "#"}}, "guided_json"),  # allows no output
     ("/v1/completions", {"guided_decoding_backend": "lm-format-enforcer", "guided_json": COLOR},
      "guided_decoding_backend"),
     ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}},
