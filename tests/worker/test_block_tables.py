@@ -11,8 +11,6 @@ of a step does not depend on ``max_model_len``.
 from __future__ import annotations
 
 import random
-import statistics
-import time
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from pagedtree.step_data import AttentionMetadata, Phase, ScheduledChunk
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import host_step
+from tests.bench.conftest import load_benchmark
 
 CPU = torch.device("cpu")
 
@@ -231,33 +230,9 @@ def test_host_work_of_a_static_step_does_not_grow_with_max_model_len(runner, mon
     assert max(short) < 200  # a few dozen inputs and plan entries, whatever the width
 
 
-def _plan_build_ms(max_model_len: int, batch: int = 32, context: int = 1024, steps: int = 30) -> float:
-    """Median time of a static decode plan's build, tables of ``context`` tokens."""
-    block, rng = 16, random.Random(0)
-    width = -(-(max_model_len + 1) // block)
-    num_blocks = batch * (context // block + steps) + 1
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(context // block)] for _ in range(batch)]
-    contexts = [context] * batch
-    buffers, shape = PlanBuffers(CPU), StaticShape(batch, width, 1)
-    keys, times = [f"r{i}" for i in range(batch)], []
-    for _ in range(steps):
-        for i in range(batch):
-            contexts[i] += 1
-            if contexts[i] > len(tables[i]) * block:
-                tables[i].append(free.pop())
-        meta = AttentionMetadata(block_size=block, slot_mapping=torch.zeros(batch, dtype=torch.long),
-                                 query_start_loc=list(range(batch + 1)), context_lens=list(contexts),
-                                 block_tables=[list(t) for t in tables], tree_parents=[None] * batch,
-                                 slot_bounds=(0, 0))
-        started = time.perf_counter()
-        build_kernel_plan(meta, num_blocks, buffers, shape, keys)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[3:]) * 1e3
-
-
 @pytest.mark.slow
 def test_plan_build_time_does_not_grow_with_max_model_len():
-    short, long = _plan_build_ms(4096), _plan_build_ms(131072)
+    # The benchmark's own measurement (benchmarks/static_plan.py), at a 1k context.
+    plan_ms = load_benchmark("static_plan").plan_ms
+    short, long = plan_ms(4096, 32, 1024, steps=30), plan_ms(131072, 32, 1024, steps=30)
     assert long < 2 * short + 0.05, (short, long)
