@@ -155,7 +155,8 @@ class EngineConfig:
     them (their trees are merged), or when ``speculative`` picks the suffix drafter; ``speculative`` (a ``SpeculativeConfig`` or a dict
     of its fields) shapes the trees. Each draft keeps its own KV cache with as many
     blocks as the target's plus room for every request's tree branches
-    (``num_draft_kv_blocks`` overrides it).
+    (``num_draft_kv_blocks`` overrides it); on CUDA a cache sized from
+    ``gpu_memory_utilization`` leaves room for the drafts' weights, caches and graphs.
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
     ``structured_output_limits`` bounds what a request's ``structured_outputs`` may

@@ -31,7 +31,7 @@ from pagedtree.request import Request, RequestStatus
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.executor.launcher import TensorParallelGroupHandle
-from pagedtree.executor.shards import load_target
+from pagedtree.executor.shards import load_draft_weights, load_target
 from pagedtree.loading.loader import load_tokenizer, resolve_model_path
 from pagedtree.loading.resolve import resolve_config, with_default_quantization
 from pagedtree.scheduler.scheduler import Scheduler
@@ -104,8 +104,14 @@ class LLMEngine:
 
     def _load(self, config: ResolvedConfig) -> None:
         channel = self.tensor_parallel.channel if self.tensor_parallel is not None else None
+        # The drafts' weights first: a cache sized from the device's memory leaves
+        # room for theirs.
+        sharded = self.tensor_parallel is not None and config.parallel.draft_tensor_parallel_size > 1
+        draft_channel = self.tensor_parallel.channel if sharded else None
+        drafts = ([load_draft_weights(draft, draft_channel) for draft in config.drafts]
+                  if config.speculative is not None else [])
         target = load_target(config.target, config.cache, config.scheduler, config.max_model_len, config.speculative,
-                             channel)
+                             channel, drafts)
         loaded = target.loaded
         self.model_path = loaded.path
         self.model_config = loaded.config
@@ -122,9 +128,8 @@ class LLMEngine:
             max_batched = max(max_batched, self.max_model_len)
         self.speculator = None
         if config.speculative is not None:
-            sharded = self.tensor_parallel is not None and config.parallel.draft_tensor_parallel_size > 1
-            self.speculator = load_speculator(config, self.vocab_size, self.max_model_len, num_blocks,
-                                              self.tensor_parallel.channel if sharded else None)
+            self.speculator = load_speculator(config, self.vocab_size, self.max_model_len, num_blocks, drafts,
+                                              draft_channel)
         self.scheduler = Scheduler(
             replace(config.scheduler, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len),
             self.block_manager,

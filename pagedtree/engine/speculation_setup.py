@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pagedtree.config import ResolvedConfig
 from pagedtree.executor.commands import CommandChannel
-from pagedtree.executor.shards import load_draft
+from pagedtree.executor.shards import DraftWeights, load_draft
 from pagedtree.loading import packaged_models as pm
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.speculative.drafting.draft_worker import DraftWorker
@@ -26,11 +26,12 @@ from pagedtree.worker.model_runner import ModelRunner
 
 
 def load_speculator(config: ResolvedConfig, vocab_size: int, max_model_len: int, target_blocks: int,
-                    channel: CommandChannel | None = None) -> Speculator:
-    """The speculator of ``config``: its draft workers loaded, its acceptance prior
-    the measured one of a packaged pair or the drafter's default."""
+                    weights: list[DraftWeights], channel: CommandChannel | None = None) -> Speculator:
+    """The speculator of ``config``: its draft workers (their ``weights`` loaded
+    already, one per ``config.drafts``), its acceptance prior the measured one of a
+    packaged pair or the drafter's default."""
     drafts = [
-        load_draft_worker(config, index, vocab_size, max_model_len, target_blocks, channel)
+        load_draft_worker(config, index, weights[index], vocab_size, max_model_len, target_blocks, channel)
         for index in range(len(config.drafts))
     ]
     names = [draft.model for draft in config.drafts] or None
@@ -39,17 +40,17 @@ def load_speculator(config: ResolvedConfig, vocab_size: int, max_model_len: int,
 
 
 def load_draft_worker(
-    config: ResolvedConfig, index: int, vocab_size: int, max_model_len: int, target_blocks: int,
-    channel: CommandChannel | None = None,
+    config: ResolvedConfig, index: int, weights: DraftWeights, vocab_size: int, max_model_len: int,
+    target_blocks: int, channel: CommandChannel | None = None,
 ) -> DraftWorker:
-    """Load draft model ``index`` with its own KV cache and block manager
+    """Give draft model ``index`` (its ``weights``) its own KV cache and block manager
     (``executor.shards.load_draft``; sharded over the tensor-parallel group when a
     ``channel`` is given, else whole on this process).
 
     The draft must share the target's vocabulary.
     """
     draft = config.drafts[index]
-    shard = load_draft(draft, index, config.cache, config.scheduler, config.max_tree_nodes, target_blocks,
+    shard = load_draft(weights, index, config.cache, config.scheduler, config.max_tree_nodes, target_blocks,
                        max_model_len, channel)
     vocab = int(shard.loaded.config.vocab_size)
     if vocab != vocab_size:

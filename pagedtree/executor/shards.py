@@ -11,6 +11,7 @@ each step to the others), the other ranks a plain ``ModelRunner``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedtree.attention import resolve_backend_name
@@ -20,7 +21,15 @@ from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
 from pagedtree.loading.loader import LoadedModel, load_model
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
-from pagedtree.worker.model_runner import ModelRunner, measure_cuda_graph_memory, num_draft_kv_blocks, num_kv_blocks
+from pagedtree.worker.model_runner import (
+    DraftMemory,
+    ModelRunner,
+    kv_bytes_per_block,
+    measure_cuda_graph_memory,
+    num_draft_kv_blocks,
+    num_kv_blocks,
+    tree_branch_blocks,
+)
 
 logger = logging.getLogger("pagedtree")
 
@@ -37,6 +46,38 @@ class LoadedShard:
     num_blocks: int
     max_model_len: int
     backend: str
+
+
+@dataclass(slots=True)
+class DraftWeights:
+    """A draft model (or this rank's shard of it) loaded before the target's cache is
+    sized, so that the cache leaves room for the draft's (``DraftMemory``)."""
+
+    config: ModelConfig
+    loaded: LoadedModel
+    group: TensorParallelGroup | None  # the group it is sharded over; None: whole
+
+
+def load_draft_weights(draft: ModelConfig, channel: CommandChannel | None = None) -> DraftWeights:
+    """Draft ``draft``'s weights (this rank's shard of them with a ``channel``)."""
+    group = channel.group if channel is not None else None
+    loaded = load_model(draft.model, dtype=draft.dtype, device=draft.device, quantization=draft.quantization,
+                        group=group, head_vocab=draft.head_vocab)
+    return DraftWeights(draft, loaded, group)
+
+
+def draft_memory(draft: DraftWeights, cache: CacheConfig, scheduler: SchedulerConfig, max_tree_nodes: int,
+                 max_model_len: int) -> DraftMemory:
+    """What ``draft``'s cache and CUDA graphs will take (its graphs measured as the
+    target's are; ``load_draft`` sizes the cache alike)."""
+    config = draft.config
+    backend = resolve_backend_name(config.attention_backend, config.device, config.dtype)
+    graph_bytes = (measure_cuda_graph_memory(draft.loaded.model, cache.block_size, config.device, config.dtype,
+                                             MAX_GRAPH_BATCH, max_model_len, 1)
+                   if _graphs_wanted(config, backend, draft.group) else 0)
+    return DraftMemory(bytes_per_block=kv_bytes_per_block(draft.loaded.model, cache.block_size, config.dtype),
+                       extra_blocks=tree_branch_blocks(scheduler.max_num_seqs, max_tree_nodes),
+                       graph_bytes=graph_bytes, fixed_blocks=cache.num_draft_kv_blocks)
 
 
 def _runner(loaded: LoadedModel, blocks: int, block_size: int, model: ModelConfig, backend: str,
@@ -63,11 +104,14 @@ def _graphs_wanted(model: ModelConfig, backend: str, group: TensorParallelGroup 
 
 
 def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int | None,
-                speculative: SpeculativeConfig | None, channel: CommandChannel | None = None) -> LoadedShard:
+                speculative: SpeculativeConfig | None, channel: CommandChannel | None = None,
+                drafts: Sequence[DraftWeights] = ()) -> LoadedShard:
     """The target (this rank's shard with a ``channel``), its cache and runner.
 
     ``max_model_len`` is the one asked for (None: the model's positions), capped by
-    what the cache holds. ``speculative`` is None without speculation.
+    what the cache holds. ``speculative`` is None without speculation. ``drafts``
+    (loaded already) on the target's device take their share of a cache sized from
+    the device's memory: their caches grow with the target's.
     """
     group = channel.group if channel is not None else None
     loaded = load_model(model.model, dtype=model.dtype, device=model.device, quantization=model.quantization,
@@ -90,8 +134,11 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     graph_memory = (measure_cuda_graph_memory(loaded.model, cache.block_size, model.device, model.dtype,
                                               scheduler.max_num_seqs, requested_len, max_tree_tokens)
                     if sized else 0)
+    max_tree_nodes = speculative.max_nodes if speculative is not None else 0
+    beside = [draft_memory(draft, cache, scheduler, max_tree_nodes, requested_len)
+              for draft in drafts if draft.config.device == model.device and cache.num_kv_blocks is None]
     blocks = _agree(num_kv_blocks(loaded.model, cache, scheduler, model.dtype, model.device, requested_len,
-                                  graph_memory), group)
+                                  graph_memory, beside), group)
     runner = _runner(loaded, blocks, cache.block_size, model, backend, channel, TARGET)
     max_model_len = min(requested_len, blocks * cache.block_size)
     if graphs:  # every shape captured now, before serving
@@ -102,17 +149,17 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     return LoadedShard(loaded, runner, blocks, max_model_len, backend)
 
 
-def load_draft(draft: ModelConfig, index: int, cache: CacheConfig, scheduler: SchedulerConfig, max_tree_nodes: int,
-               target_blocks: int, max_model_len: int, channel: CommandChannel | None = None) -> LoadedShard:
-    """Draft model ``index`` (this rank's shard of it with a ``channel``), its cache and runner.
+def load_draft(weights: DraftWeights, index: int, cache: CacheConfig, scheduler: SchedulerConfig,
+               max_tree_nodes: int, target_blocks: int, max_model_len: int,
+               channel: CommandChannel | None = None) -> LoadedShard:
+    """Draft model ``index`` (its ``weights``, this rank's shard of it with a
+    ``channel``) given its cache and runner.
 
     Its attention backend is resolved for the draft's own dtype (a draft may run in
     another precision than the target). It must cover ``max_model_len`` positions
     (tree nodes never go past it: the scheduler caps the budget).
     """
-    group = channel.group if channel is not None else None
-    loaded = load_model(draft.model, dtype=draft.dtype, device=draft.device, quantization=draft.quantization,
-                        group=group, head_vocab=draft.head_vocab)
+    draft, loaded, group = weights.config, weights.loaded, weights.group
     limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
     if limit < max_model_len:
         raise ValueError(

@@ -21,7 +21,7 @@ from pagedtree.config import EngineConfig
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelError, TensorParallelGroup, connect_store
 from pagedtree.executor.commands import CommandChannel, Op, decode_step, report_values
 from pagedtree.executor.ranks import RankAddress, rank_device, share_cores
-from pagedtree.executor.shards import load_draft, load_target
+from pagedtree.executor.shards import load_draft, load_draft_weights, load_target
 from pagedtree.loading.resolve import resolve_config, resolve_device
 from pagedtree.worker.model_runner import ModelRunner
 
@@ -42,15 +42,18 @@ def load_rank_models(config: EngineConfig, channel: CommandChannel) -> list[Mode
     """This rank's shard of the target and of the sharded drafts, in the order rank 0 loads them."""
     resolved = resolve_config(config)
     device = channel.group.device
+    drafts = []
+    if resolved.parallel.draft_tensor_parallel_size > 1:  # sharded drafts: this rank holds a shard of each
+        # In rank 0's order: the drafts' weights, then the target sized beside them.
+        drafts = [load_draft_weights(dataclasses.replace(draft, device=device), channel)
+                  for draft in resolved.drafts]
     target = load_target(dataclasses.replace(resolved.target, device=device), resolved.cache, resolved.scheduler,
-                         resolved.max_model_len, resolved.speculative, channel)
+                         resolved.max_model_len, resolved.speculative, channel, drafts)
     runners = [target.runner]
-    if resolved.parallel.draft_tensor_parallel_size > 1:
-        for index, draft_config in enumerate(resolved.drafts):
-            draft = load_draft(dataclasses.replace(draft_config, device=device), index, resolved.cache,
-                               resolved.scheduler, resolved.max_tree_nodes, target.num_blocks, target.max_model_len,
-                               channel)
-            runners.append(draft.runner)
+    for index, weights in enumerate(drafts):
+        draft = load_draft(weights, index, resolved.cache, resolved.scheduler, resolved.max_tree_nodes,
+                           target.num_blocks, target.max_model_len, channel)
+        runners.append(draft.runner)
     return runners
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,30 +29,62 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
+@dataclass(frozen=True, slots=True)
+class DraftMemory:
+    """What a draft model's cache and graphs will take on the target's device, counted
+    when the target's cache is sized (the draft's weights are loaded by then and are
+    in use already): ``bytes_per_block`` of the draft's KV for each of the target's
+    blocks (a draft's cache grows with the target's, ``num_draft_kv_blocks``), plus
+    ``extra_blocks`` of it for the trees' branches, plus ``graph_bytes`` its CUDA
+    graphs hold. ``fixed_blocks`` (a set ``num_draft_kv_blocks``) replaces both block
+    counts."""
+
+    bytes_per_block: int
+    extra_blocks: int
+    graph_bytes: int = 0
+    fixed_blocks: int | None = None
+
+    def fixed_bytes(self) -> int:
+        """Bytes that do not grow with the target's block count."""
+        blocks = self.fixed_blocks if self.fixed_blocks is not None else self.extra_blocks
+        return blocks * self.bytes_per_block + self.graph_bytes
+
+    def bytes_per_target_block(self) -> int:
+        """Bytes each block of the target's cache adds to this draft's."""
+        return 0 if self.fixed_blocks is not None else self.bytes_per_block
+
+
 def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: SchedulerConfig, dtype: torch.dtype,
-                  device: torch.device, max_model_len: int, graph_memory: int = 0) -> int:
+                  device: torch.device, max_model_len: int, graph_memory: int = 0,
+                  drafts: Sequence[DraftMemory] = ()) -> int:
     """How many KV blocks the target's cache gets: ``num_kv_blocks`` if set, else what
     the memory budget holds (``kv_cache_memory`` on CPU, ``gpu_memory_utilization``
-    of the device minus what is in use, room for activations and ``graph_memory``,
-    what the CUDA graphs will hold, on CUDA), never more than every sequence at full
-    length could use."""
+    of the device minus what is in use, room for activations, ``graph_memory``
+    (what the target's CUDA graphs will hold) and the ``drafts``' caches and graphs
+    on the same device, on CUDA), never more than every sequence at full length could
+    use. On CPU ``kv_cache_memory`` is the target's cache alone."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = kv_bytes_per_block(model, cache.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
+        used = total - free  # the weights, the drafts' included
         # Leave room for activations of a full token budget (a generous estimate).
         activations = 16 * scheduler.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
         # The graphs' pool is private: eager steps cannot use it, nor the cache.
         budget = int(total * cache.gpu_memory_utilization) - used - activations - graph_memory
+        # Each draft's cache grows with the target's: one target block costs its own
+        # bytes and every draft's.
+        budget -= sum(draft.fixed_bytes() for draft in drafts)
+        blocks = max(budget, 0) // (per_block + sum(draft.bytes_per_target_block() for draft in drafts))
     else:
         budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-    blocks = budget // per_block
+        blocks = budget // per_block
     useful = scheduler.max_num_seqs * -(-max_model_len // cache.block_size) + 1
     blocks = min(blocks, useful)
     if blocks < 2:
-        raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes")
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes"
+                         + (" (with the draft models' caches)" if drafts else ""))
     return int(blocks)
 
 
@@ -84,7 +117,13 @@ def num_draft_kv_blocks(cache: CacheConfig, max_num_seqs: int, max_tree_nodes: i
     ``num_draft_kv_blocks`` says otherwise."""
     if cache.num_draft_kv_blocks is not None:
         return cache.num_draft_kv_blocks
-    return target_blocks + max_num_seqs * (max_tree_nodes + 2)
+    return target_blocks + tree_branch_blocks(max_num_seqs, max_tree_nodes)
+
+
+def tree_branch_blocks(max_num_seqs: int, max_tree_nodes: int) -> int:
+    """Blocks a draft's cache holds beyond the target's: every request's tree
+    branches (each fed node may take a copy-on-write copy or a fresh block)."""
+    return max_num_seqs * (max_tree_nodes + 2)
 
 
 class ModelRunner:
