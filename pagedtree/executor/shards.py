@@ -21,6 +21,7 @@ from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
 from pagedtree.loading.loader import LoadedModel, load_model
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
+from pagedtree.worker.models.row_blocks import row_block_for
 from pagedtree.worker.model_runner import (
     DraftMemory,
     ModelRunner,
@@ -120,10 +121,15 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     requested_len = max_model_len or model_limit
     if requested_len > model_limit:
         raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
-    if speculative is not None:
-        # A token's logits must not depend on whether a tree pass or a one-token
-        # decode computed them (greedy with speculation == without, in any dtype).
-        # Before any graph is captured: the graphs freeze the forward as it is then.
+    # A token's logits must not depend on whether a tree pass or a one-token decode
+    # computed them (greedy with speculation == without, in any dtype). Before any
+    # graph is captured: the graphs freeze the forward as it is then. On CUDA every
+    # engine computes in fixed row blocks, so that a plain engine's tokens are a
+    # speculating one's (and do not depend on the batch either); on CPU only a
+    # speculating engine pads its one-row products.
+    if model.device.type == "cuda":
+        loaded.model.make_rows_consistent(row_block_for(model.device))
+    elif speculative is not None:
         loaded.model.make_rows_consistent()
     backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
     graphs = _graphs_wanted(model, backend, group)

@@ -29,6 +29,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagedtree.distributed.group import TensorParallelGroup
 from pagedtree.distributed.layout import ShardLayout
 from pagedtree.worker.models.linear import Linear
+from pagedtree.worker.models.row_blocks import in_row_blocks
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -63,8 +64,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # Reduce in blocks of exactly this many rows (``row_blocks``; set by
+        # ``make_rows_consistent`` on CUDA, where the reduction's strategy follows the
+        # row count).
+        self.row_block: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_block is not None:
+            rows = in_row_blocks(x.reshape(-1, x.shape[-1]), self.row_block, self._normalize)
+            return rows.view(x.shape)
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -336,11 +347,23 @@ class DecoderForCausalLM(nn.Module):
         self.fused_forward = FusedCpuForward(self)
         return True
 
-    def make_rows_consistent(self) -> int:
-        """Make every token's result independent of how many tokens share its forward:
-        one-row products of the oneDNN-packed and the q4 layers run as two rows
-        (``Linear.pad_single_rows``). Tree speculation needs it for greedy outputs equal
-        to plain decoding in every dtype; returns how many layers it switched."""
+    def make_rows_consistent(self, row_block: int | None = None) -> int:
+        """Make every token's result independent of how many tokens share its forward.
+
+        On CPU (``row_block`` None): one-row products of the oneDNN-packed and the q4
+        layers run as two rows (``Linear.pad_single_rows``; those libraries send one
+        row through another kernel, several rows through one whose rows are
+        independent). With ``row_block`` (CUDA, ``row_blocks.row_block_for``): every
+        dense product and RMSNorm runs in blocks of exactly that many rows, one
+        kernel on one shape whatever the batch. Tree speculation needs it for greedy
+        outputs equal to plain decoding in every dtype; returns how many layers it
+        switched."""
+        if row_block is not None:
+            layers = [m for m in self.modules() if (isinstance(m, Linear) and m.weight is not None
+                                                     and m.quantization is None) or isinstance(m, RMSNorm)]
+            for layer in layers:
+                layer.row_block = row_block
+            return len(layers)
         layers = [m for m in self.modules() if isinstance(m, Linear)
                   and (m.packed_weight is not None or m.quantization == "q4")]
         for layer in layers:

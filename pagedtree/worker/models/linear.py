@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedtree.worker.models import block_quant
+from pagedtree.worker.models.row_blocks import in_row_blocks
 
 QUANTIZATIONS = ("int8", "int4", "q4", "q8")
 INT4_GROUP_SIZE = 32
@@ -97,6 +98,9 @@ class Linear(nn.Linear):
     # Compute one-row products as two rows (see ``forward``); set by
     # ``DecoderForCausalLM.make_rows_consistent`` for engines that verify trees.
     pad_single_rows: bool = False
+    # Compute dense products in blocks of exactly this many rows (``row_blocks``); set
+    # by ``make_rows_consistent`` on CUDA, where cuBLAS picks its kernel by row count.
+    row_block: int | None = None
     # Quantization: "int8"/"int4" (codes and scales for torch's kernels) or "q4"/"q8"
     # (blocks multiplied through ONNX Runtime).
     quantization: str | None = None
@@ -180,6 +184,10 @@ class Linear(nn.Linear):
                 out = out + self.bias.to(out.dtype)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.packed_weight is None:
+            if self.row_block is not None:
+                rows = x.reshape(-1, self.in_features)
+                out = in_row_blocks(rows, self.row_block, lambda block: F.linear(block, self.weight, self.bias))
+                return out.view(*x.shape[:-1], self.out_features)
             if self.pad_single_rows and x.dim() == 2 and x.shape[0] == 1:
                 return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
             return F.linear(x, self.weight, self.bias)
