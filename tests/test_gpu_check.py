@@ -122,7 +122,7 @@ def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
         "cuda graphs vs eager": [PASS, PASS, SKIPPED],
         "speculative vs plain": [PASS],
         "syncs per step": ([PASS] if sync_check.default_recorder(CPU)[0] == "SyncGuard" else []) + [SKIPPED],
-        "tree/decode kernel time": [INFO, INFO],
+        "tree/decode kernel time": [INFO, INFO] + [INFO, INFO],  # decode and tree, then row blocks at 1 and 65 rows
     }, out
     assert "skipped (no CUDA)" in out and "PASSED" in out
     assert format_table(rows).splitlines()[0].split() == ["check", "case", "result", "figure", "verdict"]
