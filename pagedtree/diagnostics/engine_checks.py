@@ -25,8 +25,8 @@ from pagedtree.diagnostics.report import FAIL, PASS, Row, failed_run, skipped
 
 GRAPHS = "cuda graphs vs eager"
 SPECULATION = "speculative vs plain"
-# On a GPU, verify steps of up to 16 nodes and their root (token buckets 1..16 and
-# 17); in the interpreter, small trees (every padded token is interpreted).
+# On a GPU, verify steps of up to 16 nodes and their root (token buckets 1, 2, 4, 8
+# and 17); in the interpreter, small trees (every padded token is interpreted).
 CUDA_TREE = SpeculativeConfig(tree="static", expansion=(2, 2, 2, 1), max_nodes=16, adaptive=False)
 CPU_TREE = SpeculativeConfig(tree="static", expansion=(2, 1, 1), max_nodes=4, adaptive=False)
 

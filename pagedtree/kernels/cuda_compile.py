@@ -61,6 +61,33 @@ PHASES = {
 }
 
 
+# What a compile's outcome depends on besides the Triton version: the kernels, their
+# launchers, the tile rules and the cases here.
+SOURCES = ("triton_kernels.py", "triton_ops.py", "attention_plan.py", "cuda_compile.py")
+# The pairwise covering for sm_80 and sm_90 as last compiled (``--cover pairwise
+# --json``), checked against the sources in the default test suite.
+RECORD = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels_sm80_sm90.json"
+
+
+def source_fingerprint(folder: Path = Path(__file__).parent) -> str:
+    """A hash of everything a compile's outcome depends on: ``SOURCES`` (in
+    ``folder``) and the Triton version. A record whose fingerprint differs is stale."""
+    import hashlib
+
+    import triton
+
+    digest = hashlib.sha256(triton.__version__.encode())
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def case_names(arch: int, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GROUPS, block_sizes=BLOCK_SIZES,
+               phases=tuple(PHASES), cover: str = "all") -> list[str]:
+    """The cases ``compile_all`` launches for these values (nothing compiled)."""
+    return [case for case, _, _ in _launch_cases(arch, dtypes, head_dims, groups, block_sizes, phases, cover)]
+
+
 @dataclass(slots=True)
 class KernelBuild:
     """One compiled specialisation and what it uses on the GPU."""
@@ -368,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     stable = {arch: varying_steps(arch) for arch in ints(args.arch)}
     import triton
 
+    values = (strs(args.dtypes), ints(args.head_dims), ints(args.groups), ints(args.block_sizes), strs(args.phases))
     report = {"triton": triton.__version__, "torch": torch.__version__, "seconds": time.perf_counter() - started,
+              "fingerprint": source_fingerprint(), "cover": args.cover,
+              "cases": {arch: case_names(arch, *values, cover=args.cover) for arch in ints(args.arch)},
               "builds": [asdict(b) | {"spills": b.spills} for b in builds],
               "variants_over_varying_steps": stable}
     if args.json:
