@@ -57,6 +57,7 @@ class TileShape:
     root_side: bool = False  # query 0 of each request in side rows of its first program
     num_stages: int | None = None  # software-pipelining stages; None: Triton's default
     min_rows: int = 1  # 16 on a GPU: tl.dot's smallest tile
+    max_registers: int | None = None  # per thread (Triton's ``maxnreg``); None: ptxas chooses
 
     @property
     def block_m(self) -> int:
@@ -171,6 +172,19 @@ def _num_warps(block_m: int, root_side: bool, capability: int) -> int:
 BIG_TILE_STAGES = 2
 
 
+# On sm_100, ptxas holds 8-warp attention programs to 128 registers a thread unless
+# told otherwise, and the packed groups' tree tiles (5-7 query heads per KV head at
+# 65 queries) then spill 1-3 stores; 256 threads may use up to 255 each (one
+# program per SM, as on sm_90). Figures from ``cuda_compile``.
+SM100_MAX_REGISTERS = 255
+
+
+def _caps_registers(capability: int, num_warps: int) -> bool:
+    """Whether a program of ``num_warps`` warps on ``sm_<capability>`` needs its
+    register limit set (``SM100_MAX_REGISTERS``)."""
+    return 100 <= capability < 120 and num_warps == 8
+
+
 def choose_tile_shape(
     max_query_len: int,
     group: int,
@@ -241,7 +255,8 @@ def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, 
     elif block_m == 128 and not has_warpgroup_mma(capability):
         num_stages = BIG_TILE_STAGES  # mma.sync's 128-row tiles: 3 stages spill a store at head dim 64
     tile = TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=1, num_warps=num_warps,
-                     root_side=root_side, num_stages=num_stages, min_rows=16)
+                     root_side=root_side, num_stages=num_stages, min_rows=16,
+                     max_registers=SM100_MAX_REGISTERS if _caps_registers(capability, num_warps) else None)
     num_splits = choose_splits(tile, max_query_len, group, num_requests, num_kv_heads, max_context_len, num_sms,
                                head_dim, kv_elem_bytes)
     return replace(tile, num_splits=num_splits)

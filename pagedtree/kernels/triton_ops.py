@@ -227,6 +227,7 @@ def unified_attention(
         TILE_N=tile.tile_n, NUM_SPLITS=splits, DOT_FP32=dot_fp32, MANUAL_BF16=K.INTERPRETED,
         COUNT_LOADS=kv_loads is not None, **({"num_warps": tile.num_warps} if tile.num_warps else {}),
         **({"num_stages": tile.num_stages} if tile.num_stages else {}),
+        **({"maxnreg": tile.max_registers} if tile.max_registers else {}),
     )
     if splits > 1:
         K._reduce_splits_kernel[(plan.num_tokens, num_heads)](

@@ -85,3 +85,13 @@ def test_gpus_without_warpgroup_mma_stop_at_128_rows_at_head_dim_128(capability)
     assert _tree(65, 4, capability).block_m == 128 and not _tree(65, 4, capability).root_side
     assert _tree(65, 4, capability, head_dim=64).block_m == 256
     assert _tree(65, 4, 100).block_m == 256  # sm_100: tensor-memory accumulators
+
+
+@pytest.mark.parametrize("group", [4, 5, 6, 7, 8])
+def test_sm100_lets_eight_warp_programs_use_their_registers(group):
+    # ptxas holds 8-warp programs to 128 registers on sm_100 unless told, and the
+    # packed groups' 65-query tiles spilled there; other GPUs leave the limit to ptxas.
+    tile = _tree(65, group, 100)
+    assert tile.num_warps == 8 and tile.max_registers == 255
+    assert _tree(65, group, 90).max_registers is None and _tree(65, group, 120).max_registers is None
+    assert _tree(65, group, 80).max_registers is None
