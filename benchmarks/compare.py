@@ -240,9 +240,11 @@ def gguf_quantization(path: Path) -> str:
     import re
 
     try:
-        from gguf import GGUFReader, LlamaFileType
+        from gguf import LlamaFileType
 
-        field = GGUFReader(str(path)).fields.get("general.file_type")
+        from pagedtree.loading.gguf_reader import open_gguf
+
+        field = open_gguf(path).fields.get("general.file_type")
         if field is not None:
             name = LlamaFileType(int(field.parts[field.data[0]][0])).name
             return name.removeprefix("MOSTLY_")

@@ -186,9 +186,9 @@ def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
 def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: str, dtype: torch.dtype) -> None:
     """Fill ``net`` (built on the meta device) from ``gguf_file``: linear layers
     quantized (see module docstring), everything else dense in ``dtype``."""
-    from gguf import GGUFReader
+    from pagedtree.loading import gguf_reader  # gguf is imported on use
 
-    reader = GGUFReader(str(gguf_file))
+    reader = gguf_reader.open_gguf(gguf_file)
     config = net.config
     permute = {"q_proj": config.num_attention_heads,
                "k_proj": getattr(config, "num_key_value_heads", config.num_attention_heads)}
@@ -278,7 +278,7 @@ def _set_linear(layer: Linear, pieces: list, quantization: str, keep_rows: torch
 
 def iter_linear_kinds(gguf_file: Path) -> Iterator[tuple[str, str]]:
     """``(name, quantization type)`` of the file's tensors (for reports and tests)."""
-    from gguf import GGUFReader
+    from pagedtree.loading import gguf_reader
 
-    for tensor in GGUFReader(str(gguf_file)).tensors:
+    for tensor in gguf_reader.open_gguf(gguf_file).tensors:
         yield tensor.name, tensor.tensor_type.name

@@ -11,12 +11,20 @@ NEW_TOKENS = 12
 NUM_PROMPTS = 16
 
 
+_REFERENCES: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model(request, tiny_llama, tiny_qwen2):
     """``(name, tiny model, prompts, transformers' greedy outputs)``, computed once per model."""
-    m = tiny_llama if request.param == "llama" else tiny_qwen2
-    prompts = random_prompts(NUM_PROMPTS, vocab=256, min_len=1, max_len=70, seed=7)
-    return request.param, m, prompts, [hf_greedy(m.hf_model, p, NEW_TOKENS) for p in prompts]
+    # Kept in a dict, not only by pytest: a test that parametrizes ``model`` itself
+    # (test_greedy_matches_transformers) gets a fresh fixture instance per case.
+    if request.param not in _REFERENCES:
+        m = tiny_llama if request.param == "llama" else tiny_qwen2
+        prompts = random_prompts(NUM_PROMPTS, vocab=256, min_len=1, max_len=70, seed=7)
+        expected = [hf_greedy(m.hf_model, p, NEW_TOKENS) for p in prompts]
+        _REFERENCES[request.param] = (request.param, m, prompts, expected)
+    return _REFERENCES[request.param]
 
 
 def _run(model_path, prompts, **engine_kwargs):
@@ -26,9 +34,21 @@ def _run(model_path, prompts, **engine_kwargs):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("chunked", [True, False])
-@pytest.mark.parametrize("max_num_seqs", [1, 5, 16])
+# (model, block size, chunked prefill, max_num_seqs): every pair of values of two of
+# these four settings appears in one of the six default cases (a pairwise covering);
+# -m slow runs the other 18 of the 24 combinations.
+_PAIRWISE = {
+    ("llama", 1, True, 1), ("llama", 16, False, 5), ("llama", 1, False, 16),
+    ("qwen2", 16, False, 1), ("qwen2", 1, True, 5), ("qwen2", 16, True, 16),
+}
+
+
+@pytest.mark.parametrize("model,block_size,chunked,max_num_seqs", [
+    pytest.param(name, block_size, chunked, max_num_seqs, id=f"{name}-{block_size}-{chunked}-{max_num_seqs}",
+                 marks=() if (name, block_size, chunked, max_num_seqs) in _PAIRWISE else pytest.mark.slow)
+    for name in ("llama", "qwen2") for max_num_seqs in (1, 5, 16) for chunked in (True, False)
+    for block_size in (1, 16)
+], indirect=["model"])
 def test_greedy_matches_transformers(model, block_size, chunked, max_num_seqs):
     _, m, prompts, expected = model
     llm, got = _run(

@@ -30,32 +30,47 @@ def prompts():
     ]
 
 
-def test_two_ranks_give_one_ranks_greedy_tokens_under_preemption_and_prefix_caching(tiny_llama, prompts):
-    # 20 blocks of 16 tokens for 14 requests of up to 60 tokens: the scheduler preempts.
-    settings = dict(dtype="float32", num_kv_blocks=20, max_num_seqs=16)
-    one = LLM(str(tiny_llama.path), **settings)
-    expected = token_ids(one.generate(prompts, GREEDY, use_tqdm=False))
-    assert one.stats()["num_preemptions"] > 0
-    with LLM(str(tiny_llama.path), tensor_parallel_size=2, **settings) as two:
-        assert token_ids(two.generate(prompts, GREEDY, use_tqdm=False)) == expected
-        stats = two.stats()
-        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-        report = assert_ranks_in_step(two)
-        assert report[1]["models"][0]["forward_passes"] == stats["num_forward_passes"]
-        # Each rank holds half of every layer (norms replicated).
-        whole = one.engine.runner.memory_bytes()["weights"]
-        assert all(0.45 * whole < r["models"][0]["weight_bytes"] < 0.55 * whole for r in report)
-        assert all(r["all_reduces"] > 0 for r in report)
+# 20 blocks of 16 tokens for 14 requests of up to 60 tokens: the scheduler preempts.
+SMALL_CACHE = dict(dtype="float32", num_kv_blocks=20, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
-def speculative_pair(tiny_llama, tp_draft):
-    """One rank decoding plainly, and two ranks with tree speculation (drafts whole on rank 0)."""
-    one = LLM(str(tiny_llama.path), dtype="float32")
-    two = LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, draft_model=str(tp_draft.path),
-              speculative={"tree": "static", "expansion": [2, 2, 1], "max_nodes": 8, "adaptive": False})
-    yield one, two
+def two_ranks(tiny_llama, tp_draft):
+    """Two ranks on the small cache, with tree speculation (the draft whole on rank 0).
+    One engine for the module: every start spawns a rank that imports torch and
+    pagedtree and loads its shard (seconds)."""
+    two = LLM(str(tiny_llama.path), tensor_parallel_size=2, draft_model=str(tp_draft.path),
+              speculative={"tree": "static", "expansion": [2, 2, 1], "max_nodes": 8, "adaptive": False},
+              **SMALL_CACHE)
+    yield two
     two.shutdown()
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_under_preemption_and_prefix_caching(tiny_llama, two_ranks, prompts):
+    one = LLM(str(tiny_llama.path), **SMALL_CACHE)
+    expected = token_ids(one.generate(prompts, GREEDY, use_tqdm=False))
+    assert one.stats()["num_preemptions"] > 0
+    two = two_ranks
+    two.engine.set_speculation(False)  # plain decoding on two ranks (the tests below speculate)
+    try:
+        assert token_ids(two.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    finally:
+        two.engine.set_speculation(True)
+    stats = two.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    report = assert_ranks_in_step(two)
+    assert report[1]["models"][0]["forward_passes"] == stats["num_forward_passes"]
+    # Each rank holds half of every layer (norms replicated).
+    whole = one.engine.runner.memory_bytes()["weights"]
+    assert all(0.45 * whole < r["models"][0]["weight_bytes"] < 0.55 * whole for r in report)
+    assert all(r["all_reduces"] > 0 for r in report)
+
+
+@pytest.fixture(scope="module")
+def speculative_pair(tiny_llama, two_ranks):
+    """One rank decoding plainly, and two ranks with tree speculation on the small
+    cache (so they speculate under preemption too)."""
+    return LLM(str(tiny_llama.path), dtype="float32"), two_ranks
 
 
 def test_tree_speculation_on_two_ranks_gives_plain_one_rank_tokens(speculative_pair, prompts):

@@ -154,7 +154,13 @@ def _kv_loads(kinds, tile: TileShape, kv_heads: int = 2, group: int = 4) -> list
     return loads.tolist()
 
 
-@pytest.mark.parametrize("nodes,group,reads", [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 2)])
+# The default suite runs the largest tree of each kind (one program of up to 256 rows
+# at 4 and at 8 query heads per KV head, two programs at 8); the smaller trees at 4
+# (the same single program, fewer rows) run under -m slow.
+@pytest.mark.parametrize("nodes,group,reads", [
+    pytest.param(16, 4, 1, marks=pytest.mark.slow), pytest.param(32, 4, 1, marks=pytest.mark.slow),
+    (64, 4, 1), (32, 8, 1), (64, 8, 2),
+])
 def test_a_tree_reads_its_kv_once_like_a_decode(nodes, group, reads):
     """With the tile shape a GPU gets, a tree of up to 64 nodes and its root (the
     engine sends both) at 4 query heads per KV head (32 at 8: up to 256 rows in one
@@ -367,7 +373,9 @@ def test_copies_reject_bad_indices():
         backend.copy_slots([0, 1], [2, 2])
 
 
-@pytest.mark.parametrize("count", [None, 1, 3])
+# count=1 forced gives the launch the cost model's own choice gives here (None):
+# -m slow runs it too.
+@pytest.mark.parametrize("count", [None, pytest.param(1, marks=pytest.mark.slow), 3])
 def test_a_static_grid_uses_the_split_its_real_context_calls_for(count, monkeypatch):
     """A CUDA graph freezes the grid's split count (its widest context's); the kernel
     uses the first ``count`` segments, the count the step's real context calls for

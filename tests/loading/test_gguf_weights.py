@@ -16,21 +16,53 @@ from pagedtree.loading.gguf_weights import _dense, _int4_rows, _int8_rows, hf_na
 from pagedtree.worker.models.linear import INT4_GROUP_SIZE, Linear
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tensors_of():
-    """``tensors_of(model)``: the packaged model's GGUF tensors by name (read once per module)."""
-    from gguf import GGUFReader
-
-    read: dict[str, dict] = {}
+    """``tensors_of(model)``: the packaged model's GGUF tensors by name (the file is
+    parsed once for the whole session: see conftest.py)."""
 
     def get(model: pm.PackagedModel) -> dict:
+        from pagedtree.loading import gguf_reader  # memoised here (conftest.py)
+
         if not pm.is_installed(model):
             pytest.skip(f"{model.name} not installed")
-        if model.name not in read:
-            read[model.name] = {t.name: t for t in GGUFReader(str(pm.gguf_path(model))).tensors}
-        return read[model.name]
+        return {t.name: t for t in gguf_reader.open_gguf(pm.gguf_path(model)).tensors}
 
     return get
+
+
+def test_the_plain_view_reader_reads_what_gguf_reads(tmp_path):
+    """``open_gguf``'s reader gives the header, the metadata (a tokenizer-sized string
+    array included) and the tensors gguf's own reader gives."""
+    import gguf
+    from gguf.quants import quantize
+
+    from pagedtree.loading.gguf_reader import PlainViewReader
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" * (i % 5) for i in range(3000)])
+    writer.add_array("tokenizer.ggml.scores", [float(i) / 7 for i in range(3000)])
+    values = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", values)
+    for kind in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+        writer.add_tensor(f"blk.1.{kind.name}.weight", quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = PlainViewReader(str(path)), gguf.gguf_reader.GGUFReader(str(path))
+    assert ours.data_offset == theirs.data_offset and ours.alignment == theirs.alignment
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types, name
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(ours.tensors, theirs.tensors))
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == 3000
 
 
 def _reference(tensor) -> torch.Tensor:
@@ -124,14 +156,11 @@ def test_block_engines_read_the_file_and_decode_like_fp32(tensors_of, mode):
 def test_block_layers_hold_the_files_weights(tensors_of, bits):
     """A fused Q/K/V layer from SmolLM2's file (Q4_1, the Q and K rows permuted for
     llama.cpp's rotary layout) as blocks: the file's own values, rows in our order."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from pagedtree.loading.gguf_weights import _blocks, _unpermute_rows
 
-    tensors_of(pm.SMOLLM2_135M)
-    reader = GGUFReader(str(pm.gguf_path(pm.SMOLLM2_135M)))
-    named = {t.name: t for t in reader.tensors}
+    named = tensors_of(pm.SMOLLM2_135M)
     heads = {"attn_q": 9, "attn_k": 3, "attn_v": None}
     pieces = [(None, named[f"blk.3.{p}.weight"], h) for p, h in heads.items()]
     dense = []

@@ -90,8 +90,14 @@ def _pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
 
 # The default suite tests the static and dynamic trees with fewer draws (the same
 # p > P_MIN threshold, less power); -m slow every kind and rule at full power. The
-# mutation checks below keep the full draws in both.
+# mutation checks below run in the default suite with as many draws as keep their
+# power overwhelming (each says why), at full draws under -m slow.
+# A single tree's verification: 1,000 draws, where the wrong rule below (0.84 of
+# chi-square per draw) would reach a noncentrality of 840 against a critical value
+# of 43 for p < P_MIN. Merged trees of two drafts: 2,000, where one shared random
+# stream (0.046 per draw) reaches 92 against 43.
 FAST_DRAWS = 2000
+SINGLE_TREE_FAST_DRAWS = 1000
 FAST_CASES = [("static", "iid"), ("static", "without_replacement"), ("static", "topk"), ("dynamic", "topk")]
 SLOW_CASES = [
     (k, r) for k, r in itertools.product(["chain", "sequoia"], ["iid", "without_replacement", "topk"])
@@ -99,7 +105,7 @@ SLOW_CASES = [
 
 
 @pytest.mark.parametrize(
-    "kind,rule,draws", [(k, r, FAST_DRAWS) for k, r in FAST_CASES]
+    "kind,rule,draws", [(k, r, SINGLE_TREE_FAST_DRAWS) for k, r in FAST_CASES]
     + [pytest.param(k, r, DRAWS, marks=pytest.mark.slow) for k, r in FAST_CASES + SLOW_CASES]
 )
 def test_verification_preserves_the_target_distribution(kind, rule, draws):
@@ -107,7 +113,14 @@ def test_verification_preserves_the_target_distribution(kind, rule, draws):
     assert _pvalue(counts, _expected(3)) > P_MIN
 
 
-def test_a_wrong_rule_fails_the_same_test(monkeypatch):
+# The mislabelled top-k moves the chi-square statistic by about 0.84 per draw (4,200
+# at 5,000 draws, df 24): at 1,000 draws its noncentrality is about 840 against a
+# critical value of 72 for p < 1e-6, a miss probability far below 1e-100.
+WRONG_RULE_DRAWS = 1000
+
+
+@pytest.mark.parametrize("draws", [WRONG_RULE_DRAWS, pytest.param(DRAWS, marks=pytest.mark.slow)])
+def test_a_wrong_rule_fails_the_same_test(monkeypatch, draws):
     """The draft's deterministic top-k children verified as if they were random draws
     from q (the min(1, p/q) test): over-accepts the draft's favourites.
 
@@ -121,15 +134,23 @@ def test_a_wrong_rule_fails_the_same_test(monkeypatch):
         return tokens, increments, ChildDraw("without_replacement", ROOT, probs=logprobs.exp())
 
     monkeypatch.setattr(builders, "stage_children", mislabelled)
-    counts = _first_two_tokens("static", "without_replacement", seed=3)
+    counts = _first_two_tokens("static", "without_replacement", seed=3, draws=draws)
     assert _pvalue(counts, _expected(3)) < 1e-6
 
 
-def test_draws_without_replacement_verified_as_iid_fail():
-    p_root, q_root, *_ = _tables(4)
+# How far the wrong rule moves the first token depends on how far q is from p. The
+# tables of seed 0 (p and q favour different tokens) move the chi-square statistic by
+# about 1.5 per draw (df 4): at 1,000 draws, about 1,500 against a critical value of
+# 33 for p < 1e-6. Those of seed 4 (q close to p) move it by only about 0.004 per
+# draw: -m slow keeps that subtle case at twice the draws, 10,000.
+@pytest.mark.parametrize("seed,draws", [
+    pytest.param(0, 1000, id="q-far-from-p"),
+    pytest.param(4, 2 * DRAWS, id="q-close-to-p", marks=pytest.mark.slow),
+])
+def test_draws_without_replacement_verified_as_iid_fail(seed, draws):
+    p_root, q_root, *_ = _tables(seed)
     gen = torch.Generator().manual_seed(0)
     counts = np.zeros(V)
-    draws = 2 * DRAWS  # the bias is small: twice the draws to see it clearly
     for _ in range(draws):
         b = ShapeTreeBuilder(TreeShape.from_expansion((4,), 8), 0, SamplingParams(temperature=1.0), "without_replacement", gen)
         b.expand_level([(-1, q_root.log())])
@@ -138,7 +159,8 @@ def test_draws_without_replacement_verified_as_iid_fail():
         result = verify_stochastic(tree, torch.stack([p_root] + [p_root] * tree.num_nodes), gen)
         first = tree.tokens[result.accepted_nodes[0]] if result.accepted_nodes else result.bonus_token
         counts[first] += 1
-    assert chisquare(counts, p_root.double().numpy() * draws).pvalue < 1e-6
+    expected = p_root.double().numpy()  # renormalised: p_root sums to 1 only to float32 precision
+    assert chisquare(counts, expected / expected.sum() * draws).pvalue < 1e-6
 
 
 def _merged_two_draft_tokens(rule: str, seed: int, coupled_streams: bool = False, same_draft: bool = False,
@@ -184,8 +206,16 @@ def test_merged_trees_of_two_drafts_keep_the_distribution(rule, same_draft, draw
     assert _pvalue(counts, _expected(4)) > P_MIN
 
 
-def test_two_drafts_on_one_random_stream_fail_the_same_test():
+# One shared stream moves the chi-square statistic by about 0.046 per draw (254 at
+# 5,000 draws, df 24): at 3,000 draws the noncentrality is about 138 against a
+# critical value of 72 for p < 1e-6, a miss probability of about 5e-6.
+COUPLED_STREAM_DRAWS = 3000
+
+
+@pytest.mark.parametrize("draws", [COUPLED_STREAM_DRAWS, pytest.param(DRAWS, marks=pytest.mark.slow)])
+def test_two_drafts_on_one_random_stream_fail_the_same_test(draws):
     """The verifier assumes the drafts' draws are independent; the same draft twice
     on one random stream proposes the same tokens twice, which is not."""
-    counts = _merged_two_draft_tokens("without_replacement", seed=4, coupled_streams=True, same_draft=True)
+    counts = _merged_two_draft_tokens("without_replacement", seed=4, coupled_streams=True, same_draft=True,
+                                      draws=draws)
     assert _pvalue(counts, _expected(4)) < 1e-6

@@ -4,16 +4,25 @@ of ``worker/cuda_graphs.py``, run eagerly from the shape's static buffers."""
 
 from __future__ import annotations
 
+import pytest
+
 from pagedtree import LLM, SamplingParams
 from pagedtree.speculative import SpeculativeConfig
 
 
-
-def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama, tiny_llama_draft):
+# Every step runs the Triton kernels in the interpreter, so the default suite runs the
+# smallest case that still takes three padded target steps and three padded draft
+# levels (two prompts, 8 tokens); -m slow runs three prompts of 10 tokens.
+@pytest.mark.parametrize("num_prompts,max_tokens", [
+    pytest.param(2, 8, id="2-prompts-8-tokens"),
+    pytest.param(3, 10, id="3-prompts-10-tokens", marks=pytest.mark.slow),
+])
+def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama, tiny_llama_draft, num_prompts,
+                                                                     max_tokens):
     """Tree speculation with every decode and verify step of the target (and every
     draft level) padded to a static shape: the same tokens as eager steps."""
-    prompts = [{"prompt_token_ids": [3 + i, 17, 5 * i + 1, 40, 2][: 2 + i]} for i in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + i, 17, 5 * i + 1, 40, 2][: 2 + i]} for i in range(num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(static: bool):
         llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", attention_backend="triton",
