@@ -71,6 +71,10 @@ def _splitmix_uniform_numpy(keys: np.ndarray, vocab_size: int) -> np.ndarray:
 try:
     from numba import njit, prange
 
+    from pagedtree.kernels.numba_cache import use_shared_cache
+
+    use_shared_cache()  # before the kernel below is decorated
+
     @njit(parallel=True, cache=True, nogil=True)
     def _splitmix_uniform_kernel(keys, out):  # pragma: no cover - compiled
         rows, vocab = out.shape

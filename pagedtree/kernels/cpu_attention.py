@@ -29,6 +29,10 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from pagedtree.kernels.numba_cache import use_shared_cache
+
+use_shared_cache()  # before the kernels below are decorated
+
 # Keys per online-softmax tile: scores for a tile stay in L1/L2 while the value rows
 # of the same tile are read.
 KEY_TILE = 64

@@ -28,6 +28,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from pagedtree.kernels.numba_cache import use_shared_cache
+
+use_shared_cache()  # before the kernels below are decorated
+
 
 @njit(inline="always")
 def _load(src, row: int, start: int, dst_f32, dst_bits, bf16: bool) -> None:
