@@ -71,7 +71,7 @@ def _splitmix_uniform_numpy(keys: np.ndarray, vocab_size: int) -> np.ndarray:
 try:
     from numba import njit, prange
 
-    from pagedtree.kernels.numba_cache import use_shared_cache
+    from pagedtree.numba_cache import use_shared_cache
 
     use_shared_cache()  # before the kernel below is decorated
 

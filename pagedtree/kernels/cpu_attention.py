@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from pagedtree.kernels.numba_cache import use_shared_cache
+from pagedtree.numba_cache import use_shared_cache
 
 use_shared_cache()  # before the kernels below are decorated
 

@@ -44,12 +44,15 @@ def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
         EngineConfig(model=path, draft_model=path, draft_dtype="int7")
 
 
+# The default suite: bf16 (the dense default on CPUs with native bf16) and q4 (a
+# GGUF's default); -m slow every weight format and mixed draft formats.
 @pytest.mark.parametrize("target,draft", [
     (dict(dtype="bfloat16"), dict()),
-    (dict(quantization="int8"), dict(draft_quantization="none", draft_dtype="float32")),
-    (dict(quantization="int4"), dict(draft_quantization="int8")),
+    pytest.param(dict(quantization="int8"), dict(draft_quantization="none", draft_dtype="float32"),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(quantization="int4"), dict(draft_quantization="int8"), marks=pytest.mark.slow),
     (dict(quantization="q4"), dict()),
-    (dict(quantization="q8"), dict(draft_quantization="q4")),
+    pytest.param(dict(quantization="q8"), dict(draft_quantization="q4"), marks=pytest.mark.slow),
 ])
 def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, target, draft):
     if "q" in str(target.get("quantization")):

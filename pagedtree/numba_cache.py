@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1]
+PACKAGE = Path(__file__).resolve().parent
 
 
 def cache_root() -> Path:

@@ -1,5 +1,5 @@
 """The numba CPU kernels cache their compiled code in one folder per user
-(``kernels/numba_cache.py``), so a fresh clone or install does not compile them again."""
+(``pagedtree/numba_cache.py``), so a fresh clone or install does not compile them again."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ numba = pytest.importorskip("numba")
 from numba.core import caching  # noqa: E402
 
 from pagedtree.kernels import cpu_attention, cpu_elementwise  # noqa: E402
-from pagedtree.kernels.numba_cache import cache_root, use_shared_cache  # noqa: E402
+from pagedtree.numba_cache import cache_root, use_shared_cache  # noqa: E402
 
 
 def _shared_locator():
