@@ -142,7 +142,8 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
                     if sized else 0)
     max_tree_nodes = speculative.max_nodes if speculative is not None else 0
     beside = [draft_memory(draft, cache, scheduler, max_tree_nodes, requested_len)
-              for draft in drafts if draft.config.device == model.device and cache.num_kv_blocks is None]
+              for draft in drafts
+              if model.device.type == "cuda" and draft.config.device == model.device and cache.num_kv_blocks is None]
     blocks = _agree(num_kv_blocks(loaded.model, cache, scheduler, model.dtype, model.device, requested_len,
                                   graph_memory, beside), group)
     runner = _runner(loaded, blocks, cache.block_size, model, backend, channel, TARGET)
