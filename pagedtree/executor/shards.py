@@ -21,7 +21,6 @@ from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
 from pagedtree.loading.loader import LoadedModel, load_model
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
-from pagedtree.worker.models.row_blocks import row_block_for
 from pagedtree.worker.model_runner import (
     DraftMemory,
     ModelRunner,
@@ -31,6 +30,7 @@ from pagedtree.worker.model_runner import (
     num_kv_blocks,
     tree_branch_blocks,
 )
+from pagedtree.worker.models.row_blocks import row_block_for
 
 logger = logging.getLogger("pagedtree")
 
