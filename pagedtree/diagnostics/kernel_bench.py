@@ -6,8 +6,8 @@ events after an L2 flush, the median of the iterations) for a decode and for tre
 of 16 and 64 nodes at two context lengths, and reports each tree's time over the
 decode's at the same KV length (the design target is at most 1.1x) and the decode's
 share of the memory bandwidth; then what the fixed row blocks of every CUDA engine's
-products cost against one product of the real rows. Informational: the rows never fail, except when the
-benchmark cannot run. In the interpreter the timings mean nothing.
+products cost against one product of the real rows. Informational: the rows never
+fail, except when the benchmark cannot run. In the interpreter the timings mean nothing.
 """
 
 from __future__ import annotations

@@ -133,14 +133,14 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
         loaded.model.make_rows_consistent()
     backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
     graphs = _graphs_wanted(model, backend, group)
-    max_tree_tokens = 1 + (speculative.max_nodes if speculative is not None else 0)  # a tree and its root
+    max_tree_nodes = speculative.max_nodes if speculative is not None else 0
+    max_tree_tokens = 1 + max_tree_nodes  # a tree and its root
     # The graphs' memory is measured first, so that a cache sized from the memory
     # budget leaves room for it.
     sized = graphs and cache.num_kv_blocks is None
     graph_memory = (measure_cuda_graph_memory(loaded.model, cache.block_size, model.device, model.dtype,
                                               scheduler.max_num_seqs, requested_len, max_tree_tokens)
                     if sized else 0)
-    max_tree_nodes = speculative.max_nodes if speculative is not None else 0
     beside = [draft_memory(draft, cache, scheduler, max_tree_nodes, requested_len)
               for draft in drafts
               if model.device.type == "cuda" and draft.config.device == model.device and cache.num_kv_blocks is None]
