@@ -32,6 +32,7 @@ DTYPES = {
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 QUANTIZATIONS = ("int8", "int4", "q4", "q8")  # see pagedtree.worker.models.linear
+LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint, or random weights (benchmarks)
 # Formats whose kernels take bf16 activations (the others take fp32).
 BF16_QUANTIZATIONS = ("int8", "int4")
 MAX_TENSOR_PARALLEL = 64
@@ -185,6 +186,11 @@ class EngineConfig:
     blocks, exactly) and anything else dense (``loading/model_format.py``). The draft
     models take the target's dtype and quantization unless ``draft_dtype`` /
     ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts).
+
+    ``load_format="dummy"`` (vLLM's option of that name) fills every weight with
+    random values instead of reading them: a folder with only a ``config.json``
+    then loads, for benchmarks of real shapes where the weights cannot travel;
+    "auto" reads the checkpoint.
     """
 
     model: str | None = None
@@ -214,8 +220,11 @@ class EngineConfig:
     draft_tensor_parallel_size: int | None = None
     distributed_timeout: float = 60.0
     structured_output_limits: StructuredOutputLimits | None = None
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.structured_output_limits is None:
             self.structured_output_limits = StructuredOutputLimits()
         elif isinstance(self.structured_output_limits, Mapping):
@@ -329,7 +338,7 @@ class ModelConfig:
     """One model as a runner loads it (the target, or a draft), resolved: its source,
     activation dtype, weight format (None: dense), device and attention backend;
     ``head_vocab`` cuts a draft's LM head; ``enforce_eager`` switches off fused CPU
-    kernels and CUDA graphs."""
+    kernels and CUDA graphs; ``load_format`` "dummy" fills the weights at random."""
 
     model: str | None
     dtype: torch.dtype
@@ -338,6 +347,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     head_vocab: int | None = None
+    load_format: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,6 +187,23 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def fused_gpu_llm(model, dtype: str, monkeypatch, **kwargs) -> "LLM":
+    """A CPU engine on the Triton backend whose target (and drafts) run the fused GPU
+    forward, as a CUDA engine's do (dense weights, as on a GPU: nothing prepacked for
+    oneDNN)."""
+    from pagedtree import LLM
+    from pagedtree.worker.models.decoder import DecoderForCausalLM
+
+    monkeypatch.setattr(DecoderForCausalLM, "pack_weights_for_cpu", lambda self: 0)
+    llm = LLM(str(model.path), dtype=dtype, device="cpu", attention_backend="triton", enforce_eager=True,
+              max_num_seqs=4, block_size=4, **kwargs)
+    engine = llm.engine
+    assert engine.runner.model.enable_fused_gpu_ops()
+    for draft in getattr(engine.speculator, "drafts", ()) if engine.speculator is not None else ():
+        assert draft.runner.model.enable_fused_gpu_ops()
+    return llm
+
+
 def assert_no_leaks(llm) -> None:
     """Every block is back in the free pool and the bookkeeping is consistent."""
     stats = llm.stats()

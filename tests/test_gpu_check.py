@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedtree.diagnostics import engine_checks, gpu_check, kernel_bench, kernel_check, sync_check  # noqa: E402
+from pagedtree.diagnostics import dense_check, engine_checks, gpu_check, kernel_bench, kernel_check, sync_check  # noqa: E402
 from pagedtree.diagnostics.kernel_check import KernelCase, KernelMatrix  # noqa: E402
 from pagedtree.diagnostics.reference import paged_reference  # noqa: E402
 from pagedtree.diagnostics.report import FAIL, INFO, PASS, SKIPPED, Row, format_table  # noqa: E402
@@ -106,6 +106,28 @@ def test_a_planted_wrong_kernel_fails_the_check_and_the_exit_status(monkeypatch,
 
 
 @INTERPRETER
+def test_a_product_whose_rows_depend_on_the_batch_fails_the_dense_check(monkeypatch):
+    """A planted batch-dependent product (one row's bits nudged when it shares a launch
+    with others) fails its shape's row; the honest kernels pass."""
+    from pagedtree.kernels import dense_ops
+
+    honest = dense_check.invariance_rows(CPU, quick=True)
+    assert [row.verdict for row in honest] == [PASS] * len(honest)
+    real = dense_ops.invariant_linear
+
+    def batch_dependent(x, weight, bias, config, split=None):
+        out = real(x, weight, bias, config, split)
+        if out.shape[0] > 1:
+            out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(float("inf"), dtype=out.dtype))
+        return out
+
+    monkeypatch.setattr(dense_ops, "invariant_linear", batch_dependent)
+    rows = dense_check.invariance_rows(CPU, quick=True)
+    assert [row.verdict for row in rows[:-1]] == [FAIL] * (len(rows) - 1) and rows[-1].verdict == PASS
+    assert "differ" in rows[0].result
+
+
+@INTERPRETER
 def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
     """Every check in the smallest shapes: kernels and engine runs pass, graph capture
     and the sync count are skipped without CUDA, the timings are informational."""
@@ -122,7 +144,8 @@ def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
         "cuda graphs vs eager": [PASS, PASS, SKIPPED],
         "speculative vs plain": [PASS],
         "syncs per step": ([PASS] if sync_check.default_recorder(CPU)[0] == "SyncGuard" else []) + [SKIPPED],
-        "tree/decode kernel time": [INFO, INFO] + [INFO, INFO],  # decode and tree, then row blocks at 1 and 65 rows
+        "dense kernels": [PASS] * (len(dense_check.TINY) + 1) + [INFO] * (2 * len(dense_check.TINY) + 4),
+        "tree/decode kernel time": [INFO, INFO],  # decode and tree
     }, out
     assert "skipped (no CUDA)" in out and "PASSED" in out
     assert format_table(rows).splitlines()[0].split() == ["check", "case", "result", "figure", "verdict"]

@@ -2,7 +2,7 @@
 
 entrypoints -> bench/diagnostics -> engine -> executor -> speculative/loading -> worker ->
 scheduler/attention/distributed -> kernels -> step_data -> plain data (config,
-sampling_params, request, outputs, uploads, sampling) -> text_checks, numba_cache. Every import
+sampling_params, request, outputs, uploads, sampling) -> text_checks, numba_cache, devices. Every import
 (at module level, inside a function, or under ``TYPE_CHECKING``) must point to a
 lower layer or stay in its own package, so there are no import cycles between
 packages; inside a package, the files' imports form no cycle either.
@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedtree"
 
 # Lower numbers are lower layers; each key is a package or a top-level module.
 LAYERS = {
-    "text_checks": 0, "numba_cache": 0,
+    "text_checks": 0, "numba_cache": 0, "devices": 0,
     "structured_params": 1,
     "config": 2, "sampling_params": 2, "outputs": 2, "uploads": 2,
     "structured": 3,

@@ -44,6 +44,17 @@ class AttentionBackend(ABC):
         """Store ``key``/``value`` ``[T, H_kv, D]`` in layer ``layer_index``'s cache at
         the step's slots; return the attention of ``query`` ``[T, H, D]``."""
 
+    def store_target(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer_index``'s key cache, value cache and this step's slots, for a
+        caller that writes the new keys and values itself (the fused rotary kernel)
+        and then calls ``attend``; None (the default) when this backend stores them."""
+        return None
+
+    def attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
+        """Attention of ``query`` ``[T, H, D]`` over layer ``layer_index``'s cache, whose
+        new keys and values the caller has stored (``store_target``)."""
+        raise NotImplementedError(f"the {self.name} backend stores keys and values itself")
+
     @abstractmethod
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks ``src[i] -> dst[i]`` in every layer (copy-on-write)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedtree.attention.backend import AttentionBackend
+from pagedtree.devices import same_device
 from pagedtree.kernels import triton_ops
 from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, StaticShape, build_kernel_plan
 from pagedtree.kernels.triton_kernels import INTERPRETED
@@ -41,7 +42,8 @@ class TritonPagedAttention(AttentionBackend):
         first = kv_caches[0][0]
         for key_cache, value_cache in kv_caches:
             triton_ops.check_cache(key_cache, value_cache)
-            if key_cache.shape != first.shape or key_cache.dtype != first.dtype or key_cache.device != first.device:
+            if (key_cache.shape != first.shape or key_cache.dtype != first.dtype
+                    or not same_device(key_cache.device, first.device)):
                 raise ValueError("every layer's KV cache must have the same shape, dtype and device")
             if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
                 raise ValueError("KV caches must be contiguous (block copies address them as rows)")
@@ -88,6 +90,24 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError(f"layer_index {layer_index} outside [0, {len(self.kv_caches)})")
         key_cache, value_cache = self.kv_caches[layer_index]
         triton_ops.store_kv(key, value, key_cache, value_cache, plan.slot_mapping, slots_checked=True)
+        return triton_ops.unified_attention(query, key_cache, value_cache, plan, self.scale)
+
+    def store_target(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer_index``'s caches and the step's slots (range-checked in
+        ``begin_step``): the fused rotary kernel stores the new keys and values."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("begin_step must be called before attention")
+        key_cache, value_cache = self.kv_caches[layer_index]
+        return key_cache, value_cache, plan.slot_mapping
+
+    def attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
+        """Attention of ``query`` ``[T, H, D]`` over layer ``layer_index``'s cache, the
+        step's keys and values already stored (``store_target``)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("begin_step must be called before attention")
+        key_cache, value_cache = self.kv_caches[layer_index]
         return triton_ops.unified_attention(query, key_cache, value_cache, plan, self.scale)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -6,12 +6,15 @@ It runs, in order, and prints one table (check, case, result, figure, verdict):
    with the tile shape the launch code picks on this GPU, over a matrix of query
    heads per KV head, block sizes, query runs (trees with a root, causal runs, a
    decode) and head dims;
-2. graphs: greedy tokens with CUDA graphs against eager steps (plain decoding and
+2. dense: the batch-invariant products and norms of the real layer shapes, a row's
+   bits alone and in batches of 1 to 2,080 rows, then their speed against cuBLAS
+   and eager ops (``dense_check.py``);
+3. graphs: greedy tokens with CUDA graphs against eager steps (plain decoding and
    tree speculation) on a tiny random Llama built in-process;
-3. speculation: greedy tree speculation against plain decoding in bf16, token for token;
-4. syncs: host-device syncs per speculative step (the engine's sync guard over torch's
+4. speculation: greedy tree speculation against plain decoding in bf16, token for token;
+5. syncs: host-device syncs per speculative step (the engine's sync guard over torch's
    sync debug mode), one expected;
-5. bench: tree/decode kernel time ratios from ``benchmarks/kernels.py``'s measurement.
+6. bench: tree/decode kernel time ratios from ``benchmarks/kernels.py``'s measurement.
 
 It exits with status 1 when any row fails (2 on bad arguments). ``--device cpu`` runs
 the same checks in small shapes under the Triton interpreter (started in a child
@@ -40,7 +43,7 @@ import torch
 
 from pagedtree.diagnostics.report import Row, any_failed, failed_run, format_table, summary_line, write_json
 
-CHECKS = ("kernels", "graphs", "speculation", "syncs", "bench")
+CHECKS = ("kernels", "dense", "graphs", "speculation", "syncs", "bench")
 KERNELS_MODULE = "pagedtree.kernels.triton_kernels"
 
 
@@ -200,7 +203,7 @@ class EngineModels:
 def check_functions(settings: Settings, models: EngineModels,
                     progress: Callable[[str], None]) -> dict[str, Callable[[], list[Row]]]:
     """Each check's function, by name; ``progress`` takes a short status text."""
-    from pagedtree.diagnostics import engine_checks, kernel_bench, kernel_check, sync_check
+    from pagedtree.diagnostics import dense_check, engine_checks, kernel_bench, kernel_check, sync_check
 
     def kernels() -> list[Row]:
         return kernel_check.check_kernels(settings.device, settings.quick, settings.workers, settings.seed,
@@ -208,6 +211,7 @@ def check_functions(settings: Settings, models: EngineModels,
 
     return {
         "kernels": kernels,
+        "dense": lambda: dense_check.dense_rows(settings.device, settings.quick, settings.seed),
         "graphs": lambda: engine_checks.graph_rows(models.runs()),
         "speculation": lambda: engine_checks.speculation_rows(models.runs()),
         "syncs": lambda: sync_check.sync_rows(models.setup(), settings.quick),
@@ -215,7 +219,7 @@ def check_functions(settings: Settings, models: EngineModels,
     }
 
 
-CHECK_TITLES = {"kernels": "kernel vs reference", "graphs": "cuda graphs vs eager",
+CHECK_TITLES = {"kernels": "kernel vs reference", "dense": "dense kernels", "graphs": "cuda graphs vs eager",
                 "speculation": "speculative vs plain", "syncs": "syncs per step", "bench": "tree/decode kernel time"}
 
 

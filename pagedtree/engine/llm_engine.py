@@ -15,6 +15,7 @@ A step is three calls, each with one owner:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import random
 import time
@@ -23,8 +24,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
+import torch
 
 from pagedtree.config import EngineConfig, ResolvedConfig
+from pagedtree.engine.errors import EngineStoppedError
 from pagedtree.engine.output_processor import OutputProcessor
 from pagedtree.outputs import RequestOutput
 from pagedtree.request import Request, RequestStatus
@@ -40,6 +43,7 @@ from pagedtree.speculative.step_runner import StepRunner
 from pagedtree.structured.grammars import Grammars
 from pagedtree.step_data import StepPlan, StepResult
 from pagedtree.text_checks import check_text
+from pagedtree.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedtree")
 
@@ -87,6 +91,7 @@ class LLMEngine:
         self.dtype = resolved.target.dtype
         self._finalizer = (weakref.finalize(self, self.tensor_parallel.shutdown)
                            if self.tensor_parallel is not None else None)
+        self._shut_down = False
         try:
             self._load(resolved)
         except BaseException:
@@ -153,13 +158,30 @@ class LLMEngine:
         self.num_failed_requests = 0
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks and the grammar compiler's process.
-        Idempotent; the ranks are also stopped when the engine is garbage-collected
-        or the interpreter exits, and the compiler when its input closes."""
+        """Stop the tensor-parallel ranks and the grammar compiler's process, and let
+        go of the models, KV caches and CUDA graphs (on CUDA their memory goes back to
+        the device at once, for the next engine of this process to size its cache
+        from). The engine cannot step afterwards. Idempotent; the ranks are also
+        stopped when the engine is garbage-collected or the interpreter exits, and
+        the compiler when its input closes."""
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
         if self._finalizer is not None:
             self._finalizer()
+        self._shut_down = True
+        for runner in self._runners():
+            runner.close()
+        if self.device.type == "cuda":
+            gc.collect()  # whatever still refers to them in cycles
+            torch.cuda.empty_cache()
+
+    def _runners(self) -> list[ModelRunner]:
+        """The target's runner and the drafts' (those loaded so far)."""
+        runners = [self.runner] if getattr(self, "runner", None) is not None else []
+        speculator = getattr(self, "speculator", None)
+        if speculator is not None:
+            runners += [draft.runner for draft in speculator.drafts]
+        return runners
 
     def tensor_parallel_report(self) -> list[dict[str, object]]:
         """Every rank's counters (``TensorParallelGroupHandle.report``); ``[]`` on one process."""
@@ -289,6 +311,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule -> execute -> update (see module docstring); return
         the outputs of the requests it touched."""
+        if self._shut_down:
+            if self.tensor_parallel is not None:  # the group's own error says so too
+                raise self.tensor_parallel.group.mark_broken("the engine was shut down")
+            raise EngineStoppedError("the engine was shut down")
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         result = self.step_runner.execute(plan)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pagedtree.attention import resolve_backend_name
 from pagedtree.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pagedtree.devices import same_device
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelGroup
 from pagedtree.executor.commands import CommandChannel
 from pagedtree.executor.tp_runner import TensorParallelRunner
@@ -63,7 +64,9 @@ def load_draft_weights(draft: ModelConfig, channel: CommandChannel | None = None
     """Draft ``draft``'s weights (this rank's shard of them with a ``channel``)."""
     group = channel.group if channel is not None else None
     loaded = load_model(draft.model, dtype=draft.dtype, device=draft.device, quantization=draft.quantization,
-                        group=group, head_vocab=draft.head_vocab)
+                        group=group, head_vocab=draft.head_vocab, load_format=draft.load_format)
+    if draft.device.type == "cuda":  # the fused kernels: fewer launches a level (speed only for a draft)
+        loaded.model.enable_fused_gpu_ops()
     return DraftWeights(draft, loaded, group)
 
 
@@ -116,7 +119,7 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     """
     group = channel.group if channel is not None else None
     loaded = load_model(model.model, dtype=model.dtype, device=model.device, quantization=model.quantization,
-                        group=group)
+                        group=group, load_format=model.load_format)
     model_limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
     requested_len = max_model_len or model_limit
     if requested_len > model_limit:
@@ -124,11 +127,15 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     # A token's logits must not depend on whether a tree pass or a one-token decode
     # computed them (greedy with speculation == without, in any dtype). Before any
     # graph is captured: the graphs freeze the forward as it is then. On CUDA every
-    # engine computes in fixed row blocks, so that a plain engine's tokens are a
-    # speculating one's (and do not depend on the batch either); on CPU only a
-    # speculating engine pads its one-row products.
+    # engine, plain or speculating, runs the batch-invariant fused kernels, so that a
+    # plain engine's tokens are a speculating one's and do not depend on the batch;
+    # a model they cannot run computes in fixed, padded row blocks instead. On CPU
+    # only a speculating engine pads its one-row products.
     if model.device.type == "cuda":
-        loaded.model.make_rows_consistent(row_block_for(model.device))
+        if not loaded.model.enable_fused_gpu_ops():
+            logger.info("the fused GPU kernels cannot run %s: dense products and norms run in padded "
+                        "row blocks for batch invariance", model.model)
+            loaded.model.make_rows_consistent(row_block_for(model.device))
     elif speculative is not None:
         loaded.model.make_rows_consistent()
     backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
@@ -143,7 +150,8 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
                     if sized else 0)
     beside = [draft_memory(draft, cache, scheduler, max_tree_nodes, requested_len)
               for draft in drafts
-              if model.device.type == "cuda" and draft.config.device == model.device and cache.num_kv_blocks is None]
+              if model.device.type == "cuda" and same_device(draft.config.device, model.device)
+              and cache.num_kv_blocks is None]
     blocks = _agree(num_kv_blocks(loaded.model, cache, scheduler, model.dtype, model.device, requested_len,
                                   graph_memory, beside), group)
     runner = _runner(loaded, blocks, cache.block_size, model, backend, channel, TARGET)

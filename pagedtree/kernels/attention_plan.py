@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedtree.devices import same_device
 from pagedtree.uploads import StagedUpload
 
 if TYPE_CHECKING:  # kernels read the metadata; they never import the layers above
@@ -722,7 +723,7 @@ def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int,
         raise ValueError(f"slot_mapping must have shape [{num_tokens}], got {list(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    if slot_mapping.device != device:
+    if not same_device(slot_mapping.device, device):
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the KV cache on {device}")
     if num_tokens:
         if bounds is None:

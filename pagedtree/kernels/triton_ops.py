@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedtree.devices import same_device
 from pagedtree.kernels import triton_kernels as K
 from pagedtree.kernels.attention_plan import KernelPlan, TileShape, choose_splits, choose_tile_shape, next_power_of_2
 from pagedtree.uploads import upload
@@ -41,7 +42,7 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         raise ValueError(f"KV cache must be [num_blocks, block_size, H_kv, D], got shape {list(key_cache.shape)}")
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
         raise ValueError("key and value caches must have the same shape and dtype")
-    if key_cache.device != value_cache.device:
+    if not same_device(key_cache.device, value_cache.device):
         raise ValueError("key and value caches must be on the same device")
     if key_cache.dtype not in _DTYPES:
         raise ValueError(f"KV cache dtype must be one of {_DTYPES}, got {key_cache.dtype}")
@@ -53,7 +54,7 @@ def _check_tokens(name: str, x: torch.Tensor, num_tokens: int, heads: int | None
     if x.dim() != 3 or x.shape[0] != num_tokens or x.shape[2] != head_dim or (heads is not None and x.shape[1] != heads):
         want = f"[{num_tokens}, {heads if heads is not None else 'H'}, {head_dim}]"
         raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")
-    if x.device != device:
+    if not same_device(x.device, device):
         raise ValueError(f"{name} is on {x.device}, the KV cache on {device}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"{name} dtype must be one of {_DTYPES}, got {x.dtype}")
@@ -82,7 +83,7 @@ def store_kv(
         raise ValueError("slot_mapping must be a 1-D int32/int64 tensor")
     _check_tokens("key", key, num_tokens, num_kv_heads, head_dim, key_cache.device)
     _check_tokens("value", value, num_tokens, num_kv_heads, head_dim, key_cache.device)
-    if slot_mapping.device != key_cache.device:
+    if not same_device(slot_mapping.device, key_cache.device):
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the KV cache on {key_cache.device}")
     if num_tokens == 0:
         return
@@ -172,7 +173,7 @@ def unified_attention(
     _check_tokens("query", query, plan.num_tokens, None, head_dim, device)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if plan.query_start.device != device:
+    if not same_device(plan.query_start.device, device):
         raise ValueError(f"plan is on {plan.query_start.device}, the KV cache on {device}")
     group = num_heads // num_kv_heads
     tile = tile or default_tile_shape(plan, num_heads, num_kv_heads, device, head_dim, key_cache.element_size())
@@ -186,11 +187,11 @@ def unified_attention(
     if tile.block_m < 16 and not K.INTERPRETED:
         raise ValueError(f"tile has {tile.block_m} rows; compiled tl.dot needs at least 16")
     if kv_loads is not None and (kv_loads.dtype != torch.int32 or kv_loads.shape != (plan.num_requests,)
-                                 or kv_loads.device != device):
+                                 or not same_device(kv_loads.device, device)):
         raise ValueError(f"kv_loads must be an int32 [{plan.num_requests}] tensor on {device}")
     if out is None:
         out = torch.empty_like(query)
-    elif out.shape != query.shape or out.device != device or out.stride(-1) != 1:
+    elif out.shape != query.shape or not same_device(out.device, device) or out.stride(-1) != 1:
         raise ValueError("out must be like query")
     if plan.num_tokens == 0:
         return out
@@ -275,7 +276,8 @@ def copy_rows(
     device = first.device
     check_device(device)
     for t in tensors:
-        if not t.is_contiguous() or t.dtype != first.dtype or t.device != device or t.numel() != rows_per_tensor * row_elems:
+        if (not t.is_contiguous() or t.dtype != first.dtype or not same_device(t.device, device)
+                or t.numel() != rows_per_tensor * row_elems):
             raise ValueError("copy_rows needs contiguous tensors of one dtype, device and size")
     dtype = _TL_DTYPES[first.dtype]
     block_e = min(1024, next_power_of_2(row_elems))

@@ -106,6 +106,7 @@ def load_model(
     quantization: str | None = None,
     group: TensorParallelGroup | None = None,
     head_vocab: int | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Build our implementation of ``model`` and load its weights onto ``device``.
 
@@ -120,11 +121,17 @@ def load_model(
 
     ``head_vocab`` cuts the LM head to the tokenizer's first ``head_vocab`` ids plus
     its special tokens (a draft's vocabulary, ``draft_vocab``); logits stay full-width.
+
+    ``load_format="dummy"`` reads only the folder's ``config.json`` and fills every
+    weight at random (``fill_dummy_weights``): real shapes without the checkpoint.
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if head_vocab is not None and group is not None and group.size > 1:
         raise ValueError("a draft vocabulary cut needs an unsharded draft")
     sharded = group is not None and group.size > 1
-    gguf_file = gguf_source(model) if quantization is not None and not sharded else None
+    dummy = load_format == "dummy"
+    gguf_file = gguf_source(model) if quantization is not None and not sharded and not dummy else None
     if gguf_file is not None:
         # Straight from the GGUF's quantized blocks: the dense model is never built.
         folder = gguf_config_folder(model, gguf_file)
@@ -141,7 +148,10 @@ def load_model(
     cls = model_class_for(config)
     layout = ShardLayout.for_rank(config, group.rank, group.size) if sharded else None
     net = build_empty(cls, config, dtype, device, layout, group if sharded else None)
-    load_safetensors_weights(net, _safetensors_files(folder))
+    if dummy:
+        fill_dummy_weights(net)
+    else:
+        load_safetensors_weights(net, _safetensors_files(folder))
     net.eval()
     tokenizer = load_tokenizer(folder)
     if head_vocab is not None:
@@ -151,6 +161,22 @@ def load_model(
     elif pack_weights:
         net.pack_weights_for_cpu()
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=folder)
+
+
+def fill_dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights where a checkpoint's would go, on the parameters' own device:
+    normal with std 0.02 for matrices and embeddings (transformers' initialiser, so
+    activations keep realistic magnitudes), ones for norm weights, zeros for biases.
+    Seeded: the same model every time."""
+    generator = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
 
 
 def gguf_source(model: str | Path | None) -> Path | None:

@@ -25,6 +25,7 @@ from pagedtree.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
+from pagedtree.devices import indexed_device
 from pagedtree.loading.model_format import block_quant_available, default_quantization
 
 
@@ -41,13 +42,15 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_device(device: str) -> torch.device:
-    """The torch device to run on ("auto": CUDA when present, else CPU)."""
+    """The torch device to run on ("auto": CUDA when present, else CPU), a CUDA one
+    with its index: ``cuda`` is the current CUDA device, named as its tensors name it
+    (``cuda:0``), so that what holds the engine's device and what holds its tensors agree."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = torch.device(device)  # the name was checked by EngineConfig
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return resolved
+        raise ValueError(f"device={device!r} but no CUDA device is available")
+    return indexed_device(resolved)
 
 
 def resolve_dtype(dtype: str | torch.dtype, quantization: str | None, device: torch.device) -> torch.dtype:
@@ -90,7 +93,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     target = ModelConfig(
         model=config.model, dtype=resolve_dtype(config.dtype, target_quantization, device),
         quantization=target_quantization, device=device, attention_backend=config.attention_backend,
-        enforce_eager=config.enforce_eager,
+        enforce_eager=config.enforce_eager, load_format=config.load_format,
     )
     speculative = config.speculative if config.speculation_enabled else None
     draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,

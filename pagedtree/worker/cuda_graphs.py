@@ -20,8 +20,11 @@ shapes every time:
   wide as that, shared by every shape, and a step sends only the entries that
   changed (``attention_plan.DeviceBlockTables``), so its host work follows the
   tables' real lengths, not ``max_model_len``;
-- the hidden states of every padded row come out of the graph; the LM head runs
-  after it on the rows the step wants, then the sampler or the verifier.
+- a decode step's graph (one token a request) ends with the LM head over every
+  padded row, so its logits come out of the graph and the head costs no launches
+  of its own; a verify step's graph gives the hidden states of every padded row
+  and the LM head runs after it on the rows the step wants (its padded rows would
+  be up to 32 x 65 vocabulary rows). Then the sampler or the verifier.
 
 Every shape is captured at start-up (``capture_all``), largest first, into one
 memory pool that all graphs share (each graph's activations are dead once it has
@@ -135,7 +138,8 @@ class StepGraphs:
         self.max_blocks = -(-(max_model_len + self.token_buckets[-1]) // runner.block_size)
         self.capture = capture
         self._uploads: dict[tuple[int, int], StagedUpload] = {}
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (CUDA graph, its output)
+        # shape -> (CUDA graph, its hidden states, its logits: decode shapes only)
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
         self._pool = None
         self._side_stream: torch.cuda.Stream | None = None  # of every warm-up: one cuBLAS workspace
         self.report: CaptureReport | None = None
@@ -173,8 +177,13 @@ class StepGraphs:
         input_ids, positions, rows = self.prepare(chunks, logit_rows, shape)
         self.num_steps += 1
         if self.capture:
-            graph, hidden = self._graphs[shape]
+            graph, hidden, logits = self._graphs[shape]
             graph.replay()
+            n = len(logit_rows)
+            if logits is not None and logit_rows == list(range(n)):  # a decode step's rows, in order
+                # A copy: the next replay overwrites the graph's output, and a draft
+                # may keep a level's logits past it.
+                return logits[:n].clone()
         else:
             hidden = runner.model(input_ids, positions, runner.attention)
         return runner.model.compute_logits(hidden[rows[:len(logit_rows)]])
@@ -224,7 +233,7 @@ class StepGraphs:
             if not self.capture:
                 continue
             try:
-                self._graphs[shape] = self._capture(input_ids, positions)
+                self._graphs[shape] = self._capture(input_ids, positions, with_head=shape[1] == 1)
             except Exception as exc:  # noqa: BLE001 - a shape that cannot be captured runs eagerly
                 failed.append((shape, f"{type(exc).__name__}: {exc}"))
                 if log:
@@ -239,8 +248,10 @@ class StepGraphs:
                         MAX_GRAPH_TOKENS, self.report.seconds, memory / 2**20)
         return self.report
 
-    def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """A graph of the model over the prepared static step, and its output."""
+    def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 with_head: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+        """A graph of the model over the prepared static step, its hidden states and,
+        ``with_head``, the logits of every padded row (the LM head in the graph)."""
         runner = self.runner
         # A warm-up outside the graph compiles the kernels and allocates the plan's
         # work buffers (it writes the same keys and values the replay writes: harmless),
@@ -250,17 +261,22 @@ class StepGraphs:
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(side):
-            runner.model(input_ids, positions, runner.attention)
+            hidden = runner.model(input_ids, positions, runner.attention)
+            if with_head:
+                runner.model.compute_logits(hidden)
         stream = torch.cuda.current_stream(runner.device)
         stream.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        logits = None
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 hidden = runner.model(input_ids, positions, runner.attention)
+                if with_head:
+                    logits = runner.model.compute_logits(hidden)
         except BaseException:
             # A capture that fails inside may leave its capture stream current: the
             # eager steps that follow belong on the stream they ran on before.
             torch.cuda.set_stream(stream)
             raise
         self._pool = graph.pool()
-        return graph, hidden
+        return graph, hidden, logits

@@ -66,17 +66,28 @@ def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: Sche
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    why = ""
     if device.type == "cuda":
+        # Memory an earlier engine of this process let go of still counts as in use
+        # until it is collected (objects in reference cycles) and handed back by
+        # torch's caching allocator (the blocks it keeps): both first, then measure.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used = total - free  # the weights, the drafts' included
         # Leave room for activations of a full token budget (a generous estimate).
         activations = 16 * scheduler.max_num_batched_tokens * model.config.hidden_size * 4 + (1 << 30)
+        share = int(total * cache.gpu_memory_utilization)
         # The graphs' pool is private: eager steps cannot use it, nor the cache.
-        budget = int(total * cache.gpu_memory_utilization) - used - activations - graph_memory
+        budget = share - used - activations - graph_memory
         # Each draft's cache grows with the target's: one target block costs its own
         # bytes and every draft's.
-        budget -= sum(draft.fixed_bytes() for draft in drafts)
+        draft_bytes = sum(draft.fixed_bytes() for draft in drafts)
+        budget -= draft_bytes
         blocks = max(budget, 0) // (per_block + sum(draft.bytes_per_target_block() for draft in drafts))
+        why = (f": gpu_memory_utilization {cache.gpu_memory_utilization} of {_gib(total)} is {_gib(share)}, "
+               f"less {_gib(used)} in use ({cuda_memory_in_use(device, used)}), {_gib(activations)} for "
+               f"activations, {_gib(graph_memory)} for the CUDA graphs and {_gib(draft_bytes)} for the drafts")
     else:
         budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         blocks = budget // per_block
@@ -84,8 +95,23 @@ def num_kv_blocks(model: DecoderForCausalLM, cache: CacheConfig, scheduler: Sche
     blocks = min(blocks, useful)
     if blocks < 2:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes"
-                         + (" (with the draft models' caches)" if drafts else ""))
+                         + (" (with the draft models' caches)" if drafts else "") + why)
     return int(blocks)
+
+
+def cuda_memory_in_use(device: torch.device, used: int) -> str:
+    """Who holds the ``used`` bytes of ``device``, as far as this process can tell:
+    its tensors (torch's allocator), the blocks its allocator keeps cached, and the
+    rest (CUDA contexts, other processes, memory outside torch's allocator)."""
+    tensors = torch.cuda.memory_allocated(device)
+    cached = max(torch.cuda.memory_reserved(device) - tensors, 0)
+    rest = max(used - tensors - cached, 0)
+    return (f"{_gib(tensors)} by this process's tensors, {_gib(cached)} cached by its allocator, "
+            f"{_gib(rest)} by the rest: CUDA contexts and other processes")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 def measure_cuda_graph_memory(model: DecoderForCausalLM, block_size: int, device: torch.device,
@@ -165,9 +191,27 @@ class ModelRunner:
         # Counted on every rank alike: tensor-parallel ranks that ran the same steps agree.
         self.num_block_copies = 0
         self.num_slot_copies = 0
+        self.closed = False
+
+    def close(self) -> None:
+        """Let go of everything that holds device memory: the CUDA graphs (and their
+        pool), the KV cache, the attention backend and the model. A shut-down engine
+        may still be referenced (``llm = LLM(...)`` rebinds ``llm`` only once the new
+        engine has sized its cache from the free memory), so its memory is freed here
+        rather than when it is collected. The runner cannot run afterwards; its
+        counters stay. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.graphs = None  # the graphs and the runner refer to each other
+        self.kv_caches = []
+        self._generators.clear()
+        del self.attention, self.model, self._upload
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this runner holds on its device: weights (this rank's shard) and KV cache."""
+        if self.closed:
+            return {"weights": 0, "kv_cache": 0}
         kv = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
         return {"weights": self.model.weight_bytes(), "kv_cache": kv}
 

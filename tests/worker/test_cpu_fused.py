@@ -123,10 +123,11 @@ def test_fused_forward_matches_eager_forward(arch, tiny_llama, tiny_qwen2):
 
 
 def test_fused_ops_are_off_with_enforce_eager(tiny_llama):
+    """On CPU (pinned: the fused ops are CPU kernels, off on any other device)."""
     from pagedtree import LLM
 
-    assert LLM(str(tiny_llama.path), dtype="float32").engine.runner.fused_cpu_ops
-    eager = LLM(str(tiny_llama.path), dtype="float32", enforce_eager=True).engine.runner
+    assert LLM(str(tiny_llama.path), dtype="float32", device="cpu").engine.runner.fused_cpu_ops
+    eager = LLM(str(tiny_llama.path), dtype="float32", device="cpu", enforce_eager=True).engine.runner
     assert not eager.fused_cpu_ops and eager.model.fused_forward is None
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(str(tiny_llama.path), enforce_eager="yes")

@@ -236,12 +236,12 @@ def _fake_capture(failing_shape, replay_fails: bool = False):
     """A ``StepGraphs._capture`` that fails for steps of ``failing_shape`` requests and
     captures a ``_FakeGraph`` otherwise."""
 
-    def capture(self, input_ids, positions):
+    def capture(self, input_ids, positions, with_head=False):
         plan = self.runner.attention._plan  # the shape being captured
         if (plan.num_requests, plan.num_tokens // plan.num_requests) == failing_shape:
             raise RuntimeError("operation not permitted when stream is capturing")
         graph = _FakeGraph(self.runner, input_ids, positions, replay_fails)
-        return graph, graph.hidden
+        return graph, graph.hidden, None
 
     return capture
 

@@ -40,7 +40,7 @@ def test_tuning_applies_on_glibc_and_can_be_switched_off():
 def test_cpu_runner_tunes_malloc(tiny_llama):
     from pagedtree import LLM
 
-    LLM(str(tiny_llama.path), dtype="float32")
+    LLM(str(tiny_llama.path), dtype="float32", device="cpu")  # a CPU runner, on any machine
     assert host_allocator._tuned is GLIBC
 
 

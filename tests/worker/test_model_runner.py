@@ -68,3 +68,63 @@ def test_kv_cache_sizing(runner_and_model, tiny_llama):
                       cpu, max_model_len=512)
     assert num_draft_kv_blocks(CacheConfig(), max_num_seqs=3, max_tree_nodes=4, target_blocks=100) == 100 + 3 * (4 + 2)
     assert num_draft_kv_blocks(CacheConfig(num_draft_kv_blocks=7), 3, 4, 100) == 7
+
+
+class _FakeDevice:
+    """A CUDA device's memory as ``torch.cuda`` reports it (mocked): ``tensors`` bytes
+    in live tensors, ``cached`` in the allocator's cache (an earlier engine's, freed
+    but not handed back until ``empty_cache``) and ``rest`` outside torch."""
+
+    def __init__(self, monkeypatch, total: int, tensors: int, cached: int, rest: int):
+        self.total, self.tensors, self.cached, self.rest = total, tensors, cached, rest
+        for name in ("empty_cache", "mem_get_info", "memory_allocated", "memory_reserved"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def empty_cache(self) -> None:
+        self.cached = 0
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        return self.total - (self.tensors + self.cached + self.rest), self.total
+
+    def memory_allocated(self, device=None) -> int:
+        return self.tensors
+
+    def memory_reserved(self, device=None) -> int:
+        return self.tensors + self.cached
+
+
+def test_cuda_kv_sizing_hands_cached_memory_back_before_measuring(runner_and_model, monkeypatch):
+    """An earlier engine's memory sits in torch's allocator cache until ``empty_cache``:
+    measured before it, it made a second engine's cache negative (mocked device)."""
+    model = runner_and_model[0].model
+    gib = 1 << 30
+    device = _FakeDevice(monkeypatch, total=80 * gib, tensors=4 * gib, cached=60 * gib, rest=gib)
+    scheduler = SchedulerConfig(max_num_seqs=4)
+    blocks = num_kv_blocks(model, CacheConfig(block_size=16, gpu_memory_utilization=0.3), scheduler,
+                           torch.float32, torch.device("cuda", 0), max_model_len=256)
+    assert device.cached == 0
+    assert blocks == 4 * 256 // 16 + 1  # every sequence at full length: the budget holds far more
+
+
+def test_a_cuda_kv_budget_too_small_says_who_holds_the_memory(runner_and_model, monkeypatch):
+    model = runner_and_model[0].model
+    gib = 1 << 30
+    _FakeDevice(monkeypatch, total=80 * gib, tensors=20 * gib, cached=0, rest=5 * gib)
+    with pytest.raises(ValueError, match=r"fewer than 2 blocks.*0\.3 of 80\.00 GiB is 24\.00 GiB, less 25\.00 GiB "
+                                         r"in use \(20\.00 GiB by this process's tensors, 0\.00 GiB cached by its "
+                                         r"allocator, 5\.00 GiB by the rest"):
+        num_kv_blocks(model, CacheConfig(block_size=16, gpu_memory_utilization=0.3), SchedulerConfig(),
+                      torch.float32, torch.device("cuda", 0), max_model_len=256)
+
+
+def test_a_closed_runner_lets_go_of_its_model_and_cache(tiny_llama):
+    import gc
+    import weakref
+
+    runner = ModelRunner(load_model(tiny_llama.path).model, 8, 4, torch.device("cpu"), torch.float32, "torch")
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0][0])
+    runner.close()
+    runner.close()  # idempotent
+    gc.collect()
+    assert model() is None and cache() is None
+    assert runner.memory_bytes() == {"weights": 0, "kv_cache": 0}

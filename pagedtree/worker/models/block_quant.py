@@ -21,8 +21,9 @@ environment sets a policy; a warning says so where torch came first.
 
 Rows are independent of each other: each row's activations are quantized on their
 own, and a row's result does not depend on the rows beside it, except that MLAS
-runs a single 4-bit row through another kernel (different summation order); a layer
-with ``pad_single_rows`` therefore computes one row as two, which costs the same.
+may run a single row through another kernel (different summation order; on AVX2 it
+does for 4-bit rows, while an AVX-512 CPU gave a lone row the same bits); a layer with
+``pad_single_rows`` therefore computes one row as two, which costs the same.
 """
 
 from __future__ import annotations
@@ -31,9 +32,13 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # onnx is imported where a graph is built: q4/q8 layers only
+    import onnx
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,14 @@ BLOCK = 32
 BITS = {"q4": 4, "q8": 8}
 # int8 compute (MLAS's integer kernels); 0 would dequantize to fp32 and run an SGEMM.
 _ACCURACY_LEVEL = 4
+# The graphs' operator sets: ONNX's own at 21 (Reshape, ReduceSum with its axes as an
+# input, MatMul, Add) and Microsoft's, where MatMulNBits lives.
+ONNX_OPSET = 21
+# The graphs' IR version, written out: onnx stamps its own newest by default (14 for
+# onnx 1.23), which an ONNX Runtime older than that onnx refuses ("Unsupported model IR
+# version"). 10 is the lowest that opset 21 needs (onnx.helper.VERSION_TABLE), read by
+# every ONNX Runtime that runs opset 21.
+ONNX_IR_VERSION = 10
 
 
 @dataclass
@@ -197,37 +210,47 @@ def _share_thread_pool() -> None:
     _pybind_state.set_global_thread_pool_sizes(threads, 1)
 
 
+def block_matmul_model(weights: BlockWeights) -> onnx.ModelProto:
+    """The ONNX model of ``A @ weight.T`` for ``weights``:
+    ``MatMulNBits`` on the codes, plus the offsets' block sums where the weights have
+    offsets; input ``A`` ``[M, k]``, output ``Y`` ``[M, n]``, both fp32."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = weights.n, weights.k
+    nodes = [helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"],
+                              ["Y" if weights.offsets is None else "Y_codes"], domain="com.microsoft",
+                              K=k, N=n, bits=weights.bits, block_size=weights.block,
+                              accuracy_level=_ACCURACY_LEVEL)]
+    initializers = [numpy_helper.from_array(weights.codes, "B"), numpy_helper.from_array(weights.scales, "scales"),
+                    numpy_helper.from_array(weights.zero_points, "zero_points")]
+    if weights.offsets is not None:
+        # Y += (block sums of A) @ offsets.T: each block's minimum times its inputs' sum.
+        blocks = k // weights.block
+        initializers += [
+            numpy_helper.from_array(np.ascontiguousarray(weights.offsets.reshape(n, blocks).T), "offsets"),
+            numpy_helper.from_array(np.array([0, blocks, weights.block], np.int64), "block_shape"),
+            numpy_helper.from_array(np.array([2], np.int64), "block_axis")]
+        nodes += [helper.make_node("Reshape", ["A", "block_shape"], ["A_blocks"]),
+                  helper.make_node("ReduceSum", ["A_blocks", "block_axis"], ["A_sums"], keepdims=0),
+                  helper.make_node("MatMul", ["A_sums", "offsets"], ["Y_offsets"]),
+                  helper.make_node("Add", ["Y_codes", "Y_offsets"], ["Y"])]
+    graph = helper.make_graph(
+        nodes, "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializers)
+    return helper.make_model(graph, ir_version=ONNX_IR_VERSION,
+                             opset_imports=[helper.make_opsetid("", ONNX_OPSET),
+                                            helper.make_opsetid("com.microsoft", 1)])
+
+
 class BlockMatMul:
     """``x @ weight.T`` for one ``BlockWeights`` (fp32 rows in, fp32 rows out)."""
 
     def __init__(self, weights: BlockWeights):
         import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
 
         _share_thread_pool()
         self.n, self.k, self.bits = weights.n, weights.k, weights.bits
-        nodes = [helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"],
-                                  ["Y" if weights.offsets is None else "Y_codes"], domain="com.microsoft",
-                                  K=self.k, N=self.n, bits=self.bits, block_size=weights.block,
-                                  accuracy_level=_ACCURACY_LEVEL)]
-        initializers = [numpy_helper.from_array(weights.codes, "B"), numpy_helper.from_array(weights.scales, "scales"),
-                        numpy_helper.from_array(weights.zero_points, "zero_points")]
-        if weights.offsets is not None:
-            # Y += (block sums of A) @ offsets.T: each block's minimum times its inputs' sum.
-            blocks = self.k // weights.block
-            initializers += [
-                numpy_helper.from_array(np.ascontiguousarray(weights.offsets.reshape(self.n, blocks).T), "offsets"),
-                numpy_helper.from_array(np.array([0, blocks, weights.block], np.int64), "block_shape"),
-                numpy_helper.from_array(np.array([2], np.int64), "block_axis")]
-            nodes += [helper.make_node("Reshape", ["A", "block_shape"], ["A_blocks"]),
-                      helper.make_node("ReduceSum", ["A_blocks", "block_axis"], ["A_sums"], keepdims=0),
-                      helper.make_node("MatMul", ["A_sums", "offsets"], ["Y_offsets"]),
-                      helper.make_node("Add", ["Y_codes", "Y_offsets"], ["Y"])]
-        graph = helper.make_graph(
-            nodes, "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", self.k])],
-            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", self.n])], initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                        helper.make_opsetid("com.microsoft", 1)])
+        model = block_matmul_model(weights)
         options = ort.SessionOptions()
         options.use_per_session_threads = False
         # The engine's own threads (torch's OpenMP pool) run between these calls:

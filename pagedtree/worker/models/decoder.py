@@ -278,8 +278,10 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
-        # Set by ``enable_fused_cpu_ops``: the forward with fused element-wise work.
+        # Set by ``enable_fused_cpu_ops`` / ``enable_fused_gpu_ops``: the forward with
+        # fused element-wise work (and, on a GPU, its batch-invariant LM head).
         self.fused_forward = None
+        self.fused_head = None
 
     def checkpoint_target(self, name: str) -> CheckpointTarget:
         """Where checkpoint tensor ``name`` (Hugging Face naming) goes in this model.
@@ -345,6 +347,23 @@ class DecoderForCausalLM(nn.Module):
         except ImportError:  # numba is optional
             return False
         self.fused_forward = FusedCpuForward(self)
+        return True
+
+    def enable_fused_gpu_ops(self) -> bool:
+        """Run the forward and the LM head through the batch-invariant, fused Triton
+        kernels (``gpu_fused``) from now on: a token's bits then do not depend on the
+        batch or tree beside it, without padding. Returns whether it could: Triton
+        installed, a dense fp16/bf16/fp32 model whose shapes the kernels take, on CUDA
+        (or on CPU tensors under the Triton interpreter)."""
+        try:
+            from pagedtree.worker.models.gpu_fused import FusedGpuForward, supports
+        except ImportError:  # no Triton
+            return False
+        if supports(self) is not None:
+            return False
+        fused = FusedGpuForward(self)
+        self.fused_forward = fused
+        self.fused_head = fused.logits
         return True
 
     def make_rows_consistent(self, row_block: int | None = None) -> int:
@@ -418,7 +437,7 @@ class DecoderForCausalLM(nn.Module):
 
         Sharded: each rank computes its vocabulary slice and rank 0 gathers them
         into ``[N, V]``; the other ranks get their own slice back."""
-        logits = self.lm_head(hidden)
+        logits = self.fused_head(hidden) if self.fused_head is not None else self.lm_head(hidden)
         if self.head_rows is not None:
             full = logits.new_full((logits.shape[0], len(self.layout.vocab)), float("-inf"))
             return full.index_copy_(1, self.head_rows, logits)

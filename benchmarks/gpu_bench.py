@@ -1,0 +1,418 @@
+"""The GPU benchmark: plain decoding, speculative step costs and peers, in one run.
+
+Random weights in real shapes (no weights travel to a GPU machine): the
+Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
+``load_format="dummy"`` from config-only folders made here. Per section:
+
+- plain: decode tokens/s and ms a step at batch 1, 16 and 64 (a step's time from
+  two generations of different lengths: the difference over the extra steps, so
+  prefill and start-up cancel out), and the 0.5B draft's own decode step (one
+  draft level at batch 1);
+- speculation: a forced chain of 4 and the 16-node static tree at batch 1 and 16:
+  ms a step (time over target passes), against the plain step of the same batch,
+  and the speed-up those costs give at the mean acceptance lengths measured on
+  CPU with the real Qwen pair (``--acceptance``; random weights accept what they
+  accept, so their own acceptance is reported but not used);
+- suffix: the model-free suffix drafter (16 nodes, fixed) at batch 1, its step cost;
+- llama8b: plain decoding of the 8B shape at batch 1 and 16;
+- transformers: ``generate`` of the same 1.5B shape (bf16, random weights) at batch
+  1 and 16 in the same run, after a warm-up.
+
+The weight-stream floor (the weights' bytes over the GPU's memory bandwidth) is
+printed beside each plain figure. One table, as text and markdown, and JSON.
+
+    python benchmarks/gpu_bench.py                         # on a GPU: every section (< 5 minutes)
+    python benchmarks/gpu_bench.py --sections plain,speculation --json out.json
+    python benchmarks/gpu_bench.py --device cpu --tiny     # a dry run on CPU (tiny shapes, interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SECTIONS = ("plain", "speculation", "suffix", "llama8b", "transformers")
+# Mean acceptance lengths (tokens a step, the target's own included) of the real
+# Qwen2.5-Coder 1.5B/0.5B pair on coding prompts, greedy, batch 1, measured on CPU
+# (benchmarks/RESULTS.md, "Acceptance lengths for the GPU benchmark").
+CPU_ACCEPTANCE = {"chain-4": 3.93, "static-16": 4.24}
+# HBM bandwidth of the GPUs the floors are quoted for (bytes/s), by name fragment.
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+QWEN_1_5B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                 num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151_936,
+                 max_position_embeddings=32_768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True, hidden_act="silu", bos_token_id=151_643, eos_token_id=151_645)
+QWEN_0_5B = dict(QWEN_1_5B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+LLAMA_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14_336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128_256,
+                max_position_embeddings=8192, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                hidden_act="silu", bos_token_id=128_000, eos_token_id=128_001)
+TINY = dict(QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+TINY_DRAFT = dict(TINY, num_hidden_layers=1)
+
+
+@dataclass(slots=True)
+class Figure:
+    """One line of the table."""
+
+    section: str
+    case: str
+    value: str
+    versus: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; tiny 8)")
+    parser.add_argument("--output-len", type=int, default=None, help="tokens a long run generates (default 64; "
+                                                                       "tiny 6)")
+    parser.add_argument("--acceptance", default=",".join(f"{k}={v}" for k, v in CPU_ACCEPTANCE.items()),
+                        help="mean acceptance lengths measured on CPU with the real pair, name=value,...")
+    parser.add_argument("--profile", action="store_true", help="also print where the host's time goes in batch-1 "
+                                                                   "decode steps (cProfile)")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--markdown", default=None, help="write the table here as markdown")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    try:
+        args.acceptance_lengths = {k: float(v) for k, v in (item.split("=") for item in args.acceptance.split(",")
+                                                            if item)}
+    except ValueError:
+        parser.error("--acceptance takes name=value pairs, e.g. chain-4=3.9,static-16=4.2")
+    return args
+
+
+def write_config(folder: Path, config: dict) -> str:
+    """A model folder holding only ``config.json`` (weights come from ``load_format="dummy"``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}))
+    return str(folder)
+
+
+def weight_bytes(config: dict) -> int:
+    """Bytes of a Llama-family model's bf16 weights (the stream a decode step reads)."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    vocab = config["vocab_size"] * h * (1 if config["tie_word_embeddings"] else 2)
+    return 2 * (layers * per_layer + vocab + h)
+
+
+class Runner:
+    """Builds engines on the chosen device and times their decode steps."""
+
+    def __init__(self, args: argparse.Namespace, device: str, folder: Path):
+        self.args = args
+        self.device = device
+        self.folder = folder
+        self.tiny = args.tiny
+        self.prompt_len = args.prompt_len or (8 if self.tiny else 128)
+        self.output_len = args.output_len or (6 if self.tiny else 64)
+        self.short_len = 2 if self.tiny else 8
+        self.target = write_config(folder / "target", TINY if self.tiny else QWEN_1_5B)
+        self.draft = write_config(folder / "draft", TINY_DRAFT if self.tiny else QWEN_0_5B)
+        self.llama = write_config(folder / "llama8b", TINY if self.tiny else LLAMA_8B)
+        self._prompt_seed = 0
+
+    def llm(self, model: str, max_num_seqs: int, **kwargs):
+        from pagedtree import LLM
+
+        extra = dict(attention_backend="triton") if self.device == "cpu" else {}
+        return LLM(model, load_format="dummy", dtype="bfloat16", device=self.device, max_num_seqs=max_num_seqs,
+                   max_model_len=self.prompt_len + self.output_len + 80, enable_prefix_caching=False,
+                   gpu_memory_utilization=0.6, **extra, **kwargs)
+
+    def prompts(self, batch: int, vocab: int) -> list[dict]:
+        """Distinct random token-id prompts (a new set per call)."""
+        import torch
+
+        self._prompt_seed += 1
+        gen = torch.Generator().manual_seed(self._prompt_seed)
+        return [{"prompt_token_ids": torch.randint(10, vocab - 10, (self.prompt_len,), generator=gen).tolist()}
+                for _ in range(batch)]
+
+    def step_time(self, llm, batch: int, vocab: int) -> dict:
+        """Seconds a decode step takes at ``batch``: two generations of different lengths,
+        the difference over the extra target passes (and the extra tokens)."""
+        from pagedtree import SamplingParams
+
+        runs = {}
+        for length in (self.short_len, self.output_len):
+            params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+            llm.generate(self.prompts(batch, vocab), params, use_tqdm=False)  # warm this length and batch
+            before = llm.stats()
+            started = time.perf_counter()
+            llm.generate(self.prompts(batch, vocab), params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            after = llm.stats()
+            runs[length] = (seconds, after["num_target_forward_passes"] - before["num_target_forward_passes"],
+                            after["num_generated_tokens"] - before["num_generated_tokens"])
+        (s0, p0, t0), (s1, p1, t1) = runs[self.short_len], runs[self.output_len]
+        step = (s1 - s0) / max(1, p1 - p0)
+        return dict(step_seconds=step, tokens_per_second=(t1 - t0) / (s1 - s0), tokens_per_step=(t1 - t0) / max(
+            1, p1 - p0))
+
+
+def _vocab(tiny: bool, config: dict) -> int:
+    return TINY["vocab_size"] if tiny else config["vocab_size"]
+
+
+def graph_replay_seconds(llm, shape: tuple[int, int] = (1, 1), replays: int = 50) -> float | None:
+    """GPU seconds of one replay of the engine's CUDA graph of ``shape`` (the model's
+    forward alone, no host work): the step's device floor. None without graphs."""
+    import torch
+
+    graphs = llm.engine.runner.graphs
+    if graphs is None or not graphs.capture or shape not in graphs._graphs:
+        return None
+    graph = graphs._graphs[shape][0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
+
+
+def host_profile(llm, run: "Runner", vocab: int, steps: int = 32, top: int = 14) -> str:
+    """Where the host's time goes in ``steps`` batch-1 decode steps (cProfile, own time
+    per function, the largest first): what a step spends beside the GPU."""
+    import cProfile
+    import io
+    import pstats
+
+    from pagedtree import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    llm.generate(run.prompts(1, vocab), params, use_tqdm=False)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def free(llm) -> None:
+    """Shut an engine down and give its memory back before the next one is built."""
+    import torch
+
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def floor_ms(config: dict, gpu_name: str) -> str:
+    """The weight-stream floor of a decode step on this GPU (weights over bandwidth)."""
+    peak = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in gpu_name), None)
+    if peak is None:
+        return ""
+    return f"floor {weight_bytes(config) / peak * 1e3:.2f} ms"
+
+
+def section_plain(run: Runner, gpu: str) -> tuple[list[Figure], dict]:
+    figures = []
+    plain_steps = {}
+    llm = run.llm(run.target, max_num_seqs=4 if run.tiny else 64)
+    for batch in ((1, 2) if run.tiny else (1, 16, 64)):
+        t = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+        plain_steps[batch] = t["step_seconds"]
+        figures.append(Figure("plain", f"1.5B, batch {batch}", f"{t['tokens_per_second']:.0f} tokens/s",
+                              f"{t['step_seconds'] * 1e3:.2f} ms a step; "
+                              + floor_ms(TINY if run.tiny else QWEN_1_5B, gpu), t))
+        replay = graph_replay_seconds(llm, (batch, 1))
+        if replay is not None:
+            figures.append(Figure("plain", f"1.5B, batch {batch}: the graph's replay alone",
+                                  f"{replay * 1e3:.3f} ms", f"the rest of the step: "
+                                  f"{(t['step_seconds'] - replay) * 1e3:.2f} ms", dict(replay_seconds=replay)))
+    if run.args.profile:
+        print(host_profile(llm, run, _vocab(run.tiny, QWEN_1_5B)), flush=True)
+    free(llm)
+    llm = run.llm(run.draft, max_num_seqs=4)
+    t = run.step_time(llm, 1, _vocab(run.tiny, QWEN_0_5B))
+    figures.append(Figure("plain", "0.5B draft alone, batch 1 (one draft level)",
+                          f"{t['step_seconds'] * 1e3:.2f} ms a step",
+                          floor_ms(TINY_DRAFT if run.tiny else QWEN_0_5B, gpu), t))
+    replay = graph_replay_seconds(llm, (1, 1))
+    if replay is not None:
+        figures.append(Figure("plain", "0.5B draft alone, batch 1: the graph's replay alone", f"{replay * 1e3:.3f} ms",
+                              f"the rest of the step: {(t['step_seconds'] - replay) * 1e3:.2f} ms",
+                              dict(replay_seconds=replay)))
+    free(llm)
+    return figures, plain_steps
+
+
+def section_speculation(run: Runner, plain_steps: dict, acceptance: dict) -> list[Figure]:
+    from pagedtree.speculative import SpeculativeConfig
+
+    configs = {"chain-4": dict(tree="chain", depth=4, max_nodes=4, adaptive=False),
+               "static-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=False)}
+    figures = []
+    for name, spec in configs.items():
+        llm = run.llm(run.target, max_num_seqs=4 if run.tiny else 16, draft_model=run.draft,
+                      speculative=SpeculativeConfig(**spec))
+        for batch in ((1,) if run.tiny else (1, 16)):
+            t = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+            plain = plain_steps.get(batch)
+            ratio = t["step_seconds"] / plain if plain else float("nan")
+            length = acceptance.get(name)
+            speedup = f"; {length / ratio:.2f}x plain at the CPU's acceptance {length}" if length and plain else ""
+            figures.append(Figure("speculation", f"{name}, batch {batch}", f"{t['step_seconds'] * 1e3:.2f} ms a step",
+                                  f"{ratio:.2f}x a plain step{speedup} (random weights: "
+                                  f"{t['tokens_per_step']:.2f} tokens a step)", t | dict(vs_plain=ratio)))
+        free(llm)
+    return figures
+
+
+def section_suffix(run: Runner, plain_steps: dict) -> list[Figure]:
+    from pagedtree.speculative import SpeculativeConfig
+
+    llm = run.llm(run.target, max_num_seqs=4, speculative=SpeculativeConfig(drafter="suffix", max_nodes=16,
+                                                                            adaptive=False))
+    t = run.step_time(llm, 1, _vocab(run.tiny, QWEN_1_5B))
+    free(llm)
+    plain = plain_steps.get(1)
+    return [Figure("suffix", "suffix drafter, 16 nodes fixed, batch 1", f"{t['step_seconds'] * 1e3:.2f} ms a step",
+                   (f"{t['step_seconds'] / plain:.2f}x a plain step; " if plain else "")
+                   + f"{t['tokens_per_step']:.2f} tokens a step on the random model's own repeats", t)]
+
+
+def section_llama(run: Runner, gpu: str) -> list[Figure]:
+    figures = []
+    llm = run.llm(run.llama, max_num_seqs=4 if run.tiny else 16)
+    for batch in ((1,) if run.tiny else (1, 16)):
+        t = run.step_time(llm, batch, _vocab(run.tiny, LLAMA_8B))
+        figures.append(Figure("llama8b", f"Llama-3-8B shape, batch {batch}", f"{t['tokens_per_second']:.0f} tokens/s",
+                              f"{t['step_seconds'] * 1e3:.2f} ms a step; " + floor_ms(TINY if run.tiny else LLAMA_8B,
+                                                                                      gpu), t))
+    free(llm)
+    return figures
+
+
+def section_transformers(run: Runner) -> list[Figure]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if run.device == "cuda" else "cpu"
+    config = AutoConfig.from_pretrained(run.target)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    figures = []
+    for batch in ((1,) if run.tiny else (1, 16)):
+        ids = torch.randint(10, config.vocab_size - 10, (batch, run.prompt_len), device=device)
+        times = {}
+        for length in (run.short_len, run.output_len):
+            kwargs = dict(max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
+            with torch.no_grad():
+                model.generate(ids, **kwargs)  # warm-up of this length
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                model.generate(ids, **kwargs)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times[length] = time.perf_counter() - started
+        step = (times[run.output_len] - times[run.short_len]) / (run.output_len - run.short_len)
+        figures.append(Figure("transformers", f"generate, 1.5B shape, batch {batch}", f"{batch / step:.0f} tokens/s",
+                              f"{step * 1e3:.2f} ms a step", dict(step_seconds=step)))
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return figures
+
+
+def table(figures: list[Figure], header: str) -> str:
+    lines = [header, "", "| section | case | figure | against |", "|---|---|---:|---|"]
+    lines += [f"| {f.section} | {f.case} | {f.value} | {f.versus} |" for f in figures]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    if device == "auto" or device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            if device == "cuda":
+                print("error: --device cuda, but no CUDA device is available", file=sys.stderr)
+                return 2
+            device = "cpu"
+        else:
+            device = "cuda"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU tensors
+        if not args.tiny:
+            print("note: --device cpu runs the Triton kernels in the interpreter; use --tiny", file=sys.stderr)
+    import torch
+    from tqdm import tqdm
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    sections = [s for s in SECTIONS if s in args.sections.split(",")]
+    figures: list[Figure] = []
+    seconds: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="pagedtree-gpu-bench-") as folder:
+        run = Runner(args, device, Path(folder))
+        plain_steps: dict = {}
+        bar = tqdm(sections, desc="gpu bench", unit="section", disable=args.no_progress, file=sys.stderr)
+        for name in bar:
+            bar.set_postfix_str(name)
+            started = time.perf_counter()
+            try:
+                if name == "plain":
+                    found, plain_steps = section_plain(run, gpu)
+                elif name == "speculation":
+                    found = section_speculation(run, plain_steps, args.acceptance_lengths)
+                elif name == "suffix":
+                    found = section_suffix(run, plain_steps)
+                elif name == "llama8b":
+                    found = section_llama(run, gpu)
+                else:
+                    found = section_transformers(run)
+            except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
+                found = [Figure(name, "error", f"{type(exc).__name__}", str(exc).splitlines()[0][:200]
+                                if str(exc) else "")]
+            figures += found
+            seconds[name] = round(time.perf_counter() - started, 1)
+            print("\n".join(f"  {f.section:12s} {f.case:44s} {f.value:>18s}  {f.versus}" for f in found), flush=True)
+    header = (f"pagedtree GPU bench on {gpu}; torch {torch.__version__}; bf16, random weights, prompts of "
+              f"{run.prompt_len} tokens, steps timed over {run.output_len - run.short_len} extra tokens")
+    text = table(figures, header)
+    print(text)
+    print(f"sections took {seconds}")
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(header=header, seconds=seconds,
+                                                   figures=[asdict(f) for f in figures]), indent=1))
+    return 1 if any(f.case == "error" for f in figures) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Check: the batch-invariant dense kernels on this GPU, bits and speed.
+
+1. Bits: every product of a real layer shape (the Qwen2.5 1.5B's, a Llama-3-8B's)
+   gives each row the same bits alone, in batches of 1 to 2,080 rows and in both
+   launch modes (K-groups spread over programs, or walked by one), and stays within
+   the dtype's rounding of an fp32 reference; RMSNorm rows likewise. A row that
+   differs fails the check: greedy speculation would then differ from plain decoding.
+2. Speed (informational): each product against cuBLAS (``F.linear``; for the gated
+   MLP, ``F.linear`` then SiLU * up) at 1 to 2,080 rows, and the weights' stream in
+   GB/s at one row; the fused norm and rotary + KV store against their eager ops.
+   Timed as CUDA graphs of repeated calls over enough weight copies to spill the
+   L2 cache, so launch overhead and cached weights flatter neither side.
+
+In the interpreter (``--device cpu``) the same checks run on small shapes; the
+timings there mean nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedtree.diagnostics.report import FAIL, INFO, PASS, Row
+
+CHECK = "dense kernels"
+# (name, n_out, k, gated, bias): one model's products; the head last.
+QWEN_1_5B = (("qkv", 2048, 1536, False, True), ("o", 1536, 1536, False, False),
+             ("gate_up", 8960, 1536, True, False), ("down", 1536, 8960, False, False),
+             ("head", 151_936, 1536, False, False))
+LLAMA_8B = (("qkv", 6144, 4096, False, False), ("o", 4096, 4096, False, False),
+            ("gate_up", 14_336, 4096, True, False), ("down", 4096, 14_336, False, False),
+            ("head", 128_256, 4096, False, False))
+TINY = (("qkv", 96, 200, False, True), ("gate_up", 80, 64, True, False), ("down", 64, 160, False, False))
+CUDA_ROWS = (1, 17, 65, 256, 2080)
+CPU_ROWS = (1, 17, 70)
+TIMED_ROWS = (1, 16, 64, 256, 2080)
+L2_SPILL_BYTES = 256 << 20  # weight copies cycled through per timing: more than any L2
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if not gated:
+        return out
+    gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _layer(name: str, n_out: int, k: int, gated: bool, bias: bool, dtype: torch.dtype, device: torch.device,
+           gen: torch.Generator):
+    from pagedtree.kernels import dense_ops
+
+    halves = 2 if gated else 1
+    weight = (torch.randn(halves * n_out, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+    b = (torch.randn(halves * n_out, generator=gen, device=device) * 0.1).to(dtype) if bias else None
+    config = dense_ops.matmul_config(n_out, k, gated, dtype, *dense_ops.device_kind(device))
+    return weight, b, config
+
+
+def invariance_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
+    """Check 1's rows: one per layer shape and dtype, FAIL when any row's bits depend
+    on its batch or launch mode, or the error against fp32 passes the dtype's bound."""
+    from pagedtree.kernels import dense_ops
+
+    on_gpu = device.type == "cuda"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = [("qwen2.5-1.5b", QWEN_1_5B)] + ([] if quick else [("llama-3-8b", LLAMA_8B)]) if on_gpu \
+        else [("tiny", TINY)]
+    counts = CUDA_ROWS if on_gpu else CPU_ROWS
+    dtypes = (torch.bfloat16, torch.float16) if on_gpu and not quick else (torch.bfloat16,)
+    rows = []
+    for model, layers in shapes:
+        for dtype in dtypes:
+            for name, n_out, k, gated, bias in layers:
+                if name == "head" and dtype != torch.bfloat16:
+                    continue
+                weight, b, config = _layer(name, n_out, k, gated, bias, dtype, device, gen)
+                x = torch.randn(counts[-1], k, generator=gen, device=device).to(dtype)
+                full = dense_ops.invariant_linear(x, weight, b, config)
+                mismatches = []
+                for m in counts:
+                    modes = (True, False) if m <= dense_ops.SPLIT_MAX_ROWS else (False,)
+                    for split in modes:
+                        if not torch.equal(dense_ops.invariant_linear(x[:m], weight, b, config, split=split),
+                                           full[:m]):
+                            mismatches.append(f"{m} rows{' split' if split else ''}")
+                for i in sorted({0, 5, min(64, counts[-1] - 1), counts[-1] - 1}):
+                    if not torch.equal(dense_ops.invariant_linear(x[i:i + 1], weight, b, config), full[i:i + 1]):
+                        mismatches.append(f"row {i} alone")
+                ref = _reference(x, weight, b, gated)
+                error = float((full.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+                bound = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+                ok = not mismatches and error <= bound
+                case = f"{model} {name} {n_out}x{k}{' gated' if gated else ''} {str(dtype).removeprefix('torch.')}"
+                result = "same bits in every batch and mode" if not mismatches else "differ: " + ", ".join(
+                    mismatches[:4])
+                rows.append(Row(CHECK, case, result, f"max error {error:.2e} of max |ref| (bound {bound:.0e})",
+                                PASS if ok else FAIL, dict(mismatches=mismatches, error=error,
+                                                           group_k=config.group_k, groups=config.num_groups)))
+                del weight, b, x, full, ref
+    rows.append(_norm_row(device, gen))
+    return rows
+
+
+def _norm_row(device: torch.device, gen: torch.Generator) -> Row:
+    """The fused add + RMSNorm: the residual exactly ``residual + x``, a row alone the
+    same bits as in a batch of 2,080."""
+    from pagedtree.kernels import dense_ops
+
+    hidden, count = (1536, 2080) if device.type == "cuda" else (96, 9)
+    weight = torch.randn(hidden, generator=gen, device=device).to(torch.bfloat16)
+    x = torch.randn(count, hidden, generator=gen, device=device).to(torch.bfloat16)
+    residual = torch.randn(count, hidden, generator=gen, device=device).to(torch.bfloat16)
+    summed = residual + x
+    batch = residual.clone()
+    out = dense_ops.add_rms_norm(x, weight, 1e-6, batch)
+    lone = residual[count - 1:].clone()
+    same = torch.equal(batch, summed) and torch.equal(
+        dense_ops.add_rms_norm(x[count - 1:], weight, 1e-6, lone), out[count - 1:])
+    return Row(CHECK, f"add + RMSNorm, {count} x {hidden} bf16", "same bits alone and in a batch" if same
+               else "a row differs alone", "-", PASS if same else FAIL)
+
+
+def graph_seconds(make_calls: Callable[[], list[Callable[[], object]]], device: torch.device,
+                  repeats: int = 3) -> float:
+    """Seconds one call takes on the GPU: ``make_calls()``'s calls (over distinct
+    weight copies) captured into one CUDA graph, replayed, the median per call. On CPU:
+    wall time of a plain loop."""
+    import time
+
+    calls = make_calls()
+    for call in calls[:2]:
+        call()
+    if device.type != "cuda":
+        started = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - started) / len(calls)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for call in calls:  # warm-up on a side stream (workspaces, compiles)
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def speed_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
+    """Check 2's rows: each product against cuBLAS per row count, the stream at one row."""
+    from pagedtree.kernels import dense_ops
+
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        from pagedtree.diagnostics.kernel_bench import spin_up
+
+        spin_up(device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    dtype = torch.bfloat16
+    layers = QWEN_1_5B + (() if quick else LLAMA_8B) if on_gpu else TINY
+    counts = TIMED_ROWS if on_gpu else (1, 16)
+    note = "" if on_gpu else " (interpreter: not a timing)"
+    rows = []
+    for index, (name, n_out, k, gated, bias) in enumerate(layers):
+        weight, b, config = _layer(name, n_out, k, gated, bias, dtype, device, gen)
+        nbytes = weight.numel() * weight.element_size()
+        copies = max(1, min(16, -(-L2_SPILL_BYTES // nbytes))) if on_gpu else 1
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        model = "qwen2.5-1.5b" if index < len(QWEN_1_5B) or not on_gpu else "llama-3-8b"
+        for m in counts:
+            x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+
+            def ours(w, x=x):
+                return lambda: dense_ops.invariant_linear(x, w, b, config)
+
+            def cublas(w, x=x):
+                if not gated:
+                    return lambda: F.linear(x, w, b)
+
+                def run():
+                    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+                    return F.silu(gate) * up
+                return run
+
+            mine = graph_seconds(lambda: [ours(w) for w in weights], device)
+            theirs = graph_seconds(lambda: [cublas(w) for w in weights], device)
+            figure = f"{theirs / mine:.2f}x cuBLAS's speed"
+            if m == 1:
+                figure += f"; {nbytes / mine / 1e9:.0f} GB/s"
+            rows.append(Row(CHECK, f"{model} {name} {n_out}x{k}, {m} rows",
+                            f"{mine * 1e6:.1f} us (cuBLAS {theirs * 1e6:.1f} us){note}", figure, INFO,
+                            dict(rows=m, seconds=mine, cublas_seconds=theirs, weight_bytes=nbytes,
+                                 split=dense_ops.uses_split(m, config, dense_ops.device_sms(device)))))
+        del weights, weight
+    return rows + _glue_rows(device, gen, note)
+
+
+def _glue_rows(device: torch.device, gen: torch.Generator, note: str) -> list[Row]:
+    """The fused add + RMSNorm and rotary + KV store against their eager ops (1.5B shapes)."""
+    from pagedtree.kernels import dense_ops
+    from pagedtree.kernels import triton_ops
+    from pagedtree.worker.models.decoder import RMSNorm, apply_rotary
+
+    on_gpu = device.type == "cuda"
+    hidden, heads, kv_heads, head_dim = (1536, 12, 2, 128) if on_gpu else (96, 4, 2, 32)
+    dtype = torch.bfloat16
+    rows = []
+    norm = RMSNorm(hidden, 1e-6).to(device=device, dtype=dtype)
+    cos_sin = torch.randn(4096, 2 * head_dim, generator=gen, device=device).to(dtype)
+    cache = [torch.zeros(256, 16, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    for m in (1, 64):
+        x = torch.randn(m, hidden, generator=gen, device=device).to(dtype)
+        residual = torch.randn(m, hidden, generator=gen, device=device).to(dtype)
+
+        def eager_norm():
+            s = residual + x
+            return norm(s)
+
+        fused = graph_seconds(lambda: [lambda: dense_ops.add_rms_norm(x, norm.weight, 1e-6, residual)] * 8, device)
+        eager = graph_seconds(lambda: [eager_norm] * 8, device)
+        rows.append(Row(CHECK, f"add + RMSNorm, {m} rows x {hidden}", f"{fused * 1e6:.1f} us (eager "
+                        f"{eager * 1e6:.1f} us){note}", f"{eager / fused:.2f}x eager", INFO))
+        qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+        positions = torch.randint(0, 4096, (m,), generator=gen, device=device)
+        slots = torch.randperm(256 * 16, generator=gen, device=device)[:m]
+
+        def eager_rotary():
+            q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+            cos, sin = cos_sin[positions, :head_dim], cos_sin[positions, head_dim:]
+            apply_rotary(q.view(m, heads, head_dim), cos, sin)
+            k = apply_rotary(k.view(m, kv_heads, head_dim), cos, sin)
+            triton_ops.store_kv(k, v.view(m, kv_heads, head_dim), cache[0], cache[1], slots, slots_checked=True)
+
+        fused = graph_seconds(lambda: [lambda: dense_ops.rotary_store(qkv, positions, cos_sin, heads, kv_heads,
+                                                                      head_dim, slots, cache[0], cache[1])] * 8,
+                              device)
+        eager = graph_seconds(lambda: [eager_rotary] * 8, device)
+        rows.append(Row(CHECK, f"rotary + KV store, {m} tokens, {heads}/{kv_heads} heads",
+                        f"{fused * 1e6:.1f} us (eager {eager * 1e6:.1f} us){note}", f"{eager / fused:.2f}x eager",
+                        INFO))
+    return rows
+
+
+def dense_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
+    """The check's rows: bits first, then speed."""
+    return invariance_rows(device, quick, seed) + speed_rows(device, quick, seed)

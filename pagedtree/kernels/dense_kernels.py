@@ -1,0 +1,241 @@
+"""Triton kernels for a decoder layer's dense work, each a row's result whatever the batch.
+
+A token's logits must be the same bits whether a one-token decode or a 65-token tree
+computed them (greedy with speculation == without, in 16-bit types too). A library
+GEMM picks its tiling and split-K by the row count, so the same row can round
+differently in two batches. These kernels fix everything a row's arithmetic depends
+on per layer, never per batch:
+
+- ``_invariant_matmul_kernel`` (``x @ W.T`` + bias, optionally SiLU(gate) * up):
+  every output element is a sum over the input features in *K-groups* of a fixed
+  width (``GROUP_K``, chosen per layer from its shape alone). Within a group the
+  products accumulate in one chained ``tl.dot`` loop from zero; the groups' sums are
+  added to an fp32 total in group order, starting from zero. One program can walk
+  all the groups (``SPLIT=False``, wide batches), or each program takes one group
+  and writes its sum to a workspace, and the last program of an output tile to
+  finish adds the groups in order (``SPLIT=True``, small batches: a decode's GEMV
+  needs many programs to stream the weights). Both give the same fp32 total, hence
+  the same rounded result, for any row count: the tile shape, the instruction and
+  the order of every addition are the layer's, not the batch's.
+- ``_add_rms_norm_kernel``: one program per row, the residual add and the norm.
+- ``_rotary_store_kernel``: one program per token, the rotary embedding of its query
+  and key heads (in place in the q/k/v projection's output) and its keys and values
+  written to their paged-cache slot.
+
+Arithmetic follows transformers' eager order where it rounds: a sum in the model's
+dtype, the norm in fp32 cast back before the weight, rotary products rounded one by
+one, SiLU(gate) * up on the rounded projections, so the fused layer's tokens stay the
+eager layer's tokens up to the GEMM's own summation order.
+
+Like ``triton_kernels``, the module must be imported after ``TRITON_INTERPRET`` is
+set when it should run on CPU tensors; every load and store is masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pagedtree.kernels.triton_kernels import _cast
+
+
+@triton.jit
+def _matmul_group(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k0, K, stride_xm, stride_wn,
+                  BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_FP32: tl.constexpr, ROW_EXACT_DOT: tl.constexpr):
+    """The fp32 sum ``x[rows, k0:k0+GROUP_K] @ w[cols, k0:k0+GROUP_K].T`` from zero,
+    one chained ``tl.dot`` over ``BLOCK_K`` steps (features past ``K`` are zeros)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for step in range(0, GROUP_K, BLOCK_K):
+        k = k0 + step + ks
+        k_ok = k < K
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if ROW_EXACT_DOT:
+            # The interpreter's tl.dot is a BLAS call whose kernel treats a row by its
+            # place in the tile; a broadcast sum adds every element's products alike.
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * tl.trans(b.to(tl.float32))[None, :, :], axis=1)
+        elif DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, n_out, stride_om,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """Bias, rounding to the output dtype and, ``GATED``, SiLU(gate) * up, stored."""
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            total_up += tl.load(bias_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = _cast(total, dtype, MANUAL_BF16)
+    if GATED:
+        # Eager's roundings: the projections, SiLU of the gate, then the product.
+        gate = out.to(tl.float32)
+        up = _cast(total_up, dtype, MANUAL_BF16).to(tl.float32)
+        act = _cast(gate * tl.sigmoid(gate), dtype, MANUAL_BF16).to(tl.float32)
+        out = _cast(act * up, dtype, MANUAL_BF16)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+# The row count changes from step to step: no specialisation on it (a server would
+# otherwise compile again mid-run for 1, multiples of 16 and the rest).
+@triton.jit(do_not_specialize=["M"])
+def _invariant_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, K, n_out, stride_xm, stride_wn, stride_om,
+    NUM_GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROW_EXACT_DOT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    """``out[M, n_out] = x[M, K] @ w.T (+ bias)``; ``GATED``: ``w`` holds the gate rows
+    then the up rows (``2 * n_out``) and ``out = SiLU(x @ gate.T) * (x @ up.T)``.
+
+    Grid ``(row tiles * column tiles, NUM_GROUPS if SPLIT else 1)``, row tiles
+    fastest (neighbouring programs share a weight tile in L2). ``SPLIT``: program
+    ``(t, g)`` writes K-group ``g``'s sum to ``part[g]`` (``[NUM_GROUPS, 1 + GATED,
+    M, n_out]`` fp32), then counts itself in ``count[t]``; the tile's last program
+    adds the groups in order, finishes the tile and puts the counter back to 0.
+    """
+    tile = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tile_m = tile % tiles_m
+    tile_n = tile // tiles_m
+    rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = rows < M
+    col_ok = cols < n_out
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SPLIT:
+        group = tl.program_id(1)
+        part = _matmul_group(x_ptr, w_ptr, rows, cols, row_ok, col_ok, group * GROUP_K, K, stride_xm, stride_wn,
+                             BLOCK_K, GROUP_K, BLOCK_M, BLOCK_N, DOT_FP32, ROW_EXACT_DOT)
+        cell = rows[:, None] * n_out + cols[None, :]
+        cell_ok = row_ok[:, None] & col_ok[None, :]
+        plane = tl.cast(M, tl.int64) * n_out  # one group's (one half's) sums
+        halves = 2 if GATED else 1
+        tl.store(part_ptr + (group * halves) * plane + cell, part, mask=cell_ok)
+        if GATED:
+            part_up = _matmul_group(x_ptr, w_ptr + n_out * stride_wn, rows, cols, row_ok, col_ok, group * GROUP_K,
+                                    K, stride_xm, stride_wn, BLOCK_K, GROUP_K, BLOCK_M, BLOCK_N, DOT_FP32, ROW_EXACT_DOT)
+            tl.store(part_ptr + (group * 2 + 1) * plane + cell, part_up, mask=cell_ok)
+        # Every thread's sums are written before one thread counts the program in:
+        # the barrier orders them within the program, the counter's release (and the
+        # last program's acquire) across programs.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_GROUPS - 1:
+            for g in range(NUM_GROUPS):
+                # .cg: from L2, never a stale line of this SM's L1.
+                total += tl.load(part_ptr + (g * halves) * plane + cell, mask=cell_ok, other=0.0,
+                                 cache_modifier=".cg")
+                if GATED:
+                    total_up += tl.load(part_ptr + (g * 2 + 1) * plane + cell, mask=cell_ok, other=0.0,
+                                        cache_modifier=".cg")
+            _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, n_out, stride_om,
+                             HAS_BIAS, GATED, MANUAL_BF16)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        for group in range(NUM_GROUPS):
+            total += _matmul_group(x_ptr, w_ptr, rows, cols, row_ok, col_ok, group * GROUP_K, K, stride_xm,
+                                   stride_wn, BLOCK_K, GROUP_K, BLOCK_M, BLOCK_N, DOT_FP32, ROW_EXACT_DOT)
+            if GATED:
+                total_up += _matmul_group(x_ptr, w_ptr + n_out * stride_wn, rows, cols, row_ok, col_ok,
+                                          group * GROUP_K, K, stride_xm, stride_wn, BLOCK_K, GROUP_K, BLOCK_M,
+                                          BLOCK_N, DOT_FP32, ROW_EXACT_DOT)
+        _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, n_out, stride_om,
+                         HAS_BIAS, GATED, MANUAL_BF16)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    """One program per row. ``HAS_RESIDUAL``: ``residual += x`` (rounded to its dtype,
+    in place), then ``out = weight * rmsnorm(residual)``; else ``out = weight *
+    rmsnorm(x)``. The norm in fp32, cast to the dtype before the weight (transformers'
+    order)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < n
+    dtype = out_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        s = _cast(h + r, residual_ptr.dtype.element_ty, MANUAL_BF16)
+        tl.store(residual_ptr + row * stride_r + cols, s, mask=ok)
+        h = s.to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / n
+    normed = _cast(h * tl.rsqrt(variance + eps), dtype, MANUAL_BF16).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, _cast(w * normed, dtype, MANUAL_BF16), mask=ok)
+
+
+@triton.jit
+def _rotate(x, x_swapped, cos, sin, HALF_SIGN, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` with each product rounded to ``DTYPE``, as eager does."""
+    first = _cast(x * cos, DTYPE, MANUAL_BF16).to(tl.float32)
+    second = _cast(x_swapped * HALF_SIGN * sin, DTYPE, MANUAL_BF16).to(tl.float32)
+    return _cast(first + second, DTYPE, MANUAL_BF16)
+
+
+@triton.jit
+def _rotary_store_kernel(
+    qkv_ptr, positions_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    num_positions, stride_t, stride_cs, stride_cb, stride_cblk, stride_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STORE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    """One program per token of the q/k/v projection's output ``[T, (H + 2 H_kv) * D]``:
+    its query and key heads rotated in place (half-split layout, ``cos_sin[pos]`` =
+    the position's ``[cos | sin]`` table row in the model's dtype), and with ``STORE``
+    its rotated keys and its values written to cache slot ``slot[t]`` (``[blocks,
+    block_size, H_kv, D]`` caches; a negative slot stores nothing)."""
+    t = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    swapped = (dims + half) % HEAD_DIM
+    sign = tl.where(dims < half, -1.0, 1.0)
+    dtype = qkv_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < num_positions)  # checked on the host; never read outside the table
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + dims, mask=pos_ok & (dims < HEAD_DIM), other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM + dims, mask=pos_ok & (dims < HEAD_DIM),
+                  other=0.0).to(tl.float32)
+    row = qkv_ptr + t * stride_t
+
+    heads = tl.arange(0, HEADS_P)
+    q_ok = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    q_at = row + heads[:, None] * HEAD_DIM
+    q = tl.load(q_at + dims[None, :], mask=q_ok, other=0.0).to(tl.float32)
+    q_sw = tl.load(q_at + swapped[None, :], mask=q_ok, other=0.0).to(tl.float32)
+    kv_heads = tl.arange(0, KV_HEADS_P)
+    kv_ok = (kv_heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    k_at = row + (NUM_HEADS + kv_heads[:, None]) * HEAD_DIM
+    k = tl.load(k_at + dims[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    k_sw = tl.load(k_at + swapped[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    # Another thread's element is read as the swapped half: every load before any
+    # store writes the row in place.
+    tl.debug_barrier()
+    q_rot = _rotate(q, q_sw, cos[None, :], sin[None, :], sign[None, :], dtype, MANUAL_BF16)
+    tl.store(q_at + dims[None, :], q_rot, mask=q_ok)
+    k_rot = _rotate(k, k_sw, cos[None, :], sin[None, :], sign[None, :], dtype, MANUAL_BF16)
+    tl.store(k_at + dims[None, :], k_rot, mask=kv_ok)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        store_ok = kv_ok & (slot >= 0)
+        cache_at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cblk
+        cache_at = cache_at + kv_heads[:, None] * stride_ch + dims[None, :]
+        cache_ty = k_cache_ptr.dtype.element_ty
+        v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_heads[:, None]) * HEAD_DIM + dims[None, :], mask=kv_ok,
+                    other=0.0)
+        tl.store(k_cache_ptr + cache_at, _cast(k_rot.to(tl.float32), cache_ty, MANUAL_BF16), mask=store_ok)
+        tl.store(v_cache_ptr + cache_at, _cast(v.to(tl.float32), cache_ty, MANUAL_BF16), mask=store_ok)
