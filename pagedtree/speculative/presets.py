@@ -12,6 +12,7 @@ from typing import Any
 
 TREE_PRESETS: dict[str, dict[str, Any]] = {
     "chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=False),
+    "chain-4": dict(tree="chain", depth=4, max_nodes=4, adaptive=False),
     "chain-3": dict(tree="chain", depth=3, max_nodes=3, adaptive=False),
     # One draft token a step from a draft whose head keeps 32,768 ids: the fastest
     # measured at batch 1 in q4 on the 2-core AVX2 CPU, where a 2-row verify costs
