@@ -37,6 +37,10 @@ logger = logging.getLogger("pagedtree")
 
 # The model index commands carry: 0 the target, 1 + i draft model i.
 TARGET = 0
+# New tokens per request a draft's graphs take: a level's one node, or a catch-up of
+# two (a fully accepted path's last node, never fed, and the target's bonus token);
+# longer catch-ups (after a preemption, the prompt) run eagerly.
+DRAFT_GRAPH_TOKENS = 2
 
 
 @dataclass(slots=True)
@@ -77,7 +81,7 @@ def draft_memory(draft: DraftWeights, cache: CacheConfig, scheduler: SchedulerCo
     config = draft.config
     backend = resolve_backend_name(config.attention_backend, config.device, config.dtype)
     graph_bytes = (measure_cuda_graph_memory(draft.loaded.model, cache.block_size, config.device, config.dtype,
-                                             MAX_GRAPH_BATCH, max_model_len, 1)
+                                             MAX_GRAPH_BATCH, max_model_len, DRAFT_GRAPH_TOKENS)
                    if _graphs_wanted(config, backend, draft.group) else 0)
     return DraftMemory(bytes_per_block=kv_bytes_per_block(draft.loaded.model, cache.block_size, config.dtype),
                        extra_blocks=tree_branch_blocks(scheduler.max_num_seqs, max_tree_nodes),
@@ -185,9 +189,10 @@ def load_draft(weights: DraftWeights, index: int, cache: CacheConfig, scheduler:
     backend = resolve_backend_name(draft.attention_backend, draft.device, draft.dtype)
     runner = _runner(loaded, blocks, cache.block_size, draft, backend, channel, TARGET + 1 + index)
     if _graphs_wanted(draft, backend, group):
-        # A draft level is a step of one-token chunks, one per node fed: as many as the
-        # graphs' batch limit allows. Captured now, before serving.
-        runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, 1, capture=True)
+        # A draft level is a step of one-token chunks, one per node fed, as many as the
+        # graphs' batch limit allows; a step's first level catches up on one or two
+        # tokens per request. Captured now, before serving.
+        runner.enable_cuda_graphs(MAX_GRAPH_BATCH, max_model_len, DRAFT_GRAPH_TOKENS, capture=True)
     logger.info("draft %d: %s with %d KV blocks%s", index, loaded.path, blocks,
                 f" (rank {group.rank} of {group.size})" if group is not None else "")
     return LoadedShard(loaded, runner, blocks, max_model_len, backend)

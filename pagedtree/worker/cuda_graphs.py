@@ -10,7 +10,8 @@ shapes every time:
 - the step is padded to a shape ``(requests, tokens)``: the batch to the next of a
   few sizes (``graph_buckets``), every request's new tokens to the next of a few
   counts (``token_buckets``: 1 for decodes, up to the largest tree plus its root
-  for verify steps). Padding tokens write to a scratch block of the KV cache that
+  for verify steps; a causal run that short, such as a draft's catch-up of the
+  tokens it has not fed, takes the same shapes). Padding tokens write to a scratch block of the KV cache that
   the block manager never hands out, and no real token sees them
   (``step_inputs.pad_step``);
 - the step's inputs and attention plan go to buffers of that shape's own (reused
@@ -36,7 +37,7 @@ shape whose capture fails runs eagerly (a warning says why); a replay that fails
 is the step's error and raises.
 
 ``capture=False`` runs the same padded, static steps eagerly: what a CPU can test.
-Steps with prefill chunks, more requests than the largest batch size, more than
+Steps with longer prefill chunks, more requests than the largest batch size, more than
 ``MAX_GRAPH_TOKENS`` padded tokens, or a shape whose capture failed run eagerly,
 unpadded (launch overhead is small next to their compute).
 """
@@ -146,16 +147,18 @@ class StepGraphs:
         self.num_steps = 0  # steps run padded (replayed, when capturing)
 
     def shape_for(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
-        """The padded shape ``(requests, tokens)`` of a step of decodes and token
-        trees, else None (a prefill chunk, too many requests or tokens, a table too
-        wide, a shape without a graph when capturing)."""
+        """The padded shape ``(requests, tokens)`` of a step of decodes, token trees
+        and short causal runs (a draft's catch-up: the tokens it has not fed, up to
+        the largest token count), else None (a longer prefill chunk, too many
+        requests or tokens, a table too wide, a shape without a graph when
+        capturing)."""
         n = len(chunks)
         if not chunks or n > self.buckets[-1]:
             return None
         longest = 0
         for chunk in chunks:
-            if chunk.tree_parents is None and chunk.num_tokens != 1:
-                return None  # a prefill chunk
+            if chunk.tree_parents is None and chunk.num_tokens > self.token_buckets[-1]:
+                return None  # a prefill chunk longer than the shapes' token counts
             if len(chunk.block_table) > self.max_blocks:
                 return None
             longest = max(longest, chunk.num_tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedtree import LLM, SamplingParams
+from pagedtree.executor.shards import DRAFT_GRAPH_TOKENS
 from pagedtree.speculative import SpeculativeConfig
 
 
@@ -32,7 +33,7 @@ def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama,
         if static:
             engine.runner.enable_cuda_graphs(4, engine.max_model_len, 7, capture=False)
             for draft in engine.speculator.drafts:
-                draft.runner.enable_cuda_graphs(16, engine.max_model_len, 1, capture=False)
+                draft.runner.enable_cuda_graphs(16, engine.max_model_len, DRAFT_GRAPH_TOKENS, capture=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_draft_tokens"] > 0
@@ -41,4 +42,8 @@ def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama,
     eager, _ = run(False)
     static, engine = run(True)
     assert static == eager
-    assert engine.runner.graphs.num_steps >= 3 and engine.speculator.drafts[0].runner.graphs.num_steps >= 3
+    draft = engine.speculator.drafts[0]
+    assert engine.runner.graphs.num_steps >= 3 and draft.runner.graphs.num_steps >= 3
+    # Every draft forward but the prompts' runs padded: the catch-ups of one or two
+    # tokens take the graphs' shapes too.
+    assert draft.runner.graphs.num_steps >= draft.runner.num_forward_passes - num_prompts

@@ -179,7 +179,12 @@ def test_steps_that_do_not_fit_a_shape_run_eagerly(runner):
     big = _tree_chunk(runner, bm, 8, [-1] + list(range(5)), "t")  # 6 tokens: more than a shape holds
     assert graphs.shape_for([big]) is None
     assert graphs.shape_for([big, chunks[0]][1:]) == (1, 1)
-    prefill = ScheduledChunk(chunks[0].request, Phase.PREFILL, [1, 2], [0, 1], [0, 1], chunks[0].block_table, 2, 1)
+    # A causal run up to the largest token count (a draft's catch-up) takes a shape;
+    # a longer one (a prefill chunk) runs eagerly.
+    short = ScheduledChunk(chunks[0].request, Phase.PREFILL, [1, 2], [0, 1], [0, 1], chunks[0].block_table, 2, 1)
+    assert graphs.shape_for([short, chunks[1]]) == (2, 2)
+    prefill = ScheduledChunk(chunks[0].request, Phase.PREFILL, list(range(6)), list(range(6)), list(range(6)),
+                             chunks[0].block_table, 6, 5)
     assert graphs.shape_for([prefill]) is None
     assert MAX_GRAPH_TOKENS == 32 * 65
 
