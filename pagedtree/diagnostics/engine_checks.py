@@ -22,6 +22,7 @@ import torch
 
 from pagedtree.config import SpeculativeConfig
 from pagedtree.diagnostics.report import FAIL, PASS, Row, failed_run, skipped
+from pagedtree.executor.shards import DRAFT_GRAPH_TOKENS
 
 GRAPHS = "cuda graphs vs eager"
 SPECULATION = "speculative vs plain"
@@ -100,7 +101,8 @@ def make_llm(setup: EngineSetup, speculative: bool, graphs: bool):
         tree_tokens = 1 + setup.speculative.max_nodes if speculative else 1
         engine.runner.enable_cuda_graphs(setup.max_num_seqs, engine.max_model_len, tree_tokens, capture=False)
         for draft in engine.speculator.drafts if engine.speculator is not None else ():
-            draft.runner.enable_cuda_graphs(setup.max_num_seqs * 4, engine.max_model_len, 1, capture=False)
+            draft.runner.enable_cuda_graphs(setup.max_num_seqs * 4, engine.max_model_len, DRAFT_GRAPH_TOKENS,
+                                                 capture=False)
     return llm
 
 
