@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--acceptance", default=",".join(f"{k}={v}" for k, v in CPU_ACCEPTANCE.items()),
                         help="mean acceptance lengths measured on CPU with the real pair, name=value,...")
     parser.add_argument("--profile", action="store_true", help="also print where the host's time goes in batch-1 "
-                                                                   "decode steps (cProfile)")
+                                                                   "decode steps (cProfile) and torch.profiler's "
+                                                                   "tables of host and GPU time")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--markdown", default=None, help="write the table here as markdown")
     parser.add_argument("--no-progress", action="store_true")
@@ -214,7 +215,27 @@ def host_profile(llm, run: "Runner", vocab: int, steps: int = 32, top: int = 14)
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return text.getvalue() + device_timeline(llm, run, vocab, steps // 4)
+
+
+def device_timeline(llm, run: "Runner", vocab: int, steps: int) -> str:
+    """torch.profiler over ``steps`` batch-1 decode steps: the operations and kernels by
+    their own time on the host and on the GPU (what runs outside the graph, and how
+    long the GPU waits)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedtree import SamplingParams
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    with profile(activities=activities) as prof:
+        llm.generate(run.prompts(1, vocab), params, use_tqdm=False)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    tables = [prof.key_averages().table(sort_by=sort, row_limit=18)]
+    if torch.cuda.is_available():
+        tables.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    return "\n".join(tables)
 
 
 def free(llm) -> None:
