@@ -49,6 +49,12 @@ def test_parallel_options_map_to_the_engine():
     assert (kwargs["tensor_parallel_size"], kwargs["draft_tensor_parallel_size"], kwargs["distributed_timeout"]) == (2, 2, 5)
 
 
+def test_the_load_format_maps_to_the_engine():
+    assert cli.engine_kwargs(cli.build_parser().parse_args(["serve"]))["load_format"] == "auto"
+    args = cli.build_parser().parse_args(["serve", "--load-format", "dummy"])
+    assert cli.engine_kwargs(args)["load_format"] == "dummy"
+
+
 def test_spec_options_map_to_the_engine():
     from pagedtree.entrypoints.cli import build_parser, engine_kwargs
 

@@ -24,7 +24,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB on CPU (default 2)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="eager torch ops only: no numba-fused element-wise kernels on CPU")
+                        help="eager steps: no numba-fused element-wise kernels on CPU, no CUDA graphs")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="auto: read the checkpoint; dummy: random weights from the folder's config.json "
+                             "(benchmarks of real shapes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=[*QUANTIZATIONS, "none"],
                         help="quantized linear layers: int8/int4 weight-only (torch's kernels, bf16 "
@@ -71,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
         seed=args.seed,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

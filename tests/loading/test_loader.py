@@ -90,3 +90,27 @@ def test_gguf_file_loads_like_its_converted_folder(tmp_path, monkeypatch):
     a = packaged.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
     b = direct.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
     assert a.token_ids == b.token_ids and a.text == b.text and a.text
+
+
+def test_dummy_weights_load_a_config_only_folder(tmp_path, tiny_llama):
+    """``load_format="dummy"``: a folder with only config.json loads, every weight filled
+    at random (seeded: the same weights twice), norms at one and biases at zero; an
+    engine runs on it; an unknown format is refused by name."""
+    import shutil
+
+    folder = tmp_path / "config_only"
+    folder.mkdir()
+    shutil.copy(tiny_llama.path / "config.json", folder / "config.json")
+    first = load_model(folder, load_format="dummy", pack_weights=False).model
+    second = load_model(folder, load_format="dummy", pack_weights=False).model
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
+        assert torch.equal(a, b), name
+    weight = first.model.layers[0].mlp.down_proj.weight
+    assert 0.01 < float(weight.std()) < 0.03 and torch.equal(first.model.norm.weight, torch.ones_like(
+        first.model.norm.weight))
+    llm = LLM(str(folder), load_format="dummy", device="cpu", dtype="float32", max_num_seqs=2)
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(folder), load_format="zeros", device="cpu")
