@@ -187,6 +187,12 @@ class EngineConfig:
     models take the target's dtype and quantization unless ``draft_dtype`` /
     ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts).
 
+    ``async_scheduling`` launches each plain decode step before the previous one is
+    read back, so the host's work between steps overlaps the GPU's
+    (``engine/async_steps.py``; the same tokens); None (the default) turns it on for
+    CUDA engines on one process, where the host would otherwise leave the GPU idle
+    between steps.
+
     ``load_format="dummy"`` (vLLM's option of that name) fills every weight with
     random values instead of reading them: a folder with only a ``config.json``
     then loads, for benchmarks of real shapes where the weights cannot travel;
@@ -221,10 +227,16 @@ class EngineConfig:
     distributed_timeout: float = 60.0
     structured_output_limits: StructuredOutputLimits | None = None
     load_format: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs one process: a tensor-parallel step sends its input tokens "
+                             "from the host")
         if self.structured_output_limits is None:
             self.structured_output_limits = StructuredOutputLimits()
         elif isinstance(self.structured_output_limits, Mapping):

@@ -357,19 +357,52 @@ def row_results(tokens: torch.Tensor, raw_logprobs: torch.Tensor, ks: Sequence[i
     return rows
 
 
+class QueuedReadBack:
+    """Rows whose one device-to-host copy is queued (``queue_read_back``) but not yet
+    waited for: on CUDA a non-blocking copy into pinned memory and an event behind
+    it, so the host can queue more work (the next step) before it waits; on a CPU
+    the values are there already."""
+
+    def __init__(self, groups: Sequence[DeviceRows]):
+        self.groups = list(groups)
+        self.packed = [group.packed() for group in self.groups]
+        flat = [t for tensors in self.packed for t in tensors]
+        self.event = None
+        if not flat:
+            self.host = None
+            return
+        values = torch.cat(flat)
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    def read_back(self) -> list[tuple[list[SampleResult], list[bool] | None]]:
+        """Wait for the copy (the step's one sync) and unpack every group's rows."""
+        if self.event is not None:
+            self.event.synchronize()
+        host = self.host.tolist() if self.host is not None else []
+        out = []
+        offset = 0
+        for group, tensors in zip(self.groups, self.packed):
+            size = sum(t.numel() for t in tensors)
+            out.append(group.unpack(host[offset:offset + size]))
+            offset += size
+        return out
+
+
+def queue_read_back(groups: Sequence[DeviceRows]) -> QueuedReadBack:
+    """Queue the one device-to-host copy of every group's rows; its ``read_back()`` waits."""
+    return QueuedReadBack(groups)
+
+
 def read_back(groups: Sequence[DeviceRows]) -> list[tuple[list[SampleResult], list[bool] | None]]:
     """Bring every group's rows to the host in one device-to-host copy (a GPU step's
     one sync); per group, its results and its flags (see ``DeviceRows.unpack``)."""
-    packed = [group.packed() for group in groups]
-    flat = [t for tensors in packed for t in tensors]
-    host = torch.cat(flat).tolist() if flat else []
-    out = []
-    offset = 0
-    for group, tensors in zip(groups, packed):
-        size = sum(t.numel() for t in tensors)
-        out.append(group.unpack(host[offset:offset + size]))
-        offset += size
-    return out
+    return queue_read_back(groups).read_back()
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedtree.request import Request
-from pagedtree.sampling import DeviceRows, SampleResult, read_back
+from pagedtree.sampling import DeviceRows, QueuedReadBack, SampleResult, queue_read_back
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -66,6 +66,10 @@ class ScheduledChunk:
     A decoding request that may speculate is scheduled in the DRAFT phase with
     ``tree_budget`` slots reserved after its newest token (``tree_slots``); once
     its tree is drafted, ``with_tree`` makes the VERIFY chunk of ``[root] + tree``.
+
+    A decode scheduled ahead (``pending_tokens`` 1) holds a stand-in for its one
+    input token: the step that drew it has not been read back, and the model runner
+    feeds the drawn token from the device (``token_sources``).
     """
 
     request: Request
@@ -79,6 +83,10 @@ class ScheduledChunk:
     tree_parents: list[int] | None = None
     tree_budget: int = 0
     tree_slots: list[int] = field(default_factory=list)  # DRAFT: the reserved slots, in order
+    # Tokens of the request the host does not have yet: a decode scheduled one step
+    # ahead (``Scheduler.schedule_ahead``) takes its input token from the device,
+    # and its draw is that many output positions further on.
+    pending_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +183,7 @@ class StepOutput:
     verify_rows: dict[str, DeviceRows] = field(default_factory=dict)
     samples: dict[str, SampleResult] = field(default_factory=dict)
     verified_rows: dict[str, tuple[list[SampleResult], list[bool] | None]] = field(default_factory=dict)
+    queued: QueuedReadBack | None = None  # the readback's copy, queued and not yet waited for
 
     def merge(self, other: StepOutput) -> None:
         """Take another (partial) step's device results in (failure isolation)."""
@@ -184,12 +193,30 @@ class StepOutput:
 
     def read_back(self) -> None:
         """Bring every staged result to the host in one copy."""
+        self.start_read_back()
+        self.finish_read_back()
+
+    def start_read_back(self) -> None:
+        """Queue the one copy of every staged result (nothing waits yet); the device
+        rows stay readable (``token_sources``) until ``finish_read_back``."""
         groups = [rows for _, rows in self.sample_groups] + list(self.verify_rows.values())
-        host = read_back(groups)
+        self.queued = queue_read_back(groups)
+
+    def finish_read_back(self) -> None:
+        """Wait for the queued copy and fill ``samples`` and ``verified_rows``."""
+        if self.queued is None:
+            self.start_read_back()
+        host = self.queued.read_back()
         for (request_ids, _), (results, _) in zip(self.sample_groups, host):
             self.samples.update(zip(request_ids, results))
         self.verified_rows.update(zip(self.verify_rows, host[len(self.sample_groups):]))
-        self.sample_groups, self.verify_rows = [], {}
+        self.sample_groups, self.verify_rows, self.queued = [], {}, None
+
+    def token_sources(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Where each plain chunk's drawn token is on the device: ``(tokens, row)`` by
+        request id (the next step can feed it as an input before it is read back)."""
+        return {rid: (rows.tokens, i) for request_ids, rows in self.sample_groups
+                for i, rid in enumerate(request_ids)}
 
 
 @dataclass(slots=True)

@@ -49,8 +49,11 @@ def test_parallel_options_map_to_the_engine():
     assert (kwargs["tensor_parallel_size"], kwargs["draft_tensor_parallel_size"], kwargs["distributed_timeout"]) == (2, 2, 5)
 
 
-def test_the_load_format_maps_to_the_engine():
-    assert cli.engine_kwargs(cli.build_parser().parse_args(["serve"]))["load_format"] == "auto"
+def test_the_load_format_and_async_scheduling_map_to_the_engine():
+    defaults = cli.engine_kwargs(cli.build_parser().parse_args(["serve"]))
+    assert defaults["load_format"] == "auto" and defaults["async_scheduling"] is None
+    assert cli.engine_kwargs(cli.build_parser().parse_args(["serve", "--async-scheduling", "on"]))[
+        "async_scheduling"] is True
     args = cli.build_parser().parse_args(["serve", "--load-format", "dummy"])
     assert cli.engine_kwargs(args)["load_format"] == "dummy"
 

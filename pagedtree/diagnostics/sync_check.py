@@ -101,10 +101,10 @@ def target_window(runner, caught: list) -> Iterator[_Window]:
     runner_class = type(runner)
     execute, read_back = runner_class.execute, StepOutput.read_back
 
-    def marked_execute(self, plan):
+    def marked_execute(self, plan, *args):
         if self is runner and window.start is None:
             window.start = len(caught)
-        return execute(self, plan)
+        return execute(self, plan, *args)
 
     def marked_read_back(self):
         out = read_back(self)

@@ -7,7 +7,7 @@ A step is three calls, each with one owner:
   request's token tree, sized by the budget policy);
 - ``StepRunner.execute(plan)`` -> ``StepResult``: drafting, one forward of the
   target, one device readback, verification; plain data;
-- ``LLMEngine._update(plan, result)``: append the committed tokens (exact stops),
+- ``LLMEngine.update(plan, result)``: append the committed tokens (exact stops),
   fail and finish requests, the scheduler's KV bookkeeping (``Scheduler.update``),
   and the measurements speculation learns from.
 """
@@ -27,6 +27,7 @@ from typing import Any, Union
 import torch
 
 from pagedtree.config import EngineConfig, ResolvedConfig
+from pagedtree.engine.async_steps import AsyncSteps
 from pagedtree.engine.errors import EngineStoppedError
 from pagedtree.engine.output_processor import OutputProcessor
 from pagedtree.outputs import RequestOutput
@@ -147,6 +148,10 @@ class LLMEngine:
         if self.speculator is not None and config.speculative.adaptive:
             calibrate_speculation(self.speculator, config, self.runner, loaded.path)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        asynchronous = self.config.async_scheduling
+        if asynchronous is None:
+            asynchronous = self.device.type == "cuda" and self.tensor_parallel is None
+        self.async_steps = AsyncSteps(self) if asynchronous else None
         # Compiled on first use (a worker process, started then).
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                  self.config.structured_output_limits)
@@ -169,6 +174,8 @@ class LLMEngine:
         if self._finalizer is not None:
             self._finalizer()
         self._shut_down = True
+        if getattr(self, "async_steps", None) is not None:
+            self.async_steps.pending = None  # its tensors go with the runners
         for runner in self._runners():
             runner.close()
         if self.device.type == "cuda":
@@ -304,8 +311,8 @@ class LLMEngine:
         return self._output(parent)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        """Whether any request is waiting or running, or a launched step is not read back."""
+        return self.scheduler.has_unfinished() or (self.async_steps is not None and self.async_steps.pending is not None)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -315,12 +322,17 @@ class LLMEngine:
             if self.tensor_parallel is not None:  # the group's own error says so too
                 raise self.tensor_parallel.group.mark_broken("the engine was shut down")
             raise EngineStoppedError("the engine was shut down")
+        if self.async_steps is not None:
+            if self.async_steps.applies():
+                return self.async_steps.step()
+            if self.async_steps.pending is not None:  # speculation was switched on
+                return self.async_steps.flush()
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         result = self.step_runner.execute(plan)
-        return self._update(plan, result, started)
+        return self.update(plan, result, started)
 
-    def _update(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
         """Append each request's committed tokens one by one (exact stops), fail and
         finish requests, then the scheduler's KV bookkeeping and speculation's
         measurements."""
@@ -333,11 +345,17 @@ class LLMEngine:
                     f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free"
                 )
             return []
+        # A request that ended before this update (a step planned ahead of the readback
+        # that showed its stop, or an abort meanwhile) has nothing more to report.
+        ended = {id(chunk.request) for chunk in plan.chunks if chunk.request.status.finished}
         for request, exc in result.failed:
-            self._fail(request, exc)
+            if id(request) not in ended:
+                self._fail(request, exc)
         touched: dict[str, ParentRequest] = {}
         for chunk in plan.chunks:
             request = chunk.request
+            if id(request) in ended:
+                continue
             rid = request.request_id
             tokens = result.committed.get(rid)
             if not request.status.finished and tokens is not None:

@@ -25,6 +25,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     parser.add_argument("--enforce-eager", action="store_true",
                         help="eager steps: no numba-fused element-wise kernels on CPU, no CUDA graphs")
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="launch each plain decode step before the previous one is read back (auto: on CUDA "
+                             "with one process)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="auto: read the checkpoint; dummy: random weights from the folder's config.json "
                              "(benchmarks of real shapes)")
@@ -75,6 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         seed=args.seed,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -24,7 +24,7 @@ import torch
 from pagedtree.distributed.group import TensorParallelError
 from pagedtree.executor.commands import CommandChannel, Op, encode_step
 from pagedtree.worker.model_runner import ModelRunner
-from pagedtree.worker.step_inputs import HostStep, upload_step
+from pagedtree.worker.step_inputs import HostStep, InputFeed, upload_step
 
 T = TypeVar("T")
 
@@ -49,7 +49,9 @@ class TensorParallelRunner(ModelRunner):
             ) from exc
 
     @torch.inference_mode()
-    def run_step(self, step: HostStep) -> torch.Tensor:
+    def run_step(self, step: HostStep, feed: InputFeed | None = None) -> torch.Tensor:
+        if feed is not None:  # the other ranks get the step's tokens from the host
+            raise ValueError("a tensor-parallel step takes its input tokens from the host, not from the device")
         input_ids, positions, meta, rows = upload_step(step, self._upload, self.block_size)
         self.attention.begin_step(meta)  # a step that fails its checks stops here, before any rank hears of it
         self.channel.send(Op.FORWARD, self.model_index, encode_step(step))

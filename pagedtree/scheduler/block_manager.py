@@ -170,6 +170,11 @@ class BlockManager:
         """Whether ``append_slots(seq_id, num_new_tokens)`` would succeed."""
         return self._append_cost(self._seqs[seq_id], num_new_tokens) <= self.num_free_blocks
 
+    def append_cost(self, seq_id: str, num_new_tokens: int) -> int:
+        """Free blocks ``append_slots(seq_id, num_new_tokens)`` would take (new blocks and
+        a copy-on-write copy): what several appends planned together must fit in."""
+        return self._append_cost(self._seqs[seq_id], num_new_tokens)
+
     def _append_cost(self, seq: SequenceBlocks, num_new_tokens: int) -> int:
         new_blocks = self._blocks_needed(seq.num_tokens + num_new_tokens) - len(seq.block_ids)
         return max(new_blocks, 0) + (1 if self._needs_copy_on_write(seq, num_new_tokens) else 0)

@@ -147,6 +147,51 @@ class Scheduler:
             budget -= num_new
         return plan
 
+    def schedule_ahead(self, launched: StepPlan) -> StepPlan | None:
+        """The next step of a batch that only decodes, planned before ``launched`` (a
+        step on the device, not read back yet) has given its tokens to the host
+        (vLLM's async scheduling): a one-token chunk per running request at the
+        position after its token in flight, its input that token, fed from the device
+        (``pending_tokens`` 1). A request whose token in flight is its last by
+        ``max_tokens`` or the context limit gets none; one that stops on a token only
+        the readback shows wastes its row, and ``update`` never counts it.
+
+        None when the step must be planned the ordinary way, after the readback:
+        speculation on, requests waiting, a running request without a draw in
+        ``launched`` (one in the middle of its prompt), more requests than the token
+        budget, or too few free blocks (preemption decides then)."""
+        if self.tree_budget is not None or self.waiting:
+            return None
+        drawn = {c.request.request_id for c in launched.chunks
+                 if c.logits_from is not None and c.phase in (Phase.DECODE, Phase.PREFILL)}
+        if any(r.request_id not in drawn for r in self.running) or len(self.running) > self.config.max_num_batched_tokens:
+            return None
+        bm = self.block_manager
+        ahead = []
+        for request in self.running:
+            params = request.params
+            if request.num_tokens + 1 >= self.config.max_model_len or (
+                    params.max_tokens is not None and len(request.output_token_ids) + 1 >= params.max_tokens):
+                continue  # the token in flight ends it
+            if bm.num_tokens(request.request_id) != request.num_tokens:
+                return None  # not one slot per token so far: not a plain decode
+            ahead.append(request)
+        # Every append checked together before any is made: a copy-on-write order
+        # made and then dropped would leave a block uncopied.
+        if sum(bm.append_cost(r.request_id, 1) for r in ahead) > bm.num_free_blocks:
+            return None
+        plan = StepPlan()
+        for request in ahead:
+            position = request.num_tokens  # the token in flight's
+            plan.block_copies.extend(bm.append_slots(request.request_id, 1))
+            plan.chunks.append(ScheduledChunk(
+                request=request, phase=Phase.DECODE, token_ids=[0], positions=[position],
+                slot_mapping=bm.slots(request.request_id, position, position + 1),
+                block_table=bm.block_table(request.request_id), context_len=position + 1, logits_from=0,
+                pending_tokens=1,
+            ))
+        return plan
+
     def _tree_budget(self, request: Request, tree_budget: int, tokens_left: int) -> int:
         """Tree nodes a decoding request may verify this step."""
         if tree_budget <= 0 or not request.output_token_ids:

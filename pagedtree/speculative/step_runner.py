@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from pagedtree.distributed.group import TensorParallelError
 from pagedtree.sampling import NonFiniteDistributionError
@@ -26,8 +27,20 @@ from pagedtree.speculative.speculator import Speculator
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.step_data import Phase, ScheduledChunk, StepOutput, StepPlan, StepResult
 from pagedtree.worker.model_runner import ModelRunner
+from pagedtree.worker.step_inputs import TokenSources
 
 logger = logging.getLogger("pagedtree")
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A plain step whose forward and draws are queued on the device and whose one
+    readback copy is queued, not yet waited for (``StepRunner.launch``)."""
+
+    plan: StepPlan
+    output: StepOutput
+    result: StepResult  # requests that failed while launching
+    started: float  # when it was launched (the engine's step clock)
 
 
 class StepRunner:
@@ -60,14 +73,7 @@ class StepRunner:
         # which the cost model skips) rather than synced for.
         if synced or self.runner.device.type != "cuda":
             result.forward_seconds = time.perf_counter() - started
-        for chunk in chunks:
-            sample = step.samples.get(chunk.request.request_id)
-            if chunk.phase == Phase.VERIFY or sample is None or _failed(result, chunk):
-                continue
-            if sample.valid:
-                result.committed[chunk.request.request_id] = [(sample.token_id, sample.logprob, sample.top_logprobs)]
-            else:
-                result.fail(chunk.request, NonFiniteDistributionError())
+        _commit_samples(chunks, step, result)
         if spec is not None and verify:
             verified = spec.accept([c for c in verify if not _failed(result, c)], trees, step)
             result.committed.update(verified.committed)
@@ -77,11 +83,32 @@ class StepRunner:
             self.runner.apply_slot_moves(result.slot_moves)
         return result
 
-    def _forward(self, plan: StepPlan, result: StepResult) -> StepOutput:
+    def launch(self, plan: StepPlan, token_sources: TokenSources | None = None) -> LaunchedStep:
+        """Queue a plain step (no tree in it) on the device: the forward, the draws and
+        the copy of its readback; nothing waits (``complete`` does). ``token_sources``
+        feed the input tokens of chunks scheduled ahead (``Scheduler.schedule_ahead``)
+        from the draws of a launched step not read back yet."""
+        if any(chunk.phase in (Phase.DRAFT, Phase.VERIFY) for chunk in plan.chunks):
+            raise ValueError("only plain steps are launched ahead of their readback")
+        started = time.perf_counter()
+        result = StepResult()
+        step = self._forward(plan, result, token_sources) if not plan.is_empty() else StepOutput()
+        step.start_read_back()
+        return LaunchedStep(plan, step, result, started)
+
+    def complete(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's readback (its one sync) and return its result."""
+        step, result = launched.output, launched.result
+        step.finish_read_back()
+        result.forward_seconds = time.perf_counter() - launched.started
+        _commit_samples(launched.plan.chunks, step, result)
+        return result
+
+    def _forward(self, plan: StepPlan, result: StepResult, token_sources: TokenSources | None = None) -> StepOutput:
         """The target's forward over ``plan``; if it raises, each request again alone,
         recording in ``result`` the ones that still fail."""
         try:
-            return self.runner.execute(plan)
+            return self.runner.execute(plan, token_sources)
         except TensorParallelError:
             raise  # a rank died or the ranks fell out of step: no request can run any more
         except Exception as exc:  # noqa: BLE001 - one bad request must not sink the batch
@@ -95,12 +122,25 @@ class StepRunner:
             single = StepPlan(chunks=[chunk], block_copies=[] if copies_done else plan.block_copies)
             copies_done = True
             try:
-                merged.merge(self.runner.execute(single))
+                merged.merge(self.runner.execute(single, token_sources))
             except TensorParallelError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 result.fail(chunk.request, exc)
         return merged
+
+
+def _commit_samples(chunks: list[ScheduledChunk], step: StepOutput, result: StepResult) -> None:
+    """Each plain chunk's draw, read back, as its committed token (a draw from a
+    distribution that was not finite fails its request)."""
+    for chunk in chunks:
+        sample = step.samples.get(chunk.request.request_id)
+        if chunk.phase == Phase.VERIFY or sample is None or _failed(result, chunk):
+            continue
+        if sample.valid:
+            result.committed[chunk.request.request_id] = [(sample.token_id, sample.logprob, sample.top_logprobs)]
+        else:
+            result.fail(chunk.request, NonFiniteDistributionError())
 
 
 def _with_tree(chunk: ScheduledChunk, tree: TokenTree | None) -> ScheduledChunk:

@@ -55,7 +55,7 @@ import torch
 from pagedtree.kernels.attention_plan import StaticShape
 from pagedtree.step_data import ScheduledChunk
 from pagedtree.uploads import StagedUpload
-from pagedtree.worker.step_inputs import HostStep, host_step, pad_step, upload_step
+from pagedtree.worker.step_inputs import HostStep, InputFeed, host_step, pad_step, upload_step
 
 class GraphedRunner(Protocol):
     """What the graphs need of the model runner whose steps they run."""
@@ -170,14 +170,19 @@ class StepGraphs:
             return None  # its capture failed (or has not run): eager
         return requests, tokens
 
-    def forward(self, chunks: list[ScheduledChunk], logit_rows: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    def forward(self, chunks: list[ScheduledChunk], logit_rows: list[int], shape: tuple[int, int],
+                feed: InputFeed | None = None) -> torch.Tensor:
         """Logits ``[len(logit_rows), V]`` of the step, padded to ``shape`` and run from
-        that shape's static buffers (a graph replay when capturing).
+        that shape's static buffers (a graph replay when capturing); ``feed`` writes
+        the input tokens drawn on the device into the shape's input buffer first.
 
         A replay that fails raises: it is this step's fault (a bad input, a device
         error), not a reason to stop replaying, and running on eagerly would hide it."""
         runner = self.runner
         input_ids, positions, rows = self.prepare(chunks, logit_rows, shape)
+        if feed is not None:
+            tokens = shape[1]
+            feed.apply(input_ids, [i * tokens for i in range(len(chunks))])  # each request padded to `tokens`
         self.num_steps += 1
         if self.capture:
             graph, hidden, logits = self._graphs[shape]

@@ -15,7 +15,8 @@ from pagedtree.sampling import SamplingRow, sample_rows
 from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepOutput, StepPlan
 from pagedtree.structured.matcher import fill_bitmasks
 from pagedtree.uploads import StagedUpload
-from pagedtree.worker.step_inputs import HostStep, host_step, query_starts, upload_step
+from pagedtree.worker.step_inputs import HostStep, InputFeed, TokenSources, host_step, input_feed, query_starts, \
+    upload_step
 from pagedtree.worker.cuda_graphs import CaptureReport, StepGraphs
 from pagedtree.worker.host_allocator import tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
@@ -232,26 +233,34 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execute
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int]) -> torch.Tensor:
+    def forward(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int],
+                token_sources: TokenSources | None = None) -> torch.Tensor:
         """One forward over the chunks' new tokens; the logits ``[len(logit_rows), V]``
         of the given rows of the step's flat run of tokens (``query_starts``).
+
+        ``token_sources`` (request id -> a device tensor and a row of it) give the
+        input token of each chunk scheduled ahead, drawn by a step not read back yet:
+        copied into the step's uploaded inputs on the device, no host read.
 
         Decode and verify steps go through the CUDA graphs when they are on (a
         replay that fails raises, as an eager step would)."""
         self.num_forward_passes += 1
+        feed = input_feed(chunks, token_sources)
         graphs = self.graphs
         shape = graphs.shape_for(chunks) if graphs is not None else None
         if shape is not None:
-            return graphs.forward(chunks, list(logit_rows), shape)
-        return self.run_step(host_step(chunks, logit_rows))
+            return graphs.forward(chunks, list(logit_rows), shape, feed)
+        return self.run_step(host_step(chunks, logit_rows), feed)
 
     @torch.inference_mode()
-    def run_step(self, step: HostStep) -> torch.Tensor:
+    def run_step(self, step: HostStep, feed: InputFeed | None = None) -> torch.Tensor:
         """One eager forward over a step built on the host; the logits of its ``logit_rows``.
 
         (The tensor-parallel runner of rank 0 overrides it to send the step to the
         other ranks, which run this very method on their shards.)"""
         input_ids, positions, meta, rows = upload_step(step, self._upload, self.block_size)
+        if feed is not None:
+            feed.apply(input_ids, step.query_starts)  # chunk i starts at query_starts[i]
         self.attention.begin_step(meta)
         return self.run_model(input_ids, positions, rows)
 
@@ -291,12 +300,12 @@ class ModelRunner:
             self.copy_slots([m.src for m in moves], [m.dst for m in moves])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, token_sources: TokenSources | None = None) -> StepOutput:
         """Run ``plan``: copy-on-write copies, one forward, logits, and draws.
 
         Plain chunks draw from their last token; VERIFY chunks get the logits of
         every row (root and tree nodes), which the speculator verifies. Nothing is
-        read back here (``StepOutput.read_back``).
+        read back here (``StepOutput.read_back``). ``token_sources``: see ``forward``.
         """
         if plan.block_copies:
             self.copy_blocks([c.src for c in plan.block_copies], [c.dst for c in plan.block_copies])
@@ -316,7 +325,7 @@ class ModelRunner:
                 sampling.append(chunk)
                 rows.append(start + chunk.num_tokens - 1)
         rows += verify_rows
-        logits = self.forward(plan.chunks, rows)  # no rows: prefill chunks that need no logits yet
+        logits = self.forward(plan.chunks, rows, token_sources)  # no rows: prefill chunks that need no logits yet
         out = StepOutput()
         if sampling:
             sampling_rows = [self._sampling_row(chunk) for chunk in sampling]
@@ -344,7 +353,8 @@ class ModelRunner:
         return SamplingRow(
             params=params,
             history=history,
-            num_output_tokens=len(request.output_token_ids),
+            # A decode scheduled ahead draws that many output positions further on.
+            num_output_tokens=len(request.output_token_ids) + chunk.pending_tokens,
             generator=generator,
             coupling_seed=request.sampling_seed if seeded and not params.greedy else None,
         )

@@ -3,14 +3,18 @@ static shape when a CUDA graph replays the step, uploaded in one copy."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedtree.step_data import AttentionMetadata
 from pagedtree.step_data import ScheduledChunk
-from pagedtree.uploads import StagedUpload
+from pagedtree.uploads import StagedUpload, upload
+
+# Request id -> (a device tensor, a row of it): where each token drawn by a step that
+# is not read back yet sits (``StepOutput.token_sources``).
+TokenSources = Mapping[str, tuple[torch.Tensor, int]]
 
 
 def query_starts(chunks: Sequence[ScheduledChunk]) -> list[int]:
@@ -118,3 +122,44 @@ def upload_step(step: HostStep, upload: StagedUpload,
         slot_bounds=(min(step.slots), max(step.slots)) if step.slots else None,
     )
     return dev[:n], dev[n:2 * n], meta, dev[3 * n:]
+
+
+@dataclass(frozen=True, slots=True)
+class InputFeed:
+    """Input tokens a step takes from the device: the last new token of chunk
+    ``chunks[j]`` (``offsets[j]`` tokens into it) is row ``rows[j]`` of ``sources[j]``,
+    the draw of a step scheduled before and not read back yet."""
+
+    chunks: list[int]
+    offsets: list[int]
+    sources: list[torch.Tensor]
+    rows: list[int]
+
+    def apply(self, input_ids: torch.Tensor, chunk_starts: Sequence[int]) -> None:
+        """Write the fed tokens into the uploaded ``input_ids`` (chunk ``i``'s tokens
+        start at ``chunk_starts[i]``: the flat run's, or a padded step's ``i * tokens``),
+        queued on the device: one gather and one scatter per source, no host read."""
+        by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for chunk, offset, source, row in zip(self.chunks, self.offsets, self.sources, self.rows):
+            entry = by_source.setdefault(id(source), (source, [], []))
+            entry[1].append(chunk_starts[chunk] + offset)
+            entry[2].append(row)
+        for source, dst, src in by_source.values():
+            taken = source[upload(src, torch.long, source.device)]
+            input_ids[upload(dst, torch.long, input_ids.device)] = taken.to(input_ids.dtype)
+
+
+def input_feed(chunks: Sequence[ScheduledChunk], token_sources: TokenSources | None) -> InputFeed | None:
+    """The ``InputFeed`` of the chunks scheduled ahead (``pending_tokens`` > 0), None
+    when there are none; ``ValueError`` for one without a source."""
+    fed = [(i, chunk) for i, chunk in enumerate(chunks) if chunk.pending_tokens > 0]
+    if not fed:
+        return None
+    sources, rows = [], []
+    for _, chunk in fed:
+        found = (token_sources or {}).get(chunk.request.request_id)
+        if found is None:
+            raise ValueError(f"request {chunk.request.request_id} was scheduled ahead without a token source")
+        sources.append(found[0])
+        rows.append(found[1])
+    return InputFeed([i for i, _ in fed], [chunk.num_tokens - 1 for _, chunk in fed], sources, rows)

@@ -55,8 +55,8 @@ def test_the_warm_up_takes_every_path_and_fits_short_contexts(tiny_text_model, m
     widths = []
     runner = llm.engine.runner
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda plan: widths.append(max(c.num_tokens for c in plan.chunks))
-                        or execute(plan))
+    monkeypatch.setattr(runner, "execute", lambda plan, *args: widths.append(max(c.num_tokens for c in plan.chunks))
+                        or execute(plan, *args))
     report = warm_up(llm.engine)
     assert report.num_requests == 3 and report.num_steps == len(widths) >= 4
     assert max(widths) > 64  # the long-chunk attention path

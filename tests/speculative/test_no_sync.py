@@ -75,10 +75,10 @@ def guarded_engine(tiny_llama, tiny_llama_draft, monkeypatch) -> Iterator[Guarde
     worker = llm.engine.speculator.proposer.drafts[0]
     propose = type(worker).propose
 
-    def guarded_execute(runner, plan):
+    def guarded_execute(runner, plan, *args):
         guard.clear()
         guard.active = True
-        return execute(runner, plan)
+        return execute(runner, plan, *args)
 
     def guarded_read_back(step):
         if guard.active:
@@ -86,8 +86,8 @@ def guarded_engine(tiny_llama, tiny_llama_draft, monkeypatch) -> Iterator[Guarde
             engine.step_syncs += guard.syncs
         return read_back(step)
 
-    def marked_forward(runner, chunks, rows):
-        logits = forward(runner, chunks, rows)
+    def marked_forward(runner, chunks, rows, *args):
+        logits = forward(runner, chunks, rows, *args)
         guard.mark_device(logits)
         return logits
 
@@ -354,7 +354,7 @@ class _QueuedRunner:
     def __init__(self, device: str):
         self.device = torch.device(device)
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, token_sources=None) -> StepOutput:
         time.sleep(0.002)
         return StepOutput()
 
