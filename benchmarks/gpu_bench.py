@@ -6,8 +6,9 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
 
 - plain: decode tokens/s and ms a step at batch 1, 16 and 64 (a step's time from
   two generations of different lengths: the difference over the extra steps, so
-  prefill and start-up cancel out), and the 0.5B draft's own decode step (one
-  draft level at batch 1);
+  prefill and start-up cancel out), with each step launched ahead of the previous
+  one's readback (async scheduling) against the same engine one step at a time,
+  and the 0.5B draft's own decode step (one draft level at batch 1);
 - speculation: a forced chain of 4 and the 16-node static tree at batch 1 and 16:
   ms a step (time over target passes), against the plain step of the same batch,
   and the speed-up those costs give at the mean acceptance lengths measured on
@@ -262,11 +263,19 @@ def section_plain(run: Runner, gpu: str) -> tuple[list[Figure], dict]:
     plain_steps = {}
     llm = run.llm(run.target, max_num_seqs=4 if run.tiny else 64)
     for batch in ((1, 2) if run.tiny else (1, 16, 64)):
+        # The same engine one step at a time first (the baseline of this row), then
+        # with each step launched ahead of the previous one's readback.
+        llm.engine.set_async_scheduling(False)
+        ordered = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+        llm.engine.set_async_scheduling(True)
         t = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
         plain_steps[batch] = t["step_seconds"]
         figures.append(Figure("plain", f"1.5B, batch {batch}", f"{t['tokens_per_second']:.0f} tokens/s",
                               f"{t['step_seconds'] * 1e3:.2f} ms a step; "
-                              + floor_ms(TINY if run.tiny else QWEN_1_5B, gpu), t))
+                              + floor_ms(TINY if run.tiny else QWEN_1_5B, gpu)
+                              + f"; one step at a time {ordered['tokens_per_second']:.0f} tokens/s "
+                              f"({ordered['step_seconds'] / t['step_seconds']:.2f}x)",
+                              t | dict(ordered=ordered)))
         replay = graph_replay_seconds(llm, (batch, 1))
         if replay is not None:
             figures.append(Figure("plain", f"1.5B, batch {batch}: the graph's replay alone",

@@ -25,6 +25,7 @@ from pagedtree.diagnostics.report import FAIL, PASS, Row, failed_run, skipped
 from pagedtree.executor.shards import DRAFT_GRAPH_TOKENS
 
 GRAPHS = "cuda graphs vs eager"
+ASYNC = "async vs ordered steps"
 SPECULATION = "speculative vs plain"
 # On a GPU, verify steps of up to 16 nodes and their root (token buckets 1, 2, 4, 8
 # and 17); in the interpreter, small trees (every padded token is interpreted).
@@ -84,15 +85,17 @@ def engine_setup(device_type: str, quick: bool, target: str, draft: str, seed: i
                        max_num_seqs=count, num_kv_blocks=64, speculative=CPU_TREE)
 
 
-def make_llm(setup: EngineSetup, speculative: bool, graphs: bool):
-    """An ``LLM`` on the Triton backend, with tree speculation or not, and with CUDA
-    graphs (on a CPU: the padded static steps graphs replay, uncaptured) or eager."""
+def make_llm(setup: EngineSetup, speculative: bool, graphs: bool, asynchronous: bool | None = None):
+    """An ``LLM`` on the Triton backend, with tree speculation or not, with CUDA
+    graphs (on a CPU: the padded static steps graphs replay, uncaptured) or eager,
+    and with plain steps launched ahead of their readback or not (None: the device's
+    default)."""
     from pagedtree import LLM
 
     kwargs: dict = dict(device=setup.device, dtype=setup.dtype, attention_backend="triton",
                         block_size=setup.block_size, max_num_seqs=setup.max_num_seqs,
                         max_model_len=setup.max_model_len, num_kv_blocks=setup.num_kv_blocks, seed=0,
-                        enforce_eager=setup.device != "cuda" or not graphs)
+                        enforce_eager=setup.device != "cuda" or not graphs, async_scheduling=asynchronous)
     if speculative:
         kwargs.update(draft_model=setup.draft, speculative=setup.speculative)
     llm = LLM(setup.target, **kwargs)
@@ -126,6 +129,7 @@ class RunResult:
     graphs_active: bool = False
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    steps_ahead: int = 0  # plain steps launched before the previous one was read back
 
 
 def top2_gap(logprobs: dict[int, float] | None) -> float:
@@ -136,11 +140,11 @@ def top2_gap(logprobs: dict[int, float] | None) -> float:
     return best[0] - best[1]
 
 
-def greedy_run(setup: EngineSetup, speculative: bool, graphs: bool) -> RunResult:
+def greedy_run(setup: EngineSetup, speculative: bool, graphs: bool, asynchronous: bool | None = None) -> RunResult:
     """Generate greedily for every prompt (EOS ignored) and collect the run's result."""
     from pagedtree import SamplingParams
 
-    llm = make_llm(setup, speculative, graphs)
+    llm = make_llm(setup, speculative, graphs, asynchronous)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True, logprobs=2)
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in setup.prompts], params, use_tqdm=False)
@@ -150,6 +154,8 @@ def greedy_run(setup: EngineSetup, speculative: bool, graphs: bool) -> RunResult
         stats = llm.stats()
         result.draft_tokens = int(stats.get("num_draft_tokens", 0))
         result.accepted_tokens = int(stats.get("num_accepted_tokens", 0))
+        steps = llm.engine.async_steps
+        result.steps_ahead = steps.num_steps_ahead if steps is not None else 0
         return result
     finally:
         release(llm)
@@ -170,13 +176,14 @@ class EngineRuns:
 
     def __init__(self, setup: EngineSetup):
         self.setup = setup
-        self._runs: dict[tuple[bool, bool], RunResult] = {}
+        self._runs: dict[tuple[bool, bool, bool | None], RunResult] = {}
 
-    def get(self, speculative: bool, graphs: bool) -> RunResult:
-        """The run with tree speculation or not, graphs or eager (made on first use)."""
-        key = (speculative, graphs)
+    def get(self, speculative: bool, graphs: bool, asynchronous: bool | None = None) -> RunResult:
+        """The run with tree speculation or not, graphs or eager, plain steps ahead of
+        their readback or not (None: the device's default); made on first use."""
+        key = (speculative, graphs, asynchronous)
         if key not in self._runs:
-            self._runs[key] = greedy_run(self.setup, speculative, graphs)
+            self._runs[key] = greedy_run(self.setup, speculative, graphs, asynchronous)
         return self._runs[key]
 
 
@@ -236,7 +243,26 @@ def graph_rows(runs: EngineRuns) -> list[Row]:
         rows.append(_graph_row(case, eager, graphed, cuda))
     if not cuda:
         rows.append(skipped(GRAPHS, "captured replay", "no CUDA"))
-    return rows
+    return rows + [async_row(runs)]
+
+
+def async_row(runs: EngineRuns) -> Row:
+    """Plain decoding with each step launched before the previous one is read back
+    against one step at a time (graphs as the device runs them): the same tokens,
+    and steps really launched ahead."""
+    setup = runs.setup
+    graphs = setup.device == "cuda"
+    case = f"decode, {short_dtype(setup.dtype)}" + (", graphs" if graphs else ", static steps uncaptured")
+    try:
+        ordered, ahead = runs.get(False, graphs, False), runs.get(False, graphs, True)
+    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+        return failed_run(ASYNC, case, exc)
+    comparison = compare_tokens(ordered, ahead)
+    figure = f"{ahead.steps_ahead} steps launched ahead of a readback"
+    if ahead.steps_ahead == 0:
+        return Row(ASYNC, case, "no step was launched ahead", figure, FAIL, _detail(comparison, ahead))
+    return Row(ASYNC, case, comparison.describe(), figure, PASS if comparison.same else FAIL,
+               _detail(comparison, ahead))
 
 
 def _graph_row(case: str, eager: RunResult, graphed: RunResult, cuda: bool) -> Row:

@@ -54,10 +54,11 @@ class AsyncSteps:
         self.engine = engine
         self.pending: LaunchedStep | None = None
         self.num_steps_ahead = 0  # steps planned and launched ahead of a readback
+        self.enabled = True  # ``LLMEngine.set_async_scheduling``
 
     def applies(self) -> bool:
-        """Whether the engine's steps may run this way now (speculation off)."""
-        return not self.engine.speculation_enabled
+        """Whether the engine's steps may run this way now (on, and speculation off)."""
+        return self.enabled and not self.engine.speculation_enabled
 
     def step(self) -> list[RequestOutput]:
         """One call of the engine's ``step`` (see module docstring)."""

@@ -394,6 +394,18 @@ class LLMEngine:
             raise ValueError("this engine has no draft model or drafter")
         self.scheduler.tree_budget = self.speculator.budget if enabled else None
 
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Launch plain steps ahead of their readback, or not, from the next step on
+        (a launched step is read back first); benchmarks use it to compare both in one
+        run. Refused under tensor parallelism."""
+        if enabled and self.tensor_parallel is not None:
+            raise ValueError("async scheduling needs one process")
+        if self.async_steps is None:
+            if not enabled:
+                return
+            self.async_steps = AsyncSteps(self)
+        self.async_steps.enabled = enabled
+
     @contextlib.contextmanager
     def speculation_paused(self) -> Iterator[None]:
         """Steps inside run as if the engine had no speculator: nothing is drafted,

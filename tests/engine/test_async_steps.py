@@ -156,3 +156,27 @@ def test_structured_outputs_step_in_order(tiny_text_model):
     llm = _llm(tiny_text_model, True)
     assert _tokens(llm.generate(["Is it?", "Hello"], [params, plain], use_tqdm=False)) == want
     assert_no_leaks(llm)
+
+
+def test_async_scheduling_switched_off_and_on_in_one_engine(tiny_llama):
+    """``set_async_scheduling``: the same engine steps one at a time, then ahead again,
+    with the same tokens; a launched step is read back before the switch takes hold."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 256, 3, 6, seed=9)]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    llm = _llm(tiny_llama, True)
+    engine = llm.engine
+    want = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    ahead = engine.async_steps.num_steps_ahead
+    engine.set_async_scheduling(False)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert engine.async_steps.num_steps_ahead == ahead
+    engine.set_async_scheduling(True)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert engine.async_steps.num_steps_ahead > ahead
+    engine.add_parent(engine.make_requests("x", prompts[0], params))
+    engine.step()
+    engine.set_async_scheduling(False)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.async_steps.pending is None
+    assert_no_leaks(llm)
