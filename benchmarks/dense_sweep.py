@@ -22,9 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# (name, n_out, k, gated)
-LAYERS = (("gate_up", 8960, 1536, True), ("down", 1536, 8960, False), ("head", 151_936, 1536, False))
-TINY_LAYERS = (("gate_up", 80, 64, True), ("down", 64, 160, False))
+# (name, n_out, k, gated, rows timed): the 1.5B's heavy layers at a decode's and a batch
+# of trees' rows; its small ones and the 0.5B draft's at one row, where they are
+# latency-bound (about 9.5 us for a few MB on an H100).
+LAYERS = (("gate_up", 8960, 1536, True, (1, 2080)), ("down", 1536, 8960, False, (1, 2080)),
+          ("head", 151_936, 1536, False, (1, 2080)), ("qkv", 2048, 1536, False, (1,)),
+          ("o", 1536, 1536, False, (1,)), ("draft qkv", 1152, 896, False, (1,)),
+          ("draft gate_up", 4864, 896, True, (1,)), ("draft down", 896, 4864, False, (1,)))
+TINY_LAYERS = (("gate_up", 80, 64, True, (1, 16)), ("down", 64, 160, False, (1, 16)))
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM at one row); the first is the
 # shipped one (gated layers ship 8 warps and 2 stages).
 CONFIGS = [(64, 64, 4, 4, 2), (64, 64, 4, 3, 4), (32, 64, 4, 4, 2), (32, 128, 4, 3, 2), (64, 128, 4, 3, 2),
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and two configurations (the dry run)")
-    parser.add_argument("--rows", default="1,2080", help="row counts to time")
+    parser.add_argument("--rows", default=None, help="row counts to time (default: each layer's own)")
     parser.add_argument("--max-configs", type=int, default=len(CONFIGS), help="configurations tried per layer "
                                                                               "(the first N)")
     parser.add_argument("--json", default=None)
@@ -54,11 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     sms = dense_ops.device_sms(device)
-    rows_list = [int(r) for r in args.rows.split(",")] if not args.tiny else [1, 16]
+    chosen_rows = [int(r) for r in args.rows.split(",")] if args.rows else None
     configs = TINY_CONFIGS if args.tiny else CONFIGS[:args.max_configs]
     results = []
     started = time.perf_counter()
-    for name, n_out, k, gated in (TINY_LAYERS if args.tiny else LAYERS):
+    for name, n_out, k, gated, layer_rows in (TINY_LAYERS if args.tiny else LAYERS):
+        rows_list = chosen_rows or list(layer_rows)
         halves = 2 if gated else 1
         weight = (torch.randn(halves * n_out, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
         nbytes = weight.numel() * 2
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                                     stages=stages, per_sm=per_sm, groups=groups, split=split, seconds=seconds,
                                     gbps=nbytes / seconds / 1e9 if seconds else None, error=error))
                 shown = f"{seconds * 1e6:8.1f} us {nbytes / seconds / 1e9:6.0f} GB/s" if seconds else error
-                print(f"{name:8s} rows {m:5d} BN {block_n:3d} BK {block_k:3d} w{warps} s{stages} "
+                print(f"{name:14s} rows {m:5d} BN {block_n:3d} BK {block_k:3d} w{warps} s{stages} "
                       f"{per_sm}/SM groups {groups:3d} {'split' if split else 'whole'}: {shown}", flush=True)
         del weights, weight
     print("best per layer and rows:")
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      key=lambda r: (r["layer"], r["rows"], r["seconds"])),
                                               key=lambda r: (r["layer"], r["rows"])):
         best = next(group)
-        print(f"  {name:8s} rows {m:5d}: BN {best['block_n']} BK {best['block_k']} w{best['warps']} "
+        print(f"  {name:14s} rows {m:5d}: BN {best['block_n']} BK {best['block_k']} w{best['warps']} "
               f"s{best['stages']} {best['per_sm']}/SM -> {best['seconds'] * 1e6:.1f} us")
     print(f"sweep took {time.perf_counter() - started:.0f} s")
     if args.json:
