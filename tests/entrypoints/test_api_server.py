@@ -399,10 +399,12 @@ def test_routes_mount_next_to_user_routes_and_shutdown_is_graceful(chat_model_pa
     def factory(engine):
         app = web.Application()
         app.router.add_get("/hello", hello)
-        setup_routes(app, engine, prefix="/llm", api_key="k", grace_period=0.3)
+        setup_routes(app, engine, prefix="/llm", api_key="k", grace_period=0.1)
         return app
 
-    live = start_server(factory, make_engine(chat_model_path))
+    # A stream far longer than the grace period (480 tokens take several times 0.1 s
+    # here), so that it is still running when the grace period ends.
+    live = start_server(factory, make_engine(chat_model_path, max_model_len=512))
     try:
         assert get(live, "/hello")[0] == 200  # the user's route needs no key
         assert get(live, "/llm/health")[0] == 200
@@ -410,7 +412,7 @@ def test_routes_mount_next_to_user_routes_and_shutdown_is_graceful(chat_model_pa
         async def main():
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as session:
                 response = await session.post(live.url + "/llm/v1/completions", json={
-                    "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True})
+                    "prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True})
                 await response.content.readline()
                 # Shut down while the stream runs: it is aborted after the grace period.
                 stopper = asyncio.get_running_loop().run_in_executor(None, live.stop)
