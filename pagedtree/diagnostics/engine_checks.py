@@ -31,10 +31,14 @@ SPECULATION = "speculative vs plain"
 # and 17); in the interpreter, small trees (every padded token is interpreted).
 CUDA_TREE = SpeculativeConfig(tree="static", expansion=(2, 2, 2, 1), max_nodes=16, adaptive=False)
 CPU_TREE = SpeculativeConfig(tree="static", expansion=(2, 1, 1), max_nodes=4, adaptive=False)
+# A chain: on a GPU its levels are fed from the device and read back at once.
+CHAIN = SpeculativeConfig(tree="chain", depth=4, max_nodes=4, adaptive=False)
 
 
 def tree_name(config: SpeculativeConfig) -> str:
     """A tree configuration in a few words, e.g. ``16-node static tree 2,2,2,1``."""
+    if config.tree == "chain":
+        return f"chain of {config.depth}"
     return f"{config.max_nodes}-node {config.tree} tree {','.join(map(str, config.expansion))}"
 
 
@@ -85,8 +89,10 @@ def engine_setup(device_type: str, quick: bool, target: str, draft: str, seed: i
                        max_num_seqs=count, num_kv_blocks=64, speculative=CPU_TREE)
 
 
-def make_llm(setup: EngineSetup, speculative: bool, graphs: bool, asynchronous: bool | None = None):
-    """An ``LLM`` on the Triton backend, with tree speculation or not, with CUDA
+def make_llm(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
+             asynchronous: bool | None = None):
+    """An ``LLM`` on the Triton backend, with tree speculation (the setup's tree, or the
+    configuration given) or not, with CUDA
     graphs (on a CPU: the padded static steps graphs replay, uncaptured) or eager,
     and with plain steps launched ahead of their readback or not (None: the device's
     default)."""
@@ -96,12 +102,13 @@ def make_llm(setup: EngineSetup, speculative: bool, graphs: bool, asynchronous: 
                         block_size=setup.block_size, max_num_seqs=setup.max_num_seqs,
                         max_model_len=setup.max_model_len, num_kv_blocks=setup.num_kv_blocks, seed=0,
                         enforce_eager=setup.device != "cuda" or not graphs, async_scheduling=asynchronous)
-    if speculative:
-        kwargs.update(draft_model=setup.draft, speculative=setup.speculative)
+    tree = setup.speculative if speculative is True else speculative or None
+    if tree is not None:
+        kwargs.update(draft_model=setup.draft, speculative=tree)
     llm = LLM(setup.target, **kwargs)
     if setup.device != "cuda" and graphs:
         engine = llm.engine
-        tree_tokens = 1 + setup.speculative.max_nodes if speculative else 1
+        tree_tokens = 1 + tree.max_nodes if tree is not None else 1
         engine.runner.enable_cuda_graphs(setup.max_num_seqs, engine.max_model_len, tree_tokens, capture=False)
         for draft in engine.speculator.drafts if engine.speculator is not None else ():
             draft.runner.enable_cuda_graphs(setup.max_num_seqs * 4, engine.max_model_len, DRAFT_GRAPH_TOKENS,
@@ -140,7 +147,8 @@ def top2_gap(logprobs: dict[int, float] | None) -> float:
     return best[0] - best[1]
 
 
-def greedy_run(setup: EngineSetup, speculative: bool, graphs: bool, asynchronous: bool | None = None) -> RunResult:
+def greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
+               asynchronous: bool | None = None) -> RunResult:
     """Generate greedily for every prompt (EOS ignored) and collect the run's result."""
     from pagedtree import SamplingParams
 
@@ -176,12 +184,13 @@ class EngineRuns:
 
     def __init__(self, setup: EngineSetup):
         self.setup = setup
-        self._runs: dict[tuple[bool, bool, bool | None], RunResult] = {}
+        self._runs: dict[tuple, RunResult] = {}
 
-    def get(self, speculative: bool, graphs: bool, asynchronous: bool | None = None) -> RunResult:
-        """The run with tree speculation or not, graphs or eager, plain steps ahead of
-        their readback or not (None: the device's default); made on first use."""
-        key = (speculative, graphs, asynchronous)
+    def get(self, speculative: bool | SpeculativeConfig, graphs: bool, asynchronous: bool | None = None) -> RunResult:
+        """The run with tree speculation (the setup's tree, or the configuration given)
+        or not, graphs or eager, plain steps ahead of their readback or not (None: the
+        device's default); made on first use."""
+        key = (speculative if isinstance(speculative, bool) else tree_name(speculative), graphs, asynchronous)
         if key not in self._runs:
             self._runs[key] = greedy_run(self.setup, speculative, graphs, asynchronous)
         return self._runs[key]
@@ -277,21 +286,27 @@ def _graph_row(case: str, eager: RunResult, graphed: RunResult, cuda: bool) -> R
 
 
 def speculation_rows(runs: EngineRuns) -> list[Row]:
-    """Check 3's row: greedy tree speculation against plain decoding, with the
-    device's default step path (graphs on a GPU)."""
+    """Check 3's rows: greedy tree speculation against plain decoding, with the
+    device's default step path (graphs on a GPU), for the setup's tree and a chain
+    (whose levels a GPU feeds from the device and reads back at once)."""
     setup = runs.setup
     graphs = setup.device == "cuda"
-    case = f"greedy, {short_dtype(setup.dtype)}, {tree_name(setup.speculative)}"
-    try:
-        plain, spec = runs.get(False, graphs), runs.get(True, graphs)
-    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
-        return [failed_run(SPECULATION, case, exc)]
-    comparison = compare_tokens(plain, spec)
-    figure = f"{spec.draft_tokens} draft tokens, {spec.accepted_tokens} accepted"
-    if spec.draft_tokens == 0:
-        return [Row(SPECULATION, case, "no tree was drafted", figure, FAIL, _detail(comparison, spec))]
-    verdict = PASS if comparison.same else FAIL
-    return [Row(SPECULATION, case, comparison.describe(), figure, verdict, _detail(comparison, spec))]
+    rows = []
+    for tree in (setup.speculative, CHAIN):
+        case = f"greedy, {short_dtype(setup.dtype)}, {tree_name(tree)}"
+        try:
+            plain, spec = runs.get(False, graphs), runs.get(True if tree is setup.speculative else tree, graphs)
+        except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+            rows.append(failed_run(SPECULATION, case, exc))
+            continue
+        comparison = compare_tokens(plain, spec)
+        figure = f"{spec.draft_tokens} draft tokens, {spec.accepted_tokens} accepted"
+        if spec.draft_tokens == 0:
+            rows.append(Row(SPECULATION, case, "no tree was drafted", figure, FAIL, _detail(comparison, spec)))
+            continue
+        verdict = PASS if comparison.same else FAIL
+        rows.append(Row(SPECULATION, case, comparison.describe(), figure, verdict, _detail(comparison, spec)))
+    return rows
 
 
 def _detail(comparison: TokenComparison, run: RunResult) -> dict:

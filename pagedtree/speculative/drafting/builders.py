@@ -238,6 +238,24 @@ class ShapeTreeBuilder(TreeBuilder):
                 staged.append(self._stage_children(node, logits, len(shape_kids)))
         return staged
 
+    def chain_length(self) -> int | None:
+        """The nodes of this builder's tree when it is a chain without a grammar (every
+        node at most one child), which the draft worker can feed level after level
+        without reading the children back between levels; None otherwise."""
+        if self.grammar is not None or any(len(kids) > 1 for kids in self._children.values()):
+            return None
+        return len(self.shape.parents)
+
+    def stage_chain(self, depth: int, logits: torch.Tensor) -> StagedChildren:
+        """The chain's child at ``depth`` (1: the root's), drawn on the device from its
+        parent's draft ``logits`` before the parent is read back: the draw
+        ``stage_level`` makes there (one child, the same rule, noise and generator).
+        Its node is set when the chain is grown after the readback."""
+        logprobs = draft_distribution(logits, self.params)
+        noise = self.noise(depth) if self.rule == "coupled" else None
+        tokens, increments, draw = stage_children(logprobs, 1, self.rule, self.generator, noise)
+        return StagedChildren(ROOT, tokens, increments, draw)
+
     def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
         to_feed = []
         for children in staged:

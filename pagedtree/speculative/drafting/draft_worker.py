@@ -27,7 +27,7 @@ import torch
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import BlockCopy, Phase, ScheduledChunk
-from pagedtree.speculative.drafting.builders import TreeBuilder, read_children
+from pagedtree.speculative.drafting.builders import ShapeTreeBuilder, StagedChildren, TreeBuilder, read_children
 from pagedtree.speculative.tree import ROOT, TokenTree
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts
@@ -96,6 +96,12 @@ class _Branches:
     seqs: list[str] = field(default_factory=list)
 
 
+def _chain_length(job: DraftJob) -> int | None:
+    """The job's chain length when its builder grows a chain (``ShapeTreeBuilder``)."""
+    builder = job.builder
+    return builder.chain_length() if isinstance(builder, ShapeTreeBuilder) else None
+
+
 class DraftWorker:
     """Owns one draft model, its KV cache and block manager (see module docstring)."""
 
@@ -110,6 +116,11 @@ class DraftWorker:
         self._branches: dict[str, _Branches] = {}
         self.num_forward_passes = 0
         self.on_forward: Callable[[int, float], None] | None = None  # (tokens, seconds) hook
+        # Chains are fed level after level with each child's token taken on the device
+        # and every level read back at once (``_propose_chains``): on a GPU a level's
+        # readback is a sync and the host's next level waits for it; on a CPU there is
+        # nothing to overlap, and the level-by-level path is the measured one.
+        self.device_chains = getattr(runner, "device", torch.device("cpu")).type == "cuda"
 
     def generator_for(self, request: Request) -> torch.Generator:
         """The request's random stream for drawing this draft's children.
@@ -123,6 +134,8 @@ class DraftWorker:
     # --------------------------------------------------------------- propose
     def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
         """Grow every job's tree; returns trees by request id (jobs without room get none)."""
+        if self.device_chains and jobs and all(_chain_length(job) is not None for job in jobs):
+            return self._propose_chains(jobs)
         copies: list[BlockCopy] = []
         level: list[tuple[DraftJob, int, ScheduledChunk]] = []
         for job in jobs:
@@ -154,6 +167,77 @@ class DraftWorker:
             if rid in self._branches:
                 trees[rid] = job.builder.finish()
         return trees
+
+    def _propose_chains(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
+        """Chains (``ShapeTreeBuilder.chain_length``): each level's child is drawn on the
+        device and fed to the next level as its input token from there (the draft's
+        step inputs take it: ``pending_tokens``), so the levels queue one after another
+        without a readback between them; the children of every level come back in one
+        copy, and each chain is then grown on the host as ``propose`` would have grown
+        it. The same trees, draws and KV as level by level."""
+        copies: list[BlockCopy] = []
+        lengths = {id(job): _chain_length(job) for job in jobs}
+        level = [(job, chunk) for job in jobs if (chunk := self._catch_up_chunk(job.request, copies)) is not None]
+        levels: list[dict[int, StagedChildren]] = []  # per depth - 1: each job's staged child
+        timers: list[tuple[ForwardTimer, int]] = []
+        sources: dict[str, tuple[torch.Tensor, int]] = {}
+        depth = 0
+        while level:
+            chunks = [chunk for _, chunk in level]
+            logits, timer = self._forward(copies, chunks, sources)
+            timers.append((timer, sum(c.num_tokens for c in chunks)))
+            copies, sources, depth = [], {}, depth + 1
+            staged = {id(job): job.builder.stage_chain(depth, row) for (job, _), row in zip(level, logits)
+                      if depth <= lengths[id(job)]}
+            levels.append(staged)
+            bm = self.block_manager
+            next_level = []
+            for job, _ in level:
+                rid = job.request.request_id
+                # Its child at this depth is fed next when the chain goes deeper and a
+                # block is free for its slot (a leaf otherwise, as level by level).
+                if depth < lengths[id(job)] and bm.can_append_slots(rid, 1):
+                    next_level.append((job, self._chain_chunk(job, depth, copies)))
+                    sources[rid] = (staged[id(job)].tokens, 0)
+            level = next_level
+        read_children([child for staged in levels for child in staged.values()])
+        for timer, tokens in timers:  # after the readback: on CUDA every level has run
+            seconds = timer.seconds()
+            if self.on_forward is not None and seconds is not None:
+                self.on_forward(tokens, seconds)
+        trees: dict[str, TokenTree] = {}
+        for job in jobs:
+            rid = job.request.request_id
+            branches = self._branches.get(rid)
+            if branches is None:
+                continue  # no room for its catch-up
+            node = ROOT
+            for index, staged in enumerate(levels):
+                child = staged.get(id(job))
+                if child is None:
+                    break
+                child.node = node
+                grown = job.builder.grow([child])
+                if not grown or index + 1 >= len(levels) or id(job) not in levels[index + 1]:
+                    break  # a leaf, a token the rule could not draw, or not fed
+                node = grown[0]
+                branches.seq_of[node] = rid  # a chain's child continues its parent's sequence
+            branches.tree = job.builder.tree
+            trees[rid] = job.builder.finish()
+        return trees
+
+    def _chain_chunk(self, job: DraftJob, depth: int, copies: list[BlockCopy]) -> ScheduledChunk:
+        """The chunk feeding a chain's child at ``depth`` (its token still on the
+        device), one slot further in the request's own sequence."""
+        bm = self.block_manager
+        rid = job.request.request_id
+        position = self._branches[rid].root_len - 1 + depth
+        copies.extend(bm.append_slots(rid, 1))
+        return ScheduledChunk(
+            request=job.request, phase=Phase.DRAFT, token_ids=[0], positions=[position],
+            slot_mapping=[bm.slot(rid, position)], block_table=bm.block_table(rid), context_len=position + 1,
+            logits_from=0, pending_tokens=1,
+        )
 
     def _catch_up_chunk(self, request: Request, copies: list[BlockCopy]) -> ScheduledChunk | None:
         """Feed the tokens the draft has not seen, ending with the root; None if no room."""
@@ -228,14 +312,18 @@ class DraftWorker:
             out.append((job, node, chunk))
         return out
 
-    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ForwardTimer]:
-        """The block copies and one draft forward over ``chunks``: the logits of each
-        chunk's last token, and the timer of the forward (read after the readback)."""
+    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk],
+                 token_sources: dict[str, tuple[torch.Tensor, int]] | None = None,
+                 ) -> tuple[torch.Tensor, ForwardTimer]:
+        """The block copies and one draft forward over ``chunks`` (the input tokens of
+        chunks fed from the device from ``token_sources``): the logits of each chunk's
+        last token, and the timer of the forward (read after the readback)."""
         timer = ForwardTimer(getattr(self.runner, "device", None))  # none: a host-side stand-in
         timer.start()
         self.runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
         rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
-        logits = self.runner.forward(chunks, rows)
+        logits = self.runner.forward(chunks, rows, token_sources) if token_sources else \
+            self.runner.forward(chunks, rows)
         timer.stop()
         self.num_forward_passes += 1
         return logits, timer
