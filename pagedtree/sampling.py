@@ -335,22 +335,30 @@ class DeviceRows:
         return results, flags
 
 
-def row_results(tokens: torch.Tensor, raw_logprobs: torch.Tensor, ks: Sequence[int | None],
-                accepted: torch.Tensor | None = None) -> DeviceRows:
+def row_results(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, ks: Sequence[int | None],
+                accepted: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> DeviceRows:
     """``DeviceRows`` for ``tokens [N]`` chosen from rows of ``raw_logprobs [N, V]``,
     with the top logprobs each row asks for (``ks``); nothing leaves the device.
+    Without ``raw_logprobs`` (no row asks for logprobs: no ``log_softmax`` is
+    written) the rows' fp32 ``logits`` decide validity and every logprob is 0.
 
     A row is valid when its token is inside the vocabulary (a draw from a
     distribution that was not finite is not: ``inverse_transform``) and the model's
-    logprob of it is finite (NaN or infinite logits are not); an invalid row's token
-    is clamped into the vocabulary so that nothing indexes outside it, and its
-    request is failed by whoever reads it (``SampleResult.valid``).
+    logprob of it is finite (NaN or infinite logits are not: without logprobs, the
+    row's largest logit is finite); an invalid row's token is clamped into the
+    vocabulary so that nothing indexes outside it, and its request is failed by
+    whoever reads it (``SampleResult.valid``).
     """
-    vocab = raw_logprobs.shape[-1]
+    vocab = (raw_logprobs if raw_logprobs is not None else logits).shape[-1]
     in_range = (tokens >= 0) & (tokens < vocab)
     tokens = tokens.clamp(0, vocab - 1)
-    chosen = raw_logprobs.gather(1, tokens.reshape(-1, 1)).reshape(-1)
-    rows = DeviceRows(tokens, chosen, list(ks), accepted=accepted, valid=in_range & torch.isfinite(chosen))
+    if raw_logprobs is None:
+        chosen = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        finite = torch.isfinite(logits.amax(dim=-1))
+    else:
+        chosen = raw_logprobs.gather(1, tokens.reshape(-1, 1)).reshape(-1)
+        finite = torch.isfinite(chosen)
+    rows = DeviceRows(tokens, chosen, list(ks), accepted=accepted, valid=in_range & finite)
     k_max = max((k for k in ks if k is not None), default=0)
     if k_max > 0:
         rows.top_values, rows.top_ids = torch.topk(raw_logprobs, k_max, dim=-1)
@@ -418,7 +426,9 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
     logits = logits.float()
     device = logits.device
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    # Logprobs only where a row reports them (a log_softmax writes a whole fp32 row).
+    wanted = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
     # Penalties and grammar masks edit a copy: the raw logits stay for the reported logprobs.
     masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
     penalised = any(map(needs_penalties, rows))
@@ -448,7 +458,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows
         if drawn:
             probs = target_probs(_rows_of(processed, drawn), params)
             _put(tokens, drawn, draw_token_tensor(probs, [rows[i].generator for i in drawn]))
-    return row_results(tokens, raw_logprobs, [r.params.logprobs for r in rows])
+    return row_results(tokens, raw_logprobs, [r.params.logprobs for r in rows], logits=logits)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:

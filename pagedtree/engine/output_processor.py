@@ -82,7 +82,8 @@ class OutputProcessor:
             index=index,
             text=request.output_text,
             token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
+            # vLLM's: reported when logprobs are asked for (otherwise none are computed).
+            cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None,
             logprobs=list(request.logprobs) if request.logprobs is not None else None,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

@@ -92,6 +92,8 @@ def test_logprobs(llm):
         assert max(entry.values()) == entry[token]
         total += entry[token]
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    # As vLLM: without logprobs asked for, none are computed and none is reported.
+    assert _greedy(llm, "Hello", max_tokens=5).cumulative_logprob is None
 
 
 def test_top_k_one_is_greedy(llm):

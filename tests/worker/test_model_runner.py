@@ -31,7 +31,8 @@ def test_a_plan_gives_transformers_next_token_and_logits(runner_and_model):
     runner, hf = runner_and_model
     bm = BlockManager(16, 4)
     prompts = [[5, 9, 13, 2, 7], [40, 41]]
-    requests = [Request(str(i), None, p, SamplingParams(temperature=0), sampling_seed=0) for i, p in enumerate(prompts)]
+    requests = [Request(str(i), None, p, SamplingParams(temperature=0, logprobs=0), sampling_seed=0)
+                for i, p in enumerate(prompts)]
     for r in requests:
         bm.allocate(r.request_id, r.all_token_ids)
     out = runner.execute(StepPlan(chunks=[_chunk(bm, r, 0, r.num_tokens) for r in requests]))

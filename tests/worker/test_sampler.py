@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedtree.sampling_params import SamplingParams
@@ -53,13 +54,16 @@ def test_mixed_batch_equals_each_row_alone():
     logits = torch.randn(6, 50) * 3
 
     def rows():
+        # Every row asks for its logprob (logprobs=0): the reported values are compared.
         return [
-            SamplingRow(SamplingParams(temperature=0.0), (), 0, None),
-            SamplingRow(SamplingParams(temperature=0.8), (), 0, torch.Generator().manual_seed(1)),
-            SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.5), list(range(50)), 0, None),
-            SamplingRow(SamplingParams(temperature=0.7, seed=5), (), 2, None, coupling_seed=11),
-            SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=(7,)), (), 0, None),
-            SamplingRow(SamplingParams(temperature=0.0), (), 0, None),
+            SamplingRow(SamplingParams(temperature=0.0, logprobs=0), (), 0, None),
+            SamplingRow(SamplingParams(temperature=0.8, logprobs=0), (), 0, torch.Generator().manual_seed(1)),
+            SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0), list(range(50)), 0,
+                        None),
+            SamplingRow(SamplingParams(temperature=0.7, seed=5, logprobs=0), (), 2, None, coupling_seed=11),
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=(7,), logprobs=0), (), 0,
+                        None),
+            SamplingRow(SamplingParams(temperature=0.0, logprobs=0), (), 0, None),
         ]
 
     logits[4, 7] = 100.0  # the greedy pick, unless min_tokens bans it
@@ -107,3 +111,22 @@ def test_a_mixed_batch_reads_back_once_with_its_top_logprobs(monkeypatch):
     assert len(results[3].top_logprobs) in (1, 2) and results[3].token_id in results[3].top_logprobs
     for i, r in enumerate(results):
         assert r.logprob == float(raw[i, r.token_id])
+
+
+def test_rows_without_logprobs_write_no_log_softmax_and_still_fail_non_finite_rows(monkeypatch):
+    """No row asks for logprobs: no ``log_softmax`` is computed, every logprob is 0,
+    and a row whose logits are not finite is still reported invalid."""
+    calls = []
+    real = torch.log_softmax
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = torch.randn(3, 20)
+    logits[1, 4] = float("nan")
+    logits[2] = float("-inf")
+    rows = [SamplingRow(SamplingParams(temperature=0.0), (), 0, None) for _ in range(3)]
+    results = sample(logits, rows)
+    assert calls == []
+    assert results[0].token_id == int(logits[0].argmax()) and results[0].logprob == 0.0
+    assert [r.valid for r in results] == [True, False, False]
+    rows[0] = SamplingRow(SamplingParams(temperature=0.0, logprobs=0), (), 0, None)
+    results = sample(logits, rows)
+    assert calls and results[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))

@@ -63,7 +63,7 @@ class Verifier:
         if logits.shape[0] != tree.num_nodes + 1:
             raise ValueError(f"{logits.shape[0]} rows of logits for a tree of {tree.num_nodes} nodes")
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
         processed = apply_penalties(logits.clone(), self._sampling_rows(request, tree))
         if request.grammar is not None:
             # Each row's distribution is the constrained one plain decoding would have
@@ -84,7 +84,7 @@ class Verifier:
         else:
             tests = RowTests(tree, target_probs(processed, params), self._generator(request))
             tokens, accepted = tests.all_rows() if self.decide_all_rows else tests.along_walk()
-        return row_results(tokens, raw_logprobs, [params.logprobs] * (tree.num_nodes + 1), accepted)
+        return row_results(tokens, raw_logprobs, [params.logprobs] * (tree.num_nodes + 1), accepted, logits)
 
     @staticmethod
     def walk(tree: TokenTree, rows: list[SampleResult], accepted: list[bool] | None) -> VerifyResult:
