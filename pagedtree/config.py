@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagedtree.structured_params import StructuredOutputLimits
+from pagedtree.structured_params import GrammarCompileConfig, StructuredOutputLimits
 
 
 DTYPES = {
@@ -161,7 +161,9 @@ class EngineConfig:
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
     ``structured_output_limits`` bounds what a request's ``structured_outputs`` may
-    ask (size, schema nesting, choices, compile time; a dict of its fields works too).
+    ask (size, schema nesting, choices, compile time; a dict of its fields works too);
+    ``grammar_compile`` how compiles are served (workers, queue bounds, each worker's
+    memory: ``GrammarCompileConfig``, a dict works too).
 
     ``enforce_eager=True`` runs every op eagerly in torch; by default fp32/bf16
     models on CPU fuse each layer's residual adds, RMSNorms and rotary embedding into
@@ -226,6 +228,7 @@ class EngineConfig:
     draft_tensor_parallel_size: int | None = None
     distributed_timeout: float = 60.0
     structured_output_limits: StructuredOutputLimits | None = None
+    grammar_compile: GrammarCompileConfig | None = None
     load_format: str = "auto"
     async_scheduling: bool | None = None
 
@@ -237,6 +240,14 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs one process: a tensor-parallel step sends its input tokens "
                              "from the host")
+        if isinstance(self.grammar_compile, Mapping):
+            try:
+                self.grammar_compile = GrammarCompileConfig(**self.grammar_compile)
+            except TypeError as exc:
+                raise ValueError(f"grammar_compile: {exc}") from exc
+        elif self.grammar_compile is not None and not isinstance(self.grammar_compile, GrammarCompileConfig):
+            raise ValueError("grammar_compile must be a GrammarCompileConfig or a dict, got "
+                             f"{type(self.grammar_compile).__name__}")
         if self.structured_output_limits is None:
             self.structured_output_limits = StructuredOutputLimits()
         elif isinstance(self.structured_output_limits, Mapping):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedtree.text_checks import has_surrogate
@@ -43,6 +44,36 @@ class StructuredOutputLimits:
         t = self.compile_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"StructuredOutputLimits.compile_timeout_s must be a finite number > 0, got {t!r}")
+
+
+def default_compile_workers() -> int:
+    """Grammar compile workers by default: about half the cores, 1 to 4."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarCompileConfig:
+    """How a server's grammar compiles are served (``structured/compile_service.py``):
+    ``workers`` processes compile at once, each bounded to ``worker_memory_bytes`` of
+    data (None: unbounded); at most ``max_queued`` compiles wait for a worker, and a
+    client has at most ``max_per_client`` compiles queued or running (beyond either,
+    HTTP 429 with ``Retry-After``). Server flags: ``--grammar-compile-workers``,
+    ``--max-queued-grammar-compiles``, ``--max-grammar-compiles-per-client``,
+    ``--grammar-worker-memory``."""
+
+    workers: int = field(default_factory=default_compile_workers)
+    max_queued: int = 32
+    max_per_client: int = 4
+    worker_memory_bytes: int | None = 2 * 1024**3
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "max_queued", "max_per_client"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GrammarCompileConfig.{name} must be an integer >= 1, got {value!r}")
+        memory = self.worker_memory_bytes
+        if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 2**28):
+            raise ValueError(f"GrammarCompileConfig.worker_memory_bytes must be None or >= 256 MiB, got {memory!r}")
 
 
 @dataclass(frozen=True, slots=True)

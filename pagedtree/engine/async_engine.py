@@ -138,6 +138,8 @@ class AsyncEngine:
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(2, os.cpu_count() or 1), thread_name_prefix="pagedtree-tokenize"
         )
+        # Only submits compiles (checks, the vocabulary's view once): the compiles run
+        # in the compile service's workers, and nothing waits here.
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pagedtree-grammar")
         if freeze_gc:
@@ -152,6 +154,7 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         check_context: bool = False,
+        client: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; returns its stream once the engine has accepted it.
 
@@ -162,7 +165,7 @@ class AsyncEngine:
         instead of being cut at the context limit (what HTTP APIs expect).
         """
         ids = None if request_id is None else [request_id]
-        streams = await self.add_requests([prompt], sampling_params, ids, check_context=check_context)
+        streams = await self.add_requests([prompt], sampling_params, ids, check_context=check_context, client=client)
         return streams[0]
 
     async def add_requests(
@@ -173,6 +176,7 @@ class AsyncEngine:
         *,
         check_context: bool = False,
         label: str | None = None,
+        client: str | None = None,
     ) -> list[RequestStream]:
         """Validate and queue several requests at once, all or none (see ``add_request``).
 
@@ -183,6 +187,8 @@ class AsyncEngine:
         alone. An invalid request raises ``InvalidRequestError`` (a ``ValueError``)
         whose ``index`` says which one. ``label`` names the requests in their
         ``RequestMetrics`` (the HTTP server passes the client's ``X-Request-Id``).
+        ``client`` (an API key, a connection's address) bounds the grammar compiles
+        one client can have in flight (``CompileQueueFull``, HTTP 429).
         """
         if self._stopping or self._thread.closed:
             raise EngineStoppedError("the engine is shutting down" if self._stopping else "the engine is shut down")
@@ -228,7 +234,7 @@ class AsyncEngine:
         try:
             ready = await loop.run_in_executor(self._tokenize_pool, self._prepare_prompts, prompts)
             if any(p is not None and p.structured_outputs is not None for p in params_list):
-                await loop.run_in_executor(self._grammar_pool, self._compile_grammars, params_list)
+                await self._grammars_ready(params_list, client)
             command = AddCommand(
                 [NewRequest(rid, prompt, params, stream) for rid, prompt, params, stream
                  in zip(ids, ready, params_list, streams)],
@@ -259,16 +265,49 @@ class AsyncEngine:
                 raise InvalidRequestError(index, str(exc)) from exc
         return out
 
-    def _compile_grammars(self, params_list: list[SamplingParams | None]) -> None:
-        """Runs in the grammar pool: every constraint compiled (in the compiler's
-        process, within its time limit), so the engine thread only takes them from
-        the cache; a slow compile holds neither the tokenizer pool nor the engine."""
-        for index, params in enumerate(params_list):
-            if params is not None and params.structured_outputs is not None:
+    async def _grammars_ready(self, params_list: list[SamplingParams | None], client: str | None) -> None:
+        """Every constraint's grammar compiled before the requests are queued, so the
+        engine thread only takes them from the cache. A cached one is answered here
+        without waiting for anything; the others are queued with the compile service
+        (``CompileQueueFull`` when its queue is full for the server or ``client``) and
+        waited for without holding a thread. A caller that goes away (its task
+        cancelled) leaves its compiles, which are dropped when nobody else waits."""
+        missing = [(i, p.structured_outputs) for i, p in enumerate(params_list)
+                   if p is not None and p.structured_outputs is not None
+                   and self.grammars.lookup(p.structured_outputs) is None]
+        if not missing:
+            return
+        loop = asyncio.get_running_loop()
+        # Submitting checks the constraint and, the first time, builds the vocabulary's
+        # view for xgrammar (a second): off the event loop.
+        tickets = await loop.run_in_executor(self._grammar_pool, self._submit_grammars, missing, client)
+        try:
+            await asyncio.gather(*(_done(ticket.future, loop) for _, ticket in tickets))
+            for index, ticket in tickets:
                 try:
-                    self.grammars.compile(params.structured_outputs)
+                    self.grammars.result(ticket)
                 except ValueError as exc:
                     raise InvalidRequestError(index, str(exc)) from exc
+        except BaseException:
+            for _, ticket in tickets:
+                self.grammars.leave(ticket)
+            raise
+
+    def _submit_grammars(self, missing: list[tuple[int, Any]], client: str | None) -> list[tuple[int, Any]]:
+        """Runs in the grammar pool: each constraint's ticket (all or none: a refusal
+        leaves the ones already submitted)."""
+        tickets = []
+        try:
+            for index, spec in missing:
+                try:
+                    tickets.append((index, self.grammars.submit(spec, client)))
+                except ValueError as exc:
+                    raise InvalidRequestError(index, str(exc)) from exc
+        except BaseException:
+            for _, ticket in tickets:
+                self.grammars.leave(ticket)
+            raise
+        return tickets
 
     def _prepare_prompt(self, prompt: PromptType) -> PromptType:
         text = prompt
@@ -299,6 +338,7 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         check_context: bool = False,
+        client: str | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs: ``async for out in engine.generate(prompt, params, id)``.
 
@@ -307,7 +347,8 @@ class AsyncEngine:
         ``finish_reason`` ("stop", "length", "abort" or "error", with ``error`` set).
         Errors of ``add_request`` surface at the first iteration, before any output.
         """
-        stream = await self.add_request(prompt, sampling_params, request_id, check_context=check_context)
+        stream = await self.add_request(prompt, sampling_params, request_id, check_context=check_context,
+                                        client=client)
         try:
             async for output in stream:
                 yield output
@@ -425,3 +466,15 @@ class AsyncEngine:
             if stream is None or self._streams.get(request_id) is stream:
                 self._streams.pop(request_id, None)
                 self._waiting.discard(request_id)
+
+
+async def _done(future: concurrent.futures.Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Wait for ``future`` (shared by other requests) without cancelling it when this
+    waiter is cancelled, as ``asyncio.wrap_future`` would."""
+    waiter = loop.create_future()
+
+    def wake(_: concurrent.futures.Future) -> None:
+        loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+
+    future.add_done_callback(wake)
+    await waiter

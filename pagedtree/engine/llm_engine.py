@@ -154,7 +154,7 @@ class LLMEngine:
         self.async_steps = AsyncSteps(self) if asynchronous else None
         # Compiled on first use (a worker process, started then).
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                 self.config.structured_output_limits)
+                                 self.config.structured_output_limits, compile_config=self.config.grammar_compile)
         self._rng = random.Random(config.seed)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, ParentRequest] = {}

@@ -11,7 +11,7 @@ from pagedtree.config import QUANTIZATIONS
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
 from pagedtree.speculative.presets import TREE_PRESETS, tree_preset
-from pagedtree.structured_params import StructuredOutputLimits
+from pagedtree.structured_params import GrammarCompileConfig, StructuredOutputLimits
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +123,17 @@ def structured_output_limits(args: argparse.Namespace) -> StructuredOutputLimits
     )
 
 
+def grammar_compile_config(args: argparse.Namespace) -> GrammarCompileConfig:
+    """How ``serve`` runs grammar compiles, from its flags (ValueError if invalid)."""
+    memory = args.grammar_worker_memory
+    return GrammarCompileConfig(
+        workers=args.grammar_compile_workers,
+        max_queued=args.max_queued_grammar_compiles,
+        max_per_client=args.max_grammar_compiles_per_client,
+        worker_memory_bytes=None if memory <= 0 else int(memory * 1024**3),
+    )
+
+
 def torchrun_worker_rank() -> bool:
     """Whether torch.distributed's environment makes this process a rank other than 0
     (torchrun starts the same command on every rank: those run ``pagedtree worker``)."""
@@ -194,6 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return cmd_worker(args)
     kwargs = engine_kwargs(args)
     kwargs["structured_output_limits"] = structured_output_limits(args)
+    kwargs["grammar_compile"] = grammar_compile_config(args)
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_json_depth=args.max_json_depth,
@@ -300,8 +312,22 @@ def build_parser() -> argparse.ArgumentParser:
     grammar.add_argument("--max-grammar-choices", type=int, default=so.max_choices,
                          help=f"most strings of a choice constraint (guided_choice; default {so.max_choices})")
     grammar.add_argument("--grammar-compile-timeout", type=float, default=so.compile_timeout_s,
-                         help="seconds a constraint may take to compile before the request is refused with a 400 "
+                         help="seconds a constraint may take to compile, counted from its arrival (waiting for a "
+                              f"compile worker included), before the request is refused with a 400 "
                               f"(default {so.compile_timeout_s:g})")
+    gc_defaults = GrammarCompileConfig()
+    grammar.add_argument("--grammar-compile-workers", type=int, default=gc_defaults.workers,
+                         help="grammar compiles that run at once, each in a worker process (default: about half the "
+                              f"cores, here {gc_defaults.workers})")
+    grammar.add_argument("--max-queued-grammar-compiles", type=int, default=gc_defaults.max_queued,
+                         help="compiles that may wait for a worker before new ones get HTTP 429 with Retry-After "
+                              f"(a constraint compiled before never waits; default {gc_defaults.max_queued})")
+    grammar.add_argument("--max-grammar-compiles-per-client", type=int, default=gc_defaults.max_per_client,
+                         help="compiles one client (address) may have queued or running before its new ones get "
+                              f"HTTP 429 (default {gc_defaults.max_per_client})")
+    grammar.add_argument("--grammar-worker-memory", type=float, default=gc_defaults.worker_memory_bytes / 1024**3,
+                         help="GiB of data each compile worker process may use (a constraint needing more is "
+                              "refused; 0: unbounded; default %(default)g)")
     serve.set_defaults(func=cmd_serve)
 
     worker = sub.add_parser(

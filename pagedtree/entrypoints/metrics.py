@@ -83,6 +83,23 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(stats.get("accepted_tokens_per_position", []) or []):
             per_pos.add_metric([self.model_name, str(position)], float(count))
         yield per_pos
+        # Read live from the grammar cache and compile service (thread-safe), else
+        # from the snapshot.
+        grammars = getattr(self.engine, "grammars", None)
+        grammar = grammars.stats() if grammars is not None else stats
+        yield gauge("grammar_cache_entries", "Compiled grammars cached.", grammar.get("grammar_cache_entries"))
+        yield gauge("grammar_cache_bytes", "Bytes of the compiled grammars cached.", grammar.get("grammar_cache_bytes"))
+        yield counter("grammar_cache_hits", "Constraints answered from the grammar cache.",
+                      grammar.get("grammar_cache_hits"))
+        yield counter("grammars_compiled", "Constraints compiled.", grammar.get("grammars_compiled"))
+        yield gauge("grammar_compile_queue", "Grammar compiles waiting for a compile worker.",
+                    grammar.get("grammar_compile_queue"))
+        yield counter("grammar_compiles_killed", "Grammar compiles killed: past their time limit, or abandoned by "
+                      "every request waiting for them.", grammar.get("grammar_compiles_killed"))
+        yield counter("grammar_compiles_refused", "Grammar compiles refused because the queue was full for the "
+                      "server or the client (HTTP 429).", grammar.get("grammar_compiles_refused"))
+        yield gauge("grammar_worker_rss_bytes", "Resident memory of the grammar compile worker processes.",
+                    grammar.get("grammar_worker_rss_bytes"))
         yield from self._memory(stats)
 
     def _memory(self, stats: dict[str, Any]) -> Iterator[Metric]:

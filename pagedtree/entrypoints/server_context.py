@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from pagedtree.entrypoints.limits import ServerLimits, read_json_object
 from pagedtree.entrypoints.metrics import ServerMetrics
 from pagedtree.entrypoints.structured_fields import field_message
 from pagedtree.sampling_params import SamplingParams
+from pagedtree.structured.compile_service import CompileQueueFull
 
 logger = logging.getLogger("pagedtree.server")
 
@@ -101,6 +103,9 @@ class ServerContext:
                 response = self.error(style, exc.status, exc.message, request_id, exc.param, exc.code)
             except EngineOverloadedError as exc:
                 response = self.error(style, 429, str(exc), request_id, code="overloaded")
+            except CompileQueueFull as exc:
+                response = self.error(style, 429, str(exc), request_id, code="grammar_queue_full")
+                response.headers["Retry-After"] = str(int(math.ceil(exc.retry_after_s)))
             except EngineStoppedError as exc:
                 response = self.error(style, 503, str(exc), request_id)
             except GenerationFailed as exc:
@@ -226,7 +231,7 @@ class ServerContext:
         logger.debug("request %s: engine ids %s", request_id_of(request), engine_ids)
         try:
             return await self.engine.add_requests(prompts, params, engine_ids, check_context=True,
-                                                  label=request_id_of(request))
+                                                  label=request_id_of(request), client=client_of(request))
         except ValueError as exc:  # an InvalidRequestError says which prompt
             where = f"prompt {exc.index}: " if isinstance(exc, InvalidRequestError) and len(prompts) > 1 else ""
             if structured_field is not None and _about_constraint(str(exc)):
@@ -308,6 +313,13 @@ def internal_error_message(request_id: str) -> str:
 def aborted(out: StreamOutput) -> bool:
     """Whether any continuation of a final output was aborted."""
     return any(c.finish_reason == "abort" for c in out.outputs)
+
+
+def client_of(request: web.Request) -> str | None:
+    """Who a request comes from, for per-client bounds (the grammar compile queue):
+    the peer's address (one server API key is shared by every client, so it names
+    none of them)."""
+    return request.remote
 
 
 def request_id_of(request: web.Request) -> str:

@@ -2,22 +2,20 @@
 
 A grammar compile runs native code that cannot be interrupted from Python, and a
 hostile constraint (a regex or schema whose automaton explodes) can take minutes
-and gigabytes. So compiles run in one long-lived child process: the parent waits
-at most the limit, then kills the child (and starts a fresh one for the next
-compile) and refuses the request. The child sends back the compiled grammar as
-xgrammar's JSON, which the parent reads back in milliseconds.
+and gigabytes. So compiles run in long-lived child processes (``CompileService``
+keeps a few): the parent waits at most the limit, then kills the child (a fresh one
+takes the next compile) and refuses the request. The child sends back the compiled
+grammar as xgrammar's JSON, which the parent reads back in milliseconds.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import select
 import struct
 import subprocess
 import sys
-import threading
 from typing import Any, BinaryIO
 
 
@@ -170,38 +168,78 @@ class CompileWorker:
     parent has threads), nor a multiprocessing spawn (which re-imports the user's
     main script: one without a ``__main__`` guard would run again in it), and
     without importing pagedtree (the engine's modules would double its memory: it
-    holds about 270 MiB, xgrammar with torch)."""
+    holds about 270 MiB, xgrammar with torch). ``memory_bytes`` bounds the child's
+    data (``RLIMIT_DATA``: heap and private mappings): a constraint that needs more
+    fails in the child, not in the server.
 
-    def __init__(self, tokenizer_info_json: str):
+    One thread uses a worker (its ``CompileService`` dispatcher); ``interrupt`` may
+    come from another (a compile nobody waits for any more)."""
+
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int | None = None):
         self._info_json = tokenizer_info_json
-        self._lock = threading.Lock()
+        self.memory_bytes = memory_bytes
         self._process: subprocess.Popen | None = None
-        self.num_killed = 0
-        self.key = ""  # its vocabulary's digest, when shared (``shared_worker``)
+
+    def start(self) -> None:
+        """Start the child and wait until it is ready (its own bound: starting is not
+        a request's compile time)."""
+        process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(self.memory_bytes))
+        self._process = process
+        _send(process.stdin, self._info_json)
+        reply = self._wait(process, STARTUP_TIMEOUT_S)
+        if not isinstance(reply, tuple) or reply[0] != "ready":
+            self._kill()
+            raise RuntimeError(f"the grammar compiler process did not start within {STARTUP_TIMEOUT_S:g} s")
+
+    def alive(self) -> bool:
+        """Whether the child runs."""
+        return self._process is not None and self._process.poll() is None
 
     def compile(self, request: tuple, timeout_s: float) -> str:
         """The compiled grammar's JSON for ``request`` = (kind, value, any_whitespace);
-        ``ValueError`` if xgrammar rejects it, ``CompileTimeout`` if it takes longer
-        than ``timeout_s`` (the worker is then killed)."""
-        with self._lock:
-            process = self._ensure_started()
-            try:
-                _send(process.stdin, request)
-                reply = self._wait(process, timeout_s)
-            except (BrokenPipeError, OSError):
-                reply = None
-            if reply is _TIMED_OUT:
-                self._kill()
-                raise CompileTimeout(f"compiling took longer than {timeout_s:g} s")
-            if reply is None:  # the child died (out of memory, say)
-                self._kill()
-                raise ValueError("the grammar compiler ran out of resources on this constraint")
+        ``ValueError`` if xgrammar rejects it or the child dies on it (out of memory,
+        or interrupted), ``CompileTimeout`` if it takes longer than ``timeout_s`` (the
+        child is then killed)."""
+        if not self.alive():
+            self.start()
+        process = self._process
+        try:
+            _send(process.stdin, request)
+            reply = self._wait(process, timeout_s)
+        except (BrokenPipeError, OSError, ValueError):
+            reply = None
+        if reply is _TIMED_OUT:
+            self._kill()
+            raise CompileTimeout(f"compiling took longer than {timeout_s:g} s")
+        if reply is None:  # the child died (out of memory, or interrupted)
+            self._kill()
+            raise ValueError("the grammar compiler ran out of resources on this constraint")
         status, payload = reply
         if status == "ok":
             return payload
         if status == "invalid":
             raise ValueError(payload)
         raise RuntimeError(payload)
+
+    def interrupt(self) -> None:
+        """Kill the child now, from any thread: the compile it runs ends (its caller
+        sees the child die)."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+
+    def rss_bytes(self) -> int:
+        """The child's resident memory (Linux's ``/proc``; 0 where unknown)."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return 0
+        try:
+            with open(f"/proc/{process.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
 
     @staticmethod
     def _wait(process: subprocess.Popen, timeout_s: float) -> Any:
@@ -210,75 +248,34 @@ class CompileWorker:
             return _TIMED_OUT
         return _receive(process.stdout)
 
-    def _ensure_started(self) -> subprocess.Popen:
-        if self._process is None or self._process.poll() is not None:
-            process = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env())
-            self._process = process
-            _send(process.stdin, self._info_json)
-            # Starting (an interpreter, xgrammar, the vocabulary) is not a request's
-            # compile time: it is waited for apart, with its own generous bound.
-            reply = self._wait(process, STARTUP_TIMEOUT_S)
-            if not isinstance(reply, tuple) or reply[0] != "ready":
-                self._kill()
-                raise RuntimeError(f"the grammar compiler process did not start within {STARTUP_TIMEOUT_S:g} s")
-        return self._process
-
     def _kill(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait(5)
-            for stream in (self._process.stdin, self._process.stdout):
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait(5)
+            for stream in (process.stdin, process.stdout):
                 stream.close()
-            self.num_killed += 1
-        self._process = None
 
     def close(self) -> None:
         """Stop the child process (idempotent)."""
-        with self._lock:
-            if self._process is not None:
-                self._kill()
-                self.num_killed -= 1  # a shutdown, not a compile killed
+        self._kill()
 
 
 _TIMED_OUT = object()
 
-# Engines of one process with the same vocabulary share one worker (its process costs
-# seconds to start and about 330 MiB): vocabulary digest -> (worker, users).
-_SHARED: dict[str, tuple[CompileWorker, int]] = {}
-_SHARED_LOCK = threading.Lock()
+
+MEMORY_ENV = "PAGEDTREE_GRAMMAR_WORKER_MEMORY"
 
 
-def shared_worker(tokenizer_info_json: str) -> CompileWorker:
-    """The process's worker for this vocabulary (made on first use); give it back with
-    ``release_worker``."""
-    key = hashlib.sha256(tokenizer_info_json.encode()).hexdigest()
-    with _SHARED_LOCK:
-        worker, users = _SHARED.get(key, (None, 0))
-        if worker is None:
-            worker = CompileWorker(tokenizer_info_json)
-            worker.key = key
-        _SHARED[key] = (worker, users + 1)
-        return worker
-
-
-def release_worker(worker: CompileWorker) -> None:
-    """One user fewer; the last one stops the worker's process."""
-    with _SHARED_LOCK:
-        _, users = _SHARED.get(worker.key, (worker, 1))
-        if users > 1:
-            _SHARED[worker.key] = (worker, users - 1)
-            return
-        _SHARED.pop(worker.key, None)
-    worker.close()
-
-
-def _child_env() -> dict[str, str]:
+def _child_env(memory_bytes: int | None = None) -> dict[str, str]:
     """The child's environment: one thread (compiles are serial; the cores are the
-    engine's)."""
+    engine's), and its memory bound."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    if memory_bytes is not None:
+        env[MEMORY_ENV] = str(int(memory_bytes))
+    else:
+        env.pop(MEMORY_ENV, None)
     return env
 
 
@@ -287,6 +284,12 @@ def main() -> None:  # pragma: no cover - the child process
     # The script's folder is first on the path; its modules must not shadow others'.
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
+    limit = os.environ.get(MEMORY_ENV)
+    if limit:
+        import resource
+
+        # Heap and private mappings: a constraint whose automaton needs more fails here.
+        resource.setrlimit(resource.RLIMIT_DATA, (int(limit), int(limit)))
     # Replies go out on a private copy of stdout; anything a library prints goes to stderr.
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

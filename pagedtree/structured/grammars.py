@@ -11,16 +11,19 @@ the field.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from pagedtree.structured.compile_worker import CompileTimeout, CompileWorker, release_worker, shared_worker
+from pagedtree.structured.compile_service import CompileJob, CompileService, release_service, shared_service
+from pagedtree.structured.compile_worker import CompileTimeout
 from pagedtree.structured.matcher import RequestGrammar
-from pagedtree.structured_params import StructuredOutputLimits, StructuredOutputsParams
+from pagedtree.structured_params import GrammarCompileConfig, StructuredOutputLimits, StructuredOutputsParams
 
 logger = logging.getLogger("pagedtree")
 
@@ -29,21 +32,39 @@ logger = logging.getLogger("pagedtree")
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
 
+@dataclass(eq=False)
+class GrammarTicket:
+    """A request's wait for its compiled grammar: ``future`` (done at once for a
+    cache hit) gives the ``CompiledGrammar`` or raises ``ValueError`` naming the
+    field; ``Grammars.leave`` gives the wait up (the compile is dropped when nobody
+    else waits for it)."""
+
+    spec: StructuredOutputsParams
+    future: concurrent.futures.Future
+    job: CompileJob | None = None
+
+
 class Grammars:
     """The grammar compiler and cache of one engine (see module docstring)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 limits: StructuredOutputLimits, cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 limits: StructuredOutputLimits, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 compile_config: GrammarCompileConfig | None = None,
+                 worker_factory: Callable[..., Any] | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.limits = limits
         self.cache_bytes = cache_bytes
+        self.compile_config = compile_config or GrammarCompileConfig()
+        # A worker of one's own (tests: compiles in this process) means a service of
+        # one's own; by default engines of one vocabulary share a service.
+        self._worker_factory = worker_factory
         self._info: Any = None
-        self._worker: CompileWorker | None = None
+        self._service: CompileService | None = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cached_bytes = 0
-        self._lock = threading.Lock()  # the cache and the worker
+        self._lock = threading.Lock()  # the cache and the service (held briefly: lookups never wait on compiles)
         self._info_lock = threading.Lock()  # building the vocabulary's view (a second; cache hits must not wait)
         self.num_compiled = 0
         self.num_cache_hits = 0
@@ -61,27 +82,92 @@ class Grammars:
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
             return self._info
 
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``spec``: from the cache, or checked against the
-        limits and compiled in the worker process. Thread-safe; blocks the calling
-        thread for at most the compile time limit."""
-        spec.check(self.limits)
-        key = spec.key
+    def lookup(self, spec: StructuredOutputsParams) -> Any | None:
+        """The compiled grammar of ``spec`` if it is cached (counted as a hit), else None;
+        never waits for a compile."""
         with self._lock:
-            compiled = self._cache.get(key)
+            compiled = self._cache.get(spec.key)
             if compiled is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end(spec.key)
                 self.num_cache_hits += 1
-                return compiled
+            return compiled
+
+    def submit(self, spec: StructuredOutputsParams, client: str | None = None) -> GrammarTicket:
+        """Start getting ``spec``'s grammar: from the cache at once, or checked against
+        the limits and queued for a compile (joining the same constraint's compile if
+        one is in flight). ``ValueError`` for a constraint over the limits,
+        ``CompileQueueFull`` when the compile queue is full for the server or for
+        ``client`` (an API key, a connection)."""
+        spec.check(self.limits)
+        compiled = self.lookup(spec)
+        if compiled is not None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(compiled)
+            return GrammarTicket(spec, done)
         info = self.tokenizer_info()
-        request = _worker_request(spec)
+        job = self._compile_service(info).submit(spec.key, _worker_request(spec), self.limits.compile_timeout_s,
+                                                 lambda text: self._finish(spec, info, text), client)
+        return GrammarTicket(spec, job.future, job)
+
+    def result(self, ticket: GrammarTicket, timeout: float | None = None) -> Any:
+        """The ticket's compiled grammar (waiting for it), or ``ValueError`` naming the field."""
+        kind = ticket.spec.kind
         try:
-            text = self._compile_worker(info).compile(request, self.limits.compile_timeout_s)
+            return ticket.future.result(timeout)
         except CompileTimeout:
-            raise ValueError(f"StructuredOutputsParams.{spec.kind} took longer than "
+            raise ValueError(f"StructuredOutputsParams.{kind} took longer than "
                              f"{self.limits.compile_timeout_s:g} s to compile; simplify it") from None
         except ValueError as exc:
-            raise ValueError(f"StructuredOutputsParams.{spec.kind} is not a valid {_WHAT[spec.kind]}: {exc}") from None
+            if str(exc).startswith("StructuredOutputsParams."):
+                raise
+            raise ValueError(f"StructuredOutputsParams.{kind} is not a valid {_WHAT[kind]}: {exc}") from None
+
+    def leave(self, ticket: GrammarTicket) -> None:
+        """Give up waiting for ``ticket`` (its request went away)."""
+        if ticket.job is not None and self._service is not None:
+            self._service.leave(ticket.job)
+
+    def compile(self, spec: StructuredOutputsParams, client: str | None = None) -> Any:
+        """The compiled grammar of ``spec`` (``submit`` and wait): from the cache, or
+        compiled within the time limit counted from now. Thread-safe."""
+        ticket = self.submit(spec, client)
+        try:
+            return self.result(ticket)
+        except BaseException:
+            self.leave(ticket)  # interrupted: a compile nobody waits for is dropped
+            raise
+
+    def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        """A new matcher for one request (compiling first if needed)."""
+        return RequestGrammar(self.compile(spec), self.vocab_size, self.stop_token_ids, self.tokenizer)
+
+    def stats(self) -> dict[str, int]:
+        """Cache and compile counters."""
+        with self._lock:
+            service = self._service
+            stats = {"grammar_cache_entries": len(self._cache), "grammar_cache_bytes": self._cached_bytes,
+                     "grammars_compiled": self.num_compiled, "grammar_cache_hits": self.num_cache_hits}
+        stats.update({"grammar_compiles_killed": service.num_killed if service is not None else 0,
+                      "grammar_compile_queue": service.queued() if service is not None else 0,
+                      "grammar_compiles_running": service.running() if service is not None else 0,
+                      "grammar_compiles_refused": service.num_refused if service is not None else 0,
+                      "grammar_worker_rss_bytes": service.worker_rss_bytes() if service is not None else 0})
+        return stats
+
+    def close(self) -> None:
+        """Stop the compile workers (the last engine of their vocabulary to close)."""
+        with self._lock:
+            service, self._service = self._service, None
+        if service is None:
+            return
+        if self._worker_factory is not None:
+            service.close()
+        else:
+            release_service(service)
+
+    def _finish(self, spec: StructuredOutputsParams, info: Any, text: str) -> Any:
+        """A compile's JSON to the cached ``CompiledGrammar`` (in the compile's
+        dispatcher thread); ``ValueError`` naming the field for one no output can start."""
         import xgrammar as xgr
 
         compiled = xgr.CompiledGrammar.deserialize_json(text, info)
@@ -91,6 +177,7 @@ class Grammars:
             raise ValueError(f"StructuredOutputsParams.{spec.kind} allows no output at all (no token can start "
                              f"a match of this {_WHAT[spec.kind]})")
         size = int(compiled.memory_size_bytes)
+        key = spec.key
         with self._lock:
             self.num_compiled += 1
             if key not in self._cache:
@@ -101,29 +188,14 @@ class Grammars:
                 self._cached_bytes -= int(dropped.memory_size_bytes)
         return compiled
 
-    def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        """A new matcher for one request (compiling first if needed)."""
-        return RequestGrammar(self.compile(spec), self.vocab_size, self.stop_token_ids, self.tokenizer)
-
-    def stats(self) -> dict[str, int]:
-        """Cache counters."""
+    def _compile_service(self, info: Any) -> CompileService:
         with self._lock:
-            return {"grammar_cache_entries": len(self._cache), "grammar_cache_bytes": self._cached_bytes,
-                    "grammars_compiled": self.num_compiled, "grammar_cache_hits": self.num_cache_hits,
-                    "grammar_compiles_killed": self._worker.num_killed if self._worker is not None else 0}
-
-    def close(self) -> None:
-        """Stop the worker process."""
-        with self._lock:
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            release_worker(worker)
-
-    def _compile_worker(self, info: Any) -> CompileWorker:
-        with self._lock:
-            if self._worker is None:
-                self._worker = shared_worker(info.serialize_json())
-            return self._worker
+            if self._service is None:
+                if self._worker_factory is not None:
+                    self._service = CompileService(info.serialize_json(), self.compile_config, self._worker_factory)
+                else:
+                    self._service = shared_service(info.serialize_json(), self.compile_config)
+            return self._service
 
 
 def _allows_a_token(compiled: Any, vocab_size: int) -> bool:

@@ -550,30 +550,40 @@ class InProcessWorker:
 
     last: InProcessWorker | None = None  # the newest, to read what it was asked
 
-    def __init__(self, tokenizer_info_json: str):
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int | None = None):
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.num_killed = 0
         self.requests: list[tuple] = []
         InProcessWorker.last = self
+
+    def start(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
 
     def compile(self, request: tuple, timeout_s: float) -> str:
         self.requests.append(request)
         return compile_worker_module.compile_in_xgrammar(self.compiler, *request).serialize_json()
+
+    def interrupt(self) -> None:
+        pass
+
+    def rss_bytes(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass
 
 
 @pytest.fixture
-def grammars(tiny_text_model, monkeypatch):
+def grammars(tiny_text_model):
     """A ``Grammars`` of the tiny text model's vocabulary, compiling in this process."""
-    monkeypatch.setattr("pagedtree.structured.grammars.shared_worker", InProcessWorker)
-    monkeypatch.setattr("pagedtree.structured.grammars.release_worker", lambda worker: worker.close())
     tokenizer = tiny_text_model.tokenizer
-    out = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], StructuredOutputLimits())
+    out = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], StructuredOutputLimits(),
+                   worker_factory=InProcessWorker)
     yield out
     out.close()
 

@@ -498,3 +498,48 @@ def test_the_server_is_whole_after_the_fuzz(server, client):
     assert reply.choices[0].finish_reason in ("stop", "length")
     wait_until_idle(server)
     assert server.engine.is_healthy
+
+
+def test_the_grammar_compile_queue_answers_429_and_never_holds_a_cached_constraint(chat_model_path):
+    """One compile worker, one compile per client: a slow constraint runs; a second
+    one from the same client gets a 429 with Retry-After at once; a cached constraint
+    is served while the slow compile still runs; the slow one ends in a 400 at its
+    time limit; /metrics shows the compile service."""
+    from tests.engine.test_structured_outputs import slow_regex
+
+    limits = StructuredOutputLimits(compile_timeout_s=5.0)
+    engine = make_engine(chat_model_path, structured_output_limits=limits,
+                         grammar_compile={"workers": 1, "max_queued": 4, "max_per_client": 1})
+    live = start_server(lambda e: build_app(e, model_name="tiny"), engine)
+    cached = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "guided_choice": ["yes", "no"]}
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async def post(body):
+                async with session.post(live.url + "/v1/completions", json=body) as r:
+                    return r.status, dict(r.headers), await r.json()
+
+            assert (await post(cached))[0] == 200  # compiled and cached
+            slow = asyncio.create_task(post({"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                             "guided_regex": slow_regex()}))
+            while live.engine.grammars.stats()["grammar_compiles_running"] == 0 and not slow.done():
+                await asyncio.sleep(0.01)  # until its compile runs
+            second = await post({"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                 "guided_regex": slow_regex() + "|x"})
+            served = await post(cached)
+            running = live.engine.grammars.stats()
+            async with session.get(live.url + "/metrics") as r:
+                metrics = await r.text()
+            return second, served, running, await slow, metrics
+
+    try:
+        second, served, running, slow, metrics = asyncio.run(main())
+    finally:
+        live.stop()
+    status, headers, body = second
+    assert status == 429 and body["error"]["code"] == "grammar_queue_full" and int(headers["Retry-After"]) >= 1
+    assert served[0] == 200 and running["grammar_compiles_killed"] == 0  # while the slow one still compiled
+    assert slow[0] == 400 and "took longer than 5 s" in slow[2]["error"]["message"]
+    for name in ("grammar_cache_entries", "grammar_cache_bytes", "grammar_cache_hits_total", "grammar_compile_queue",
+                 "grammar_compiles_killed_total", "grammar_worker_rss_bytes"):
+        assert f"pagedtree:{name}" in metrics, name
