@@ -25,12 +25,13 @@ setup(
         "onnxruntime>=1.22",  # the q4/q8 formats: MatMulNBits (MLAS) kernels (pagedtree/worker/models/block_quant.py)
         "onnx",  # builds the one-node graphs those kernels run in
         "xgrammar>=0.2.8,<0.3",  # structured outputs: grammar compiler, token masks, matcher rollback (pagedtree/structured/)
+        "jsonschema>=4.18",  # schemas checked against JSON Schema's meta-schema before they compile (structured/schema_check.py)
         "aiohttp",
         "uvloop",
         "prometheus-client",
         "huggingface-hub",
         "accelerate",  # not imported by pagedtree: transformers refuses to read a GGUF file without it
     ],
-    extras_require={"bench": ["matplotlib"], "test": ["scipy", "pytest", "hypothesis", "openai", "jsonschema"]},  # + text-generation --no-deps: scripts/setup.sh
+    extras_require={"bench": ["matplotlib"], "test": ["scipy", "pytest", "hypothesis", "openai"]},  # + text-generation --no-deps: scripts/setup.sh
     entry_points={"console_scripts": ["pagedtree=pagedtree.entrypoints.cli:main"]},
 )

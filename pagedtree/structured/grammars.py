@@ -23,6 +23,7 @@ from typing import Any
 from pagedtree.structured.compile_service import CompileJob, CompileService, release_service, shared_service
 from pagedtree.structured.compile_worker import CompileTimeout
 from pagedtree.structured.matcher import RequestGrammar
+from pagedtree.structured.schema_check import SchemaRefused, checked_schema
 from pagedtree.structured_params import GrammarCompileConfig, StructuredOutputLimits, StructuredOutputsParams
 
 logger = logging.getLogger("pagedtree")
@@ -213,10 +214,19 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regular
 
 
 def _worker_request(spec: StructuredOutputsParams) -> tuple:
-    """What the worker compiles: (kind, value, any_whitespace)."""
+    """What the worker compiles: (kind, value, any_whitespace). A JSON schema is checked
+    and normalised first (``schema_check``: refused with a ``ValueError`` naming the
+    field where the grammar would not enforce it whole)."""
     value: Any = getattr(spec, spec.kind)
-    if spec.kind == "json" and spec.disable_additional_properties:
-        value = json.dumps(_closed_objects(json.loads(value)))
+    if spec.kind == "json":
+        schema = json.loads(value)
+        if spec.disable_additional_properties:
+            schema = _closed_objects(schema)
+        try:
+            schema = checked_schema(schema)
+        except SchemaRefused as exc:
+            raise ValueError(f"StructuredOutputsParams.json: {exc}") from None
+        value = json.dumps(schema)
     return (spec.kind, value, not spec.disable_any_whitespace)
 
 

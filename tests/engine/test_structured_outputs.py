@@ -799,3 +799,132 @@ def test_a_constraint_that_allows_no_output_is_refused(suffix_llm):
     with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json allows no output"):
         suffix_llm.generate(PROMPTS[:1], params, use_tqdm=False)
     _assert_all_free(suffix_llm)
+
+
+# ----------------------------------------------------------------- schemas enforced or refused
+
+REFUSED = {
+    "allOf of two": ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "'allOf'"),
+    "not": ({"not": {}}, "'not'"),
+    "required outside a closed object": (_obj({"a": BOOL}, required=["a", "b"]), "names 'b'"),
+    "required with no property": ({"type": "object", "properties": {}, "required": ["x"],
+                                   "additionalProperties": False}, "names 'x'"),
+    "remote $ref": ({"$ref": "http://169.254.169.254/latest"}, "never fetched"),
+    "file $ref": ({"$ref": "file:///etc/passwd"}, "never fetched"),
+    "negative count": ({"type": "array", "minItems": -5}, "minItems"),
+    "fractional count": ({"type": "string", "maxLength": 2.5}, "maxLength"),
+    "overlapping oneOf": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),
+    "uniqueItems": ({"type": "array", "items": BOOL, "uniqueItems": True}, "uniqueItems"),
+    "if/then": ({"if": {"type": "integer"}, "then": {"minimum": 3}}, "'if'"),
+    "dependentRequired": (_obj({"a": BOOL, "b": BOOL}, required=[], dependentRequired={"a": ["b"]}),
+                          "dependentRequired"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_schemas_the_grammar_would_not_enforce_are_refused(grammars, case):
+    schema, named = REFUSED[case]
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json") as refused:
+        grammars.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert named in str(refused.value)
+
+
+def test_equivalent_keywords_are_kept_and_enforced(grammars):
+    """pydantic's ``allOf: [{"$ref": ...}]`` beside a description, a ``oneOf`` of
+    disjoint types or of a discriminated union, and a closed object's required names
+    all compile (and ``disable_additional_properties`` closes objects before the
+    check: a required name outside ``properties`` is refused then)."""
+    schemas = [
+        {"$defs": {"A": _int(0, 9)}, **_obj({"a": {"allOf": [{"$ref": "#/$defs/A"}], "description": "an A"}})},
+        {"oneOf": [_int(0, 9), BOOL]},
+        {"oneOf": [_obj({"k": {"const": "a"}, "n": _int(0, 9)}), _obj({"k": {"const": "b"}})]},
+        {"type": "object", "additionalProperties": BOOL, "required": ["any"]},
+    ]
+    for schema in schemas:
+        grammars.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    with pytest.raises(ValueError, match="names 'any'"):
+        grammars.compile(StructuredOutputsParams(json=schemas[-1], disable_additional_properties=True))
+
+
+def _leaf_schemas():
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.builds(lambda lo, span: _int(lo, lo + span), st.integers(-50, 50), st.integers(0, 100)),
+        st.just(BOOL),
+        st.just({"type": "null"}),
+        st.builds(_str, st.integers(0, 6)),
+        st.lists(st.sampled_from(["red", "green", "blue", "x", "yes"]), min_size=1, max_size=3,
+                 unique=True).map(lambda values: {"enum": values}),
+        st.sampled_from(["a", 1, True]).map(lambda value: {"const": value}),
+        st.just({"type": "string", "pattern": "^[a-c]{1,3}$"}),
+        st.just({"type": "number", "minimum": 0, "maximum": 10}),
+    )
+
+
+def _schemas():
+    """Schemas of the subset the grammar enforces whole, each bounded so that a random
+    model's output ends."""
+    from hypothesis import strategies as st
+
+    def extend(children):
+        names = st.sampled_from(["a", "b", "c", "id"])
+        objects = st.dictionaries(names, children, min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+                lambda required: _obj(props, required=required, additionalProperties=False)))
+        arrays = st.builds(lambda item, lo, extra: {"type": "array", "items": item, "minItems": lo,
+                                                    "maxItems": lo + extra},
+                           children, st.integers(0, 1), st.integers(0, 2))
+        unions = st.builds(lambda a: {"anyOf": [a, {"type": "null"}]}, children)
+        return st.one_of(objects, arrays, unions)
+
+    return st.recursive(_leaf_schemas(), extend, max_leaves=6)
+
+
+def _property_check(llm, schemas, seed: int) -> None:
+    """Every schema greedy and sampled: each output that ends with ``stop`` validates."""
+    specs = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in schemas]
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seed=seed, structured_outputs=s)
+              for s in specs for t in (0.0, 0.8)]
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params, use_tqdm=False)
+    for param, out in zip(params, outs):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            jsonschema.validate(_parse_json(completion.text), json.loads(param.structured_outputs.json))
+
+
+@pytest.mark.parametrize("speculation", [False, True], ids=["plain", "draft"])
+def test_every_stop_output_of_drawn_schemas_validates(draft_llm, speculation):
+    """Schemas drawn by hypothesis from the enforced subset (a few here, hundreds
+    under -m slow), with and without tree speculation."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_schemas())
+    def check(schema):
+        _property_check(draft_llm, [schema], seed=1)
+
+    draft_llm.engine.set_speculation(speculation)
+    try:
+        check()
+    finally:
+        draft_llm.engine.set_speculation(True)
+    _assert_all_free(draft_llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speculation", [False, True], ids=["plain", "draft"])
+def test_every_stop_output_of_drawn_schemas_validates_at_full_power(draft_llm, speculation):
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_schemas())
+    def check(schema):
+        _property_check(draft_llm, [schema], seed=2)
+
+    draft_llm.engine.set_speculation(speculation)
+    try:
+        check()
+    finally:
+        draft_llm.engine.set_speculation(True)
+    _assert_all_free(draft_llm)

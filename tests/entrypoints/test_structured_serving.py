@@ -360,6 +360,19 @@ def test_a_constraint_the_engine_cannot_compile_is_a_400_naming_the_field(server
     wait_until_idle(server)
 
 
+@pytest.mark.parametrize("schema,named", [
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
+    ({"not": {}}, "'not'"),
+    ({"$ref": "http://169.254.169.254/latest/meta-data"}, "never fetched"),
+    ({"type": "array", "minItems": -5}, "minItems"),
+])
+def test_a_schema_the_grammar_would_not_enforce_is_a_400_naming_the_keyword(server, schema, named):
+    status, error = post(server, "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert status == 400 and named in error["error"]["message"], error
+    assert error["error"]["param"] == "response_format.json_schema.schema", error
+
+
 # ------------------------------------------------------------------- fuzzing
 _text = st.text(max_size=12)
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), _text)
