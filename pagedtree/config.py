@@ -163,7 +163,10 @@ class EngineConfig:
     ``structured_output_limits`` bounds what a request's ``structured_outputs`` may
     ask (size, schema nesting, choices, compile time; a dict of its fields works too);
     ``grammar_compile`` how compiles are served (workers, queue bounds, each worker's
-    memory: ``GrammarCompileConfig``, a dict works too).
+    memory: ``GrammarCompileConfig``, a dict works too). A constrained request without
+    ``max_tokens`` stops after ``max_constrained_tokens`` (None: at the context's
+    end), so that a constraint that lets a model go on forever (whitespace inside
+    JSON, an unbounded array) cannot hold a sequence to the context limit.
 
     ``enforce_eager=True`` runs every op eagerly in torch; by default fp32/bf16
     models on CPU fuse each layer's residual adds, RMSNorms and rotary embedding into
@@ -229,12 +232,18 @@ class EngineConfig:
     distributed_timeout: float = 60.0
     structured_output_limits: StructuredOutputLimits | None = None
     grammar_compile: GrammarCompileConfig | None = None
+    max_constrained_tokens: int | None = 2048
     load_format: str = "auto"
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_constrained_tokens is not None and (not isinstance(self.max_constrained_tokens, int)
+                                                        or isinstance(self.max_constrained_tokens, bool)
+                                                        or self.max_constrained_tokens < 1):
+            raise ValueError(f"max_constrained_tokens must be None or an integer >= 1, got "
+                             f"{self.max_constrained_tokens!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:

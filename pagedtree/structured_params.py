@@ -172,7 +172,9 @@ def _schema_text(schema: Any) -> str:
             raise ValueError("StructuredOutputsParams.json must be valid text (no lone surrogates)")
         try:
             parsed = json.loads(schema)
-        except (ValueError, RecursionError) as exc:
+        except RecursionError:
+            raise ValueError("StructuredOutputsParams.json nests JSON too deeply to be read") from None
+        except ValueError as exc:
             raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {exc}") from None
     else:
         parsed = schema
@@ -183,7 +185,9 @@ def _schema_text(schema: Any) -> str:
                          f"got {type(parsed).__name__}")
     try:
         return json.dumps(parsed, ensure_ascii=False, allow_nan=False)
-    except (ValueError, TypeError, RecursionError) as exc:
+    except RecursionError:
+        raise ValueError("StructuredOutputsParams.json nests too deeply to be written as JSON") from None
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"StructuredOutputsParams.json cannot be written as JSON: {exc}") from None
 
 

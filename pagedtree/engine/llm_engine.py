@@ -263,6 +263,9 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         params = replace(params, eos_token_ids=self.eos_token_ids)
         constraint = params.structured_outputs
+        if constraint is not None and params.max_tokens is None and self.config.max_constrained_tokens is not None:
+            # A grammar may never end (whitespace, an unbounded array): a default bound.
+            params = replace(params, max_tokens=self.config.max_constrained_tokens)
         if constraint is not None:
             self.grammars.compile(constraint)  # ValueError naming the field; cached for the children
         parent = ParentRequest(request_id, text, ids)

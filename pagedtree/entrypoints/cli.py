@@ -206,6 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["structured_output_limits"] = structured_output_limits(args)
     kwargs["grammar_compile"] = grammar_compile_config(args)
+    kwargs["max_constrained_tokens"] = args.max_constrained_tokens or None
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_json_depth=args.max_json_depth,
@@ -315,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds a constraint may take to compile, counted from its arrival (waiting for a "
                               f"compile worker included), before the request is refused with a 400 "
                               f"(default {so.compile_timeout_s:g})")
+    grammar.add_argument("--max-constrained-tokens", type=int, default=2048,
+                         help="tokens a constrained request without max_tokens may generate (a constraint may never "
+                              "end: whitespace in JSON, an unbounded array); 0: to the context's end (default 2048)")
     gc_defaults = GrammarCompileConfig()
     grammar.add_argument("--grammar-compile-workers", type=int, default=gc_defaults.workers,
                          help="grammar compiles that run at once, each in a worker process (default: about half the "

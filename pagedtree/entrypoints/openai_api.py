@@ -95,6 +95,10 @@ class OpenAIRoutes:
         model = self._check_model(body)
         prompts = parse_prompts(body)
         body.unsupported("suffix")
+        for key in ("tools", "tool_choice", "functions", "function_call"):
+            # Tool calls need the chat template's messages: never silently dropped.
+            if body.data.get(key) is not None:
+                raise BadRequest(f"{key} is a field of /v1/chat/completions, not of /v1/completions", key)
         echo = body.get_bool("echo", False)
         num_logprobs = body.get_int("logprobs", None, 0, self._max_logprobs)
         if echo and num_logprobs is not None:

@@ -56,7 +56,9 @@ def build_constraint(field: str, kind: str, value: Any, options: dict[str, bool]
     try:
         params = StructuredOutputsParams(**{kind: value}, **options)
         params.check(limits)
-    except (ValueError, TypeError, RecursionError) as exc:
+    except RecursionError:  # Python's own words would name its stack
+        raise BadRequest(f"{field} nests too deeply to be read", field) from None
+    except (ValueError, TypeError) as exc:
         raise BadRequest(field_message(str(exc), field), field) from None
     return Constraint(params, field)
 

@@ -17,6 +17,7 @@ joined (``parse_whole``), so the two always agree.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedtree.entrypoints.fields import BadRequest, Fields, kind_of
+from pagedtree.structured.schema_check import SchemaRefused, checked_schema
 
 MAX_TOOLS = 128  # OpenAI's own bound
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -94,14 +96,53 @@ class ToolRequest:
 
 
 def required_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
-    """The schema of ``tool_choice="required"``: a non-empty array of calls of the given tools."""
-    call = [{"type": "object",
-             "properties": {"name": {"type": "string", "enum": [t.name]}, "arguments": t.schema},
-             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    """The schema of ``tool_choice="required"``: a non-empty array of calls of the given
+    tools. Each tool's definitions (``$defs``/``definitions`` at its root) move to the
+    array's ``$defs`` under the tool's name, and its references follow them (other
+    local references are rebased to where the tool's schema now sits), so they still
+    name its own definitions."""
+    hoisted: dict[str, Any] = {}
+    call = []
+    for i, tool in enumerate(tools):
+        where = "/items/properties/arguments" if len(tools) == 1 else f"/items/anyOf/{i}/properties/arguments"
+        arguments, definitions = _hoisted(tool.schema, tool.name, where)
+        hoisted.update(definitions)
+        call.append({"type": "object",
+                     "properties": {"name": {"type": "string", "enum": [tool.name]}, "arguments": arguments},
+                     "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call[0] if len(call) == 1 else {"anyOf": call}}
+    if hoisted:
+        schema["$defs"] = hoisted
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _hoisted(schema: Any, name: str, where: str) -> tuple[Any, dict[str, Any]]:
+    """``schema`` without its root definitions, which come back keyed ``name.key``, and
+    its references rewritten to match (``#/$defs/x/...`` -> ``#/$defs/name.x/...``;
+    other local ones prefixed with ``where``)."""
+    out = copy.deepcopy(schema)
+    definitions: dict[str, Any] = {}
+    if isinstance(out, dict):
+        for key in ("$defs", "definitions"):
+            if isinstance(out.get(key), dict):
+                definitions.update({f"{name}.{k}": v for k, v in out.pop(key).items()})
+    stack = [out, *definitions.values()]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                head, _, rest = ref[2:].partition("/")
+                if head in ("$defs", "definitions") and rest:
+                    node["$ref"] = f"#/$defs/{name}.{rest}"
+                else:
+                    node["$ref"] = "#" + where + ref[1:]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out, definitions
 
 
 def parse_tool_request(body: Fields, max_bytes: int) -> ToolRequest | None:
@@ -115,6 +156,15 @@ def parse_tool_request(body: Fields, max_bytes: int) -> ToolRequest | None:
     choice, name = _parse_tool_choice(body, tools)
     if choice == "none" and not tools:
         return None
+    # The tools whose arguments the output will be constrained to: each schema enforced
+    # whole or refused, named where the client wrote it.
+    for i, tool in enumerate(tools):
+        if tool.parameters is not None and (choice == "required" or (choice == "named" and tool.name == name)):
+            try:
+                checked_schema(tool.parameters)
+            except SchemaRefused as exc:
+                where = f"tools[{i}].function.parameters"
+                raise BadRequest(f"{where}: {exc}", where) from None
     return ToolRequest(tools, choice, name, parallel)
 
 

@@ -10,6 +10,7 @@ grammar as xgrammar's JSON, which the parent reads back in milliseconds.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -18,6 +19,8 @@ import subprocess
 import sys
 from typing import Any, BinaryIO
 
+
+logger = logging.getLogger("pagedtree")
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -221,7 +224,10 @@ class CompileWorker:
             return payload
         if status == "invalid":
             raise ValueError(payload)
-        raise RuntimeError(payload)
+        # An unexpected failure inside the compiler: the client's constraint made it,
+        # and its text is the compiler's internals (logged, not answered).
+        logger.warning("the grammar compiler failed: %s", payload)
+        raise ValueError("the grammar compiler failed on this constraint")
 
     def interrupt(self) -> None:
         """Kill the child now, from any thread: the compile it runs ends (its caller

@@ -58,6 +58,7 @@ def checked_schema(schema: Any, strict_objects: bool = True) -> Any:
     schema = _normalised(copy.deepcopy(schema))
     for path, node in _subschemas(schema):
         _check_node(path, node, strict_objects)
+        _check_ref_chain(path, node, schema)
     return schema
 
 
@@ -146,6 +147,43 @@ def _check_node(path: str, node: dict, strict_objects: bool) -> None:
         raise SchemaRefused(f"{path}: 'oneOf' alternatives that may overlap are not enforced (exactly one must "
                             "match): give them distinct types or a distinct const/enum property, or use anyOf")
     _check_required(path, node, strict_objects)
+
+
+def _check_ref_chain(path: str, node: dict, root: Any) -> None:
+    """A local ``$ref`` must resolve, and a chain of nodes that are only references
+    must reach a schema: ``a: {$ref: a}`` describes no value (a recursive schema with
+    content, such as a tree, is fine)."""
+    seen: set[str] = set()
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        ref = node["$ref"]
+        if ref in seen:
+            raise SchemaRefused(f"{path}: '$ref' {ref!r} leads back to itself through references only (a "
+                                "cycle that describes no value)")
+        seen.add(ref)
+        target = _resolve(root, ref)
+        if target is None:
+            raise SchemaRefused(f"{path}: '$ref' {ref!r} does not resolve inside the schema")
+        if any(k not in ANNOTATIONS and k != "$ref" for k in target) or "$ref" not in target:
+            return  # the chain reaches a schema with content
+        node = target
+
+
+def _resolve(root: Any, ref: str) -> dict | None:
+    """The subschema a local JSON-pointer reference (``#/$defs/a``) names, or None."""
+    if ref == "#":
+        return root if isinstance(root, dict) else None
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if isinstance(node, dict) else None
 
 
 def _check_required(path: str, node: dict, strict_objects: bool) -> None:

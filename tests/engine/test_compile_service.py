@@ -143,6 +143,14 @@ def test_a_compile_nobody_waits_for_is_dropped_or_killed(service):
     assert after.future.result(5) == "COMPILED C"
 
 
+async def _until(condition, limit_s: float = 30.0) -> None:
+    """Wait for ``condition`` (polled); fail past ``limit_s``, a bound on a hang."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
 def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_model):
     """Slow compiles from many clients fill the one worker (the first killed at the
     time limit, the queued ones refused at theirs, counted from arrival, without
@@ -162,9 +170,14 @@ def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_mo
             await engine.add_request("Hello", cached)  # compiled now: cached from here on
             storm = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
                 regex=slow_regex() + f"|{i}")) for i in range(6)]
-            tasks = [asyncio.create_task(engine.add_request("Hello", p, client=f"c{i}"))
-                     for i, p in enumerate(storm)]
-            await asyncio.sleep(0.05)  # the storm is queued; its first compile runs
+            tasks = [asyncio.create_task(engine.add_request("Hello", storm[0], client="c0"))]
+            # Polled, not slept for (a loaded machine is slow): the first compile is
+            # running before the rest arrive, so the queue's bound meets exactly five.
+            await _until(lambda: engine.grammars.stats()["grammar_compiles_running"] == 1)
+            tasks += [asyncio.create_task(engine.add_request("Hello", p, client=f"c{i}"))
+                      for i, p in enumerate(storm[1:], start=1)]
+            await _until(lambda: engine.grammars.stats()["grammar_compiles_refused"] == 2
+                         and engine.grammars.stats()["grammar_compile_queue"] == 3)
             stream = await engine.add_request("Hello", cached, client="c0")
             queued_at = engine.grammars.stats()
             results = await asyncio.gather(*tasks, return_exceptions=True)

@@ -793,10 +793,14 @@ def test_apply_bitmasks_masks_the_listed_rows():
 
 
 def test_a_constraint_that_allows_no_output_is_refused(suffix_llm):
-    """A schema that only refers to itself has no first token: refused at
-    ``generate`` with an error naming it (not a failed draw on the engine)."""
+    """A constraint no token can start is refused at ``generate`` with an error naming
+    it (not a failed draw on the engine): a regex that matches no character, and a
+    schema that only refers to itself (refused before it compiles)."""
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]"))
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.regex allows no output"):
+        suffix_llm.generate(PROMPTS[:1], params, use_tqdm=False)
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json={"$ref": "#"}))
-    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json allows no output"):
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json: #: '\$ref' '#' leads back to itself"):
         suffix_llm.generate(PROMPTS[:1], params, use_tqdm=False)
     _assert_all_free(suffix_llm)
 
@@ -928,3 +932,23 @@ def test_every_stop_output_of_drawn_schemas_validates_at_full_power(draft_llm, s
     finally:
         draft_llm.engine.set_speculation(True)
     _assert_all_free(draft_llm)
+
+
+def test_a_constrained_request_without_max_tokens_is_bounded(tiny_text_model):
+    """A constraint that lets a model go on (an array of any length, any whitespace)
+    without ``max_tokens`` stops at ``max_constrained_tokens``; one with its own
+    ``max_tokens`` keeps it."""
+    llm = LLM(str(tiny_text_model.path), dtype="float32", device="cpu", block_size=4, max_constrained_tokens=6)
+    try:
+        spec = StructuredOutputsParams(json={"type": "array", "items": BOOL})
+        unbounded, own = llm.generate(["Hello", "Hello"], [
+            SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, structured_outputs=spec),
+            SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, structured_outputs=spec)],
+            use_tqdm=False)
+        assert len(unbounded.outputs[0].token_ids) <= 6
+        assert unbounded.outputs[0].finish_reason in ("length", "stop")
+        assert len(own.outputs[0].token_ids) <= 9
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="max_constrained_tokens"):
+        LLM(str(tiny_text_model.path), device="cpu", max_constrained_tokens=0)

@@ -360,6 +360,33 @@ def test_a_constraint_the_engine_cannot_compile_is_a_400_naming_the_field(server
     wait_until_idle(server)
 
 
+def test_tools_on_completions_are_a_400_not_ignored(server):
+    for key, value in (("tools", TOOLS), ("tool_choice", "required")):
+        status, error = post(server, "/v1/completions", {"prompt": "Hi", key: value})
+        assert status == 400 and error["error"]["param"] == key and "chat/completions" in error["error"]["message"]
+
+
+def test_a_ref_cycle_in_tool_parameters_is_named_there(server):
+    cyclic = {"type": "object", "$defs": {"a": {"$ref": "#/$defs/a"}}, "properties": {"x": {"$ref": "#/$defs/a"}}}
+    tools = [{"type": "function", "function": {"name": "loop", "parameters": cyclic}}]
+    status, error = post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": tools,
+                                                         "tool_choice": "required"})
+    assert status == 400 and "recursion" not in error["error"]["message"], error
+    assert "leads back to itself" in error["error"]["message"], error
+    assert error["error"]["param"] == "tools[0].function.parameters", error
+
+
+def test_a_tool_with_definitions_is_constrained_under_required(server):
+    """A tool's own ``$defs``/``$ref`` still resolve once its schema sits inside the
+    array of calls ``tool_choice="required"`` constrains the output to."""
+    with_defs = {"type": "object", "$defs": {"c": {"enum": ["Paris", "Rome"]}},
+                 "properties": {"city": {"$ref": "#/$defs/c"}}, "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": with_defs}}, TOOLS[1]]
+    status, body = post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": tools,
+                                                        "tool_choice": "required", "max_tokens": 64})
+    assert status == 200, body
+
+
 @pytest.mark.parametrize("schema,named", [
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
     ({"not": {}}, "'not'"),
