@@ -1,8 +1,8 @@
 """A server's memory over a long run: RSS sampled under mixed clients, with a plot.
 
 Starts ``pagedtree serve`` in a process of its own, drives it with the soak's client
-mix (``pagedtree.bench.soak``: valid, disconnecting, hostile, long-prompt, huge-prompt
-and slowloris clients) for ``--duration`` seconds, samples the server's RSS and its
+mix (``pagedtree.bench.soak``: valid, disconnecting, hostile, long-prompt, huge-prompt,
+constrained, hostile-constraint and slowloris clients) for ``--duration`` seconds, samples the server's RSS and its
 ``/metrics`` memory gauges every ``--interval`` seconds, waits for the engine to go
 idle, and reports the RSS after the warm-up, at the end, the slope of the last third
 and the counts by client kind. Writes ``<tag>.json`` and ``<tag>.png`` (RSS, malloc

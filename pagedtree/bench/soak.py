@@ -12,6 +12,12 @@ protocols) with several kinds of clients at once, each in its own loop:
 - ``long``: distinct long prompts (new text every time: per-request suffix trees,
   prefix-cache misses, tokenizer work);
 - ``huge``: a prompt of about a million characters that is too long for the context;
+- ``structured``: constrained requests (JSON schemas from a family larger than one
+  round's worth, so the grammar cache both hits and compiles; choices, regexes,
+  ``required`` and named tool calls), streamed and not;
+- ``grammar``: constraints the server must refuse (keywords it does not enforce,
+  remote ``$ref``, negative counts, tools on completions) and slow-to-compile ones
+  that the client abandons, so that the server kills their compiles;
 - ``slowloris``: a connection that sends a header line a second and never finishes.
 
 ``MemorySampler`` records a process's RSS (and, when given a ``/metrics`` URL, the
@@ -39,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-CLIENT_KINDS = ("valid", "disconnect", "logprobs", "hostile", "long", "huge", "slowloris")
+CLIENT_KINDS = ("valid", "disconnect", "logprobs", "hostile", "long", "huge", "structured", "grammar", "slowloris")
 # Gauges of pagedtree's /metrics that a soak records beside the RSS.
 MEMORY_GAUGES = (
     "process_resident_memory_bytes",
@@ -48,6 +54,8 @@ MEMORY_GAUGES = (
     "pagedtree:suffix_tree_nodes",
     "pagedtree:kv_cache_usage_perc",
     "pagedtree:malloc_trims_total",
+    "pagedtree:grammar_cache_bytes",
+    "pagedtree:grammar_worker_rss_bytes",
 )
 _WORDS = ("alpha beta gamma delta query index table select join where group order limit value record "
           "stream buffer cache thread socket parse token model layer vector matrix kernel tensor block "
@@ -64,6 +72,8 @@ class SoakClients:
     hostile: int = 2
     long: int = 1
     huge: int = 0
+    structured: int = 1
+    grammar: int = 1
     slowloris: int = 2
     max_tokens: int = 24  # upper bound of a valid request's max_tokens
     long_min_words: int = 200  # a long prompt's length in words, drawn in [min, max]
@@ -219,8 +229,83 @@ async def _huge(session: aiohttp.ClientSession, url: str, rng: random.Random, cf
         counts.add("huge", r.status)
 
 
+# Distinct schemas the ``structured`` client draws from: more than a round compiles,
+# so that the cache keeps both hitting and compiling.
+SCHEMA_FAMILY = 64
+# A constraint whose compile takes far longer than the ``grammar`` client waits.
+SLOW_REGEX = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 2000)) + ")"
+
+
+def _schema(rng: random.Random) -> dict:
+    member = rng.randrange(SCHEMA_FAMILY)
+    return {"type": "object", "additionalProperties": False, "required": [f"k{member}"],
+            "properties": {f"k{member}": {"type": "integer", "minimum": 0, "maximum": 999},
+                           "note": {"type": "string", "maxLength": 8}}}
+
+
+async def _structured(session: aiohttp.ClientSession, url: str, rng: random.Random, cfg: SoakClients,
+                      counts: SoakCounts) -> None:
+    kind = rng.choice(["schema", "choice", "regex", "required_tool", "named_tool"])
+    stream = rng.random() < 0.5
+    body: dict = {"messages": [{"role": "user", "content": _words(rng, 6)}], "stream": stream,
+                  "max_tokens": rng.randint(4, 2 * cfg.max_tokens), "temperature": rng.choice([0, 0.8])}
+    if kind == "schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "item", "schema": _schema(rng)}}
+    elif kind == "choice":
+        body["guided_choice"] = [_words(rng, 2) for _ in range(rng.randint(2, 5))]
+    elif kind == "regex":
+        body["guided_regex"] = f"[a-z]{{1,{rng.randint(2, 12)}}}( [a-z]+)?"
+    else:
+        tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": _schema(rng)}} for i in range(2)]
+        body["tools"] = tools
+        body["tool_choice"] = ("required" if kind == "required_tool"
+                               else {"type": "function", "function": {"name": "tool_1"}})
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+        counts.add("structured", r.status)
+
+
+def _refused_constraint(rng: random.Random) -> tuple[str, dict]:
+    choice = rng.choice(["not", "remote_ref", "negative", "unholdable", "tools_on_completions", "ref_cycle"])
+    schema: dict
+    if choice == "not":
+        schema = {"not": {"type": "string"}}
+    elif choice == "remote_ref":
+        schema = {"$ref": rng.choice(["http://169.254.169.254/latest/meta-data", "file:///etc/passwd"])}
+    elif choice == "negative":
+        schema = {"type": "array", "minItems": -rng.randint(1, 99)}
+    elif choice == "unholdable":
+        schema = {"type": "object", "properties": {}, "required": ["x"], "additionalProperties": False}
+    elif choice == "ref_cycle":
+        schema = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    else:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        return "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "tools": [tool], "tool_choice": "required"}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                    "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                              "schema": schema}}}
+
+
+async def _grammar(session: aiohttp.ClientSession, url: str, rng: random.Random, cfg: SoakClients,
+                   counts: SoakCounts) -> None:
+    if rng.random() < 0.8:
+        path, body = _refused_constraint(rng)
+        async with session.post(url + path, json=body) as r:
+            await r.read()
+            counts.add("grammar", r.status)
+        return
+    # A slow compile, distinct every time (never cached), that the client gives up on.
+    body = {"prompt": "Hi", "max_tokens": 2, "guided_regex": f"{SLOW_REGEX}|{rng.randrange(10**9)}"}
+    try:
+        async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            await r.read()
+            counts.add("grammar", r.status)
+    except asyncio.TimeoutError:
+        counts.add("grammar", "abandoned")
+
+
 _CLIENTS = {"valid": _valid, "disconnect": _disconnect, "logprobs": _logprobs, "hostile": _hostile,
-            "long": _long, "huge": _huge}
+            "long": _long, "huge": _huge, "structured": _structured, "grammar": _grammar}
 
 
 def _slowloris(host: str, port: int, until: float, counts: SoakCounts, lock: threading.Lock) -> None:

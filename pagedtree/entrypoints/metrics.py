@@ -94,6 +94,8 @@ class EngineStatsCollector(Collector):
         yield counter("grammars_compiled", "Constraints compiled.", grammar.get("grammars_compiled"))
         yield gauge("grammar_compile_queue", "Grammar compiles waiting for a compile worker.",
                     grammar.get("grammar_compile_queue"))
+        yield gauge("grammar_compiles_running", "Grammar compiles running in a compile worker.",
+                    grammar.get("grammar_compiles_running"))
         yield counter("grammar_compiles_killed", "Grammar compiles killed: past their time limit, or abandoned by "
                       "every request waiting for them.", grammar.get("grammar_compiles_killed"))
         yield counter("grammar_compiles_refused", "Grammar compiles refused because the queue was full for the "

@@ -178,6 +178,7 @@ class CompileService:
     def _dispatch(self, index: int) -> None:
         """One dispatcher: the next job to its worker, within the job's deadline."""
         while True:
+            self._replace_dead_worker(index)
             with self._lock:
                 while not self._queue and not self._closed:
                     self._lock.wait()
@@ -199,6 +200,10 @@ class CompileService:
                     self._settle(job, exception=RuntimeError(f"the grammar compiler could not start: {exc}"))
                     continue
                 with self._lock:
+                    if self._closed:  # shut down while it started
+                        worker.close()
+                        self._settle(job, exception=RuntimeError("the grammar compiler is shut down"))
+                        return
                     self._workers[index] = worker
                 remaining = job.deadline - time.monotonic()
             with self._lock:
@@ -229,6 +234,28 @@ class CompileService:
             with self._lock:
                 self.num_compiled += 1
             self._settle(job, result=result)
+
+    def _replace_dead_worker(self, index: int) -> None:
+        """A worker that died on its last job (killed at its time limit, abandoned, out
+        of memory) is replaced now, between jobs, so that the next constraint does not
+        wait for a process start. A failed start leaves the slot empty: the next job
+        starts one (and fails alone if that fails too)."""
+        with self._lock:
+            worker = self._workers[index]
+            if self._closed or worker is None or worker.alive():
+                return
+            self._workers[index] = None
+        fresh = self._make_worker()
+        try:
+            fresh.start()
+        except Exception:  # noqa: BLE001 - the next job tries again
+            logger.warning("a grammar compile worker failed to restart; the next compile tries again")
+            return
+        with self._lock:
+            if not self._closed:
+                self._workers[index] = fresh
+                return
+        fresh.close()
 
     def _count_kill(self, job: CompileJob) -> None:
         with self._lock:

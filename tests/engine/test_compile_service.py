@@ -135,12 +135,18 @@ def test_a_compile_nobody_waits_for_is_dropped_or_killed(service):
     with pytest.raises(CompileCancelled):
         running.future.result(5)
     assert worker.interrupted == 1 and service.num_killed == 1
-    # The next job gets a fresh worker, started by the dispatcher.
-    after = _submit(service, "c")
-    fresh = _running(service)
+    # The dispatcher replaces the killed worker at once, before any job asks for it.
+    deadline = time.monotonic() + 5
+    while len(GatedWorker.instances) < 2 or not GatedWorker.instances[-1].alive():
+        assert time.monotonic() < deadline, "the killed worker was not replaced"
+        time.sleep(0.01)
+    fresh = GatedWorker.instances[-1]
     assert fresh is not worker and fresh.started == 1
+    after = _submit(service, "c")
+    assert _running(service) is fresh
     fresh.gate.set()
     assert after.future.result(5) == "COMPILED C"
+    assert len(GatedWorker.instances) == 2 and fresh.started == 1
 
 
 async def _until(condition, limit_s: float = 30.0) -> None:
@@ -151,7 +157,11 @@ async def _until(condition, limit_s: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_model):
+@pytest.mark.parametrize("storm_size, max_queued", [
+    (6, 3),
+    pytest.param(20, 16, marks=pytest.mark.slow, id="the-full-storm"),
+])
+def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_model, storm_size, max_queued):
     """Slow compiles from many clients fill the one worker (the first killed at the
     time limit, the queued ones refused at theirs, counted from arrival, without
     compiling); a constrained request whose grammar is cached is accepted while the
@@ -164,20 +174,20 @@ def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_mo
     async def main():
         engine = AsyncEngine(str(tiny_text_model.path), block_size=4, max_model_len=256,
                              structured_output_limits={"compile_timeout_s": 5.0},
-                             grammar_compile={"workers": 1, "max_queued": 3, "max_per_client": 1})
+                             grammar_compile={"workers": 1, "max_queued": max_queued, "max_per_client": 1})
         try:
             cached = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
             await engine.add_request("Hello", cached)  # compiled now: cached from here on
             storm = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
-                regex=slow_regex() + f"|{i}")) for i in range(6)]
+                regex=slow_regex() + f"|{i}")) for i in range(storm_size)]
             tasks = [asyncio.create_task(engine.add_request("Hello", storm[0], client="c0"))]
             # Polled, not slept for (a loaded machine is slow): the first compile is
-            # running before the rest arrive, so the queue's bound meets exactly five.
+            # running before the rest arrive, so the queue's bound meets all the others.
             await _until(lambda: engine.grammars.stats()["grammar_compiles_running"] == 1)
             tasks += [asyncio.create_task(engine.add_request("Hello", p, client=f"c{i}"))
                       for i, p in enumerate(storm[1:], start=1)]
-            await _until(lambda: engine.grammars.stats()["grammar_compiles_refused"] == 2
-                         and engine.grammars.stats()["grammar_compile_queue"] == 3)
+            await _until(lambda: engine.grammars.stats()["grammar_compiles_refused"] == refused
+                         and engine.grammars.stats()["grammar_compile_queue"] == max_queued)
             stream = await engine.add_request("Hello", cached, client="c0")
             queued_at = engine.grammars.stats()
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -187,12 +197,13 @@ def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_mo
         finally:
             await engine.shutdown()
 
+    refused = storm_size - 1 - max_queued
     queued_at, results = asyncio.run(main())
     # When the cached request was accepted, no compile of the storm had ended.
-    assert queued_at["grammar_compiles_killed"] == 0 and queued_at["grammar_compile_queue"] == 3
+    assert queued_at["grammar_compiles_killed"] == 0 and queued_at["grammar_compile_queue"] == max_queued
     full = [r for r in results if isinstance(r, CompileQueueFull)]
     slow = [r for r in results if isinstance(r, ValueError) and "took longer than 5 s" in str(r)]
-    assert len(full) == 2 and len(slow) == 4
+    assert len(full) == refused and len(slow) == 1 + max_queued
 
 
 def test_a_request_that_goes_away_kills_its_compile(tiny_text_model):

@@ -3,7 +3,9 @@
 The clients (``pagedtree.bench.soak``) run side by side: completions, chat and TGI,
 streamed and not, disconnects mid-stream, ``n=8`` logprob chats, hostile bodies
 (huge stop lists, deep JSON, wrong content types, oversized bodies, client
-templates, lone surrogates, extreme floats), distinct long prompts, slowloris.
+templates, lone surrogates, extreme floats), distinct long prompts, constrained
+requests (schemas, choices, regexes, tool calls), constraints the server must refuse
+and slow compiles abandoned by their clients, slowloris.
 
 - ``test_a_short_soak_serves_the_mix`` (slow, about 15 s): two short rounds
   of the mix against a real server: every valid request served, every hostile one
@@ -113,8 +115,8 @@ def fast_soak(model: str, *args: str, plant: str = "", env: dict[str, str] | Non
     """The fast soak's readings and counts (the server stopped afterwards)."""
     served = serve(model, *args, plant=plant, env=env)
     try:
-        clients = SoakClients(valid=3, disconnect=2, logprobs=1, hostile=2, long=1, huge=0, slowloris=1,
-                              max_tokens=16, long_min_words=30, long_max_words=80)
+        clients = SoakClients(valid=3, disconnect=2, logprobs=1, hostile=2, long=1, huge=0, structured=1, grammar=1,
+                              slowloris=1, max_tokens=16, long_min_words=30, long_max_words=80)
         readings, counts = soak_rounds(served.url, served.process.pid, clients, rounds, round_seconds)
         assert http(served.url + "/health")[0] == 200
     finally:
@@ -122,10 +124,18 @@ def fast_soak(model: str, *args: str, plant: str = "", env: dict[str, str] | Non
     return readings, counts
 
 
+def check_constrained(counts: SoakCounts) -> None:
+    """Every valid constrained request served; every bad constraint a 400, or given up
+    on by its client while its slow compile ran."""
+    structured, grammar = counts.by_kind.get("structured", {}), counts.by_kind.get("grammar", {})
+    assert structured.get("200", 0) > 0 and set(structured) == {"200"}, counts
+    assert grammar.get("400", 0) > 0 and set(grammar) <= {"400", "abandoned"}, counts
+
+
 def flat(readings: list[IdleReading], counts: SoakCounts) -> tuple[bool, str]:
     """Whether memory stayed flat after the warm-up rounds, and the figures."""
     first, last = readings[WARM_ROUNDS], readings[-1]
-    served = sum(n for kind, by in counts.by_kind.items() if kind != "hostile" for n in by.values())
+    served = sum(n for kind, by in counts.by_kind.items() if kind not in ("hostile", "grammar") for n in by.values())
     per_round = served / len(readings)
     blocks = (last.python_blocks - first.python_blocks) / (per_round * (len(readings) - 1 - WARM_ROUNDS))
     # RSS from the first reading: a cache that fills within a few rounds and then
@@ -142,14 +152,16 @@ def test_a_short_soak_serves_the_mix(chat_model_path):
                                  rounds=2, round_seconds=3.0)
     assert len(readings) == 2
     assert counts.total(200) > 10 and counts.total(400) > 2 and counts.total(500) == 0, counts
+    check_constrained(counts)
 
 
 @pytest.mark.slow
 def test_fast_soak_leaves_memory_flat(chat_model_path):
     readings, counts = fast_soak(str(chat_model_path), "--max-model-len", "512", "--block-size", "4")
     assert counts.total(200) > 100 and counts.total(400) > 10 and counts.total(500) == 0, counts
+    check_constrained(counts)
     ok, figures = flat(readings, counts)
-    print(figures)
+    print(counts.by_kind, figures)
     assert ok, figures
 
 
@@ -186,6 +198,7 @@ def test_thirty_minute_soak(drafter):
                f"{[(r.rss >> 20, int(r.heap_in_use or 0) >> 20) for r in readings]}")
     print(figures)
     assert counts.total(500) == 0 and counts.total(200) > 100, figures
+    check_constrained(counts)
     assert max(r.rss for r in rest) <= base.rss * (1 + LONG_RSS_GROWTH), figures
     if base.heap_in_use is not None:
         assert max(r.heap_in_use for r in rest) <= base.heap_in_use + LONG_HEAP_GROWTH, figures

@@ -581,5 +581,6 @@ def test_the_grammar_compile_queue_answers_429_and_never_holds_a_cached_constrai
     assert served[0] == 200 and running["grammar_compiles_killed"] == 0  # while the slow one still compiled
     assert slow[0] == 400 and "took longer than 5 s" in slow[2]["error"]["message"]
     for name in ("grammar_cache_entries", "grammar_cache_bytes", "grammar_cache_hits_total", "grammar_compile_queue",
-                 "grammar_compiles_killed_total", "grammar_worker_rss_bytes"):
+                 "grammar_compiles_running", "grammar_compiles_killed_total", "grammar_compiles_refused_total",
+                 "grammar_worker_rss_bytes"):
         assert f"pagedtree:{name}" in metrics, name
