@@ -12,8 +12,9 @@ Here:
 - the queue is bounded per server (``max_queued``) and per client (``max_per_client``,
   a client being an API key or a connection): beyond either, ``CompileQueueFull``
   (HTTP 429 with ``Retry-After``) before anything is queued;
-- the time limit counts from arrival: a job still queued at its deadline is refused
-  without compiling, and a running one gets only what is left;
+- the time limit counts from arrival: a job that reaches no worker by its deadline is
+  refused without compiling (``CompileWaitExpired``, HTTP 429 with ``Retry-After``:
+  nothing is known against the constraint), and a running one gets only what is left;
 - a job whose waiters have all gone is dropped from the queue, or, running, its
   worker is killed; a worker that was killed is started again by its own dispatcher
   thread before its next job, never on a request's path;
@@ -48,6 +49,12 @@ class CompileQueueFull(RuntimeError):
     def __init__(self, message: str, retry_after_s: float):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class CompileWaitExpired(CompileQueueFull):
+    """The time limit passed while the constraint waited for a compile worker (busy
+    with other compiles, or starting again): it was never compiled, so it says
+    nothing about the constraint; retry after ``retry_after_s`` seconds (HTTP 429)."""
 
 
 class CompileCancelled(RuntimeError):
@@ -185,11 +192,7 @@ class CompileService:
                 if self._closed:
                     return
                 job = self._queue.popleft()
-                remaining = job.deadline - time.monotonic()
-                if remaining <= 0:  # it waited its whole time limit in the queue
-                    self._forget(job)
-                    self.num_expired += 1
-                    job.future.set_exception(CompileTimeout("the time limit passed while it waited to compile"))
+                if self._expire_if_late(job):
                     continue
                 worker = self._workers[index]
             if worker is None or not worker.alive():
@@ -205,12 +208,14 @@ class CompileService:
                         self._settle(job, exception=RuntimeError("the grammar compiler is shut down"))
                         return
                     self._workers[index] = worker
-                remaining = job.deadline - time.monotonic()
             with self._lock:
                 if job.cancelled:  # abandoned while its worker started
                     self._forget(job)
                     continue
+                if self._expire_if_late(job):  # its worker's start took the rest of its time
+                    continue
                 job.worker = worker
+                remaining = job.deadline - time.monotonic()
             started = time.monotonic()
             try:
                 text = worker.compile(job.request, max(remaining, 0.001))
@@ -256,6 +261,18 @@ class CompileService:
                 self._workers[index] = fresh
                 return
         fresh.close()
+
+    def _expire_if_late(self, job: CompileJob) -> bool:
+        """Refuse ``job`` (under the lock) if its deadline passed before it reached a
+        worker: retryable, since the constraint itself was never tried."""
+        if job.deadline - time.monotonic() > 0:
+            return False
+        self._forget(job)
+        self.num_expired += 1
+        job.future.set_exception(CompileWaitExpired(
+            "the grammar compilers were busy for this constraint's whole time limit; retry later",
+            self._retry_after(len(self._queue))))
+        return True
 
     def _count_kill(self, job: CompileJob) -> None:
         with self._lock:

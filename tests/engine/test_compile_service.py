@@ -11,7 +11,8 @@ import time
 import pytest
 
 from pagedtree import SamplingParams
-from pagedtree.structured.compile_service import CompileCancelled, CompileQueueFull, CompileService
+from pagedtree.structured.compile_service import (CompileCancelled, CompileQueueFull, CompileService,
+                                                  CompileWaitExpired)
 from pagedtree.structured.compile_worker import CompileTimeout
 from pagedtree.structured_params import GrammarCompileConfig, StructuredOutputsParams
 
@@ -108,15 +109,43 @@ def test_the_queue_is_bounded_per_server_and_per_client(service):
 
 
 def test_the_time_limit_counts_from_arrival(service):
-    """A job still queued at its deadline is refused without being compiled."""
+    """A job still queued at its deadline is refused without being compiled, as a
+    busy server (retry later), not as a constraint too slow to compile."""
     _submit(service, "a")
     worker = _running(service)
     late = _submit(service, "b", timeout=0.05)
     time.sleep(0.1)
     worker.gate.set()
-    with pytest.raises(CompileTimeout):
+    with pytest.raises(CompileWaitExpired, match="busy for this constraint's whole time limit") as refused:
         late.future.result(5)
+    assert refused.value.retry_after_s >= 1
     assert [r[1] for r in worker.compiled] == ["a"] and service.num_expired == 1
+
+
+class SlowStartWorker(GatedWorker):
+    """A worker whose process takes 0.3 s to start (a restart importing its libraries)."""
+
+    def start(self) -> None:
+        time.sleep(0.3)
+        super().start()
+
+
+def test_a_job_whose_worker_starts_past_its_deadline_is_refused_uncompiled():
+    """The time a worker takes to start counts against the waiting job, which is then
+    refused as retryable without a compile or a kill; the started worker stays."""
+    GatedWorker.instances = []
+    service = CompileService("{}", GrammarCompileConfig(workers=1), SlowStartWorker)
+    try:
+        late = _submit(service, "a", timeout=0.05)
+        with pytest.raises(CompileWaitExpired):
+            late.future.result(5)
+        assert service.num_expired == 1 and service.num_killed == 0
+        worker = GatedWorker.instances[0]
+        worker.gate.set()
+        assert _submit(service, "b").future.result(5) == "COMPILED B"
+        assert worker.started == 1 and [r[1] for r in worker.compiled] == ["b"]
+    finally:
+        service.close()
 
 
 def test_a_compile_nobody_waits_for_is_dropped_or_killed(service):
@@ -163,8 +192,8 @@ async def _until(condition, limit_s: float = 30.0) -> None:
 ])
 def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_model, storm_size, max_queued):
     """Slow compiles from many clients fill the one worker (the first killed at the
-    time limit, the queued ones refused at theirs, counted from arrival, without
-    compiling); a constrained request whose grammar is cached is accepted while the
+    time limit, a 400; the queued ones refused at theirs, counted from arrival,
+    without compiling, as a busy server: 429); a constrained request whose grammar is cached is accepted while the
     first slow compile still runs (no compile has ended then: the time limit, 5 s,
     is the margin, not a measured time); the compile queue's bound refuses the
     excess with 429 at once."""
@@ -201,9 +230,10 @@ def test_a_cached_constraint_never_waits_behind_a_storm_of_compiles(tiny_text_mo
     queued_at, results = asyncio.run(main())
     # When the cached request was accepted, no compile of the storm had ended.
     assert queued_at["grammar_compiles_killed"] == 0 and queued_at["grammar_compile_queue"] == max_queued
-    full = [r for r in results if isinstance(r, CompileQueueFull)]
+    expired = [r for r in results if isinstance(r, CompileWaitExpired)]
+    full = [r for r in results if isinstance(r, CompileQueueFull) and r not in expired]
     slow = [r for r in results if isinstance(r, ValueError) and "took longer than 5 s" in str(r)]
-    assert len(full) == refused and len(slow) == 1 + max_queued
+    assert len(full) == refused and len(expired) == max_queued and len(slow) == 1
 
 
 def test_a_request_that_goes_away_kills_its_compile(tiny_text_model):

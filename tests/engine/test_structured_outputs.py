@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import jsonschema
 import pytest
@@ -518,7 +519,13 @@ def test_a_compile_past_the_time_limit_is_killed_and_the_compiler_restarts(suffi
         suffix_llm.generate(["Hello world"], SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)
     assert suffix_llm.stats()["grammar_compiles_killed"] == killed + 1
     _assert_all_free(suffix_llm)
-    # A fresh compiler process takes the next constraint.
+    # A fresh compiler process is started off the request path (its start, about a
+    # second and a half of imports, is longer than this fixture's 0.5 s limit: a
+    # constraint sent meanwhile is refused as "busy, retry") and takes the next one.
+    deadline = time.monotonic() + 60
+    while suffix_llm.stats()["grammar_worker_rss_bytes"] == 0:
+        assert time.monotonic() < deadline, "the killed compile worker was not replaced"
+        time.sleep(0.05)
     regex = r"[0-9]{2}:[0-9]{2}"
     params = SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(regex=regex))
     out = suffix_llm.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0]
