@@ -24,6 +24,9 @@ setup(
         "tqdm",
         "onnxruntime>=1.22",  # the q4/q8 formats: MatMulNBits (MLAS) kernels (pagedtree/worker/models/block_quant.py)
         "onnx",  # builds the one-node graphs those kernels run in
+        # ggml-python (llama.cpp's ggml, the "ggml" weight format) is installed by
+        # scripts/setup.sh, built for the machine's CPU (pagedtree/worker/models/ggml_matmul.py);
+        # without it that format is refused with the command that installs it.
         "xgrammar>=0.2.8,<0.3",  # structured outputs: grammar compiler, token masks, matcher rollback (pagedtree/structured/)
         "jsonschema>=4.18",  # schemas checked against JSON Schema's meta-schema before they compile (structured/schema_check.py)
         "aiohttp",

@@ -150,7 +150,7 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
             specs.append(EngineSpec(f"pagedtree{at}", "pagedtree", own, quantization=quant))
         elif name == "pagedtree-eager":
             specs.append(EngineSpec(name, "pagedtree", own, eager=True))
-        elif name in ("pagedtree-int8", "pagedtree-int4", "pagedtree-q8", "pagedtree-q4"):
+        elif name in ("pagedtree-int8", "pagedtree-int4", "pagedtree-q8", "pagedtree-q4", "pagedtree-ggml"):
             specs.append(EngineSpec(name, "pagedtree", own, quantization=name.rsplit("-", 1)[1]))
         elif name == "pagedtree-spec":
             for preset in args.spec_presets:
@@ -311,7 +311,7 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
     if getattr(args, "keep_suffix_cache", False) and spec.engine == "pagedtree":
         cmd.append("--keep-suffix-cache")
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
-    if spec.quantization in ("q4", "q8"):
+    if spec.quantization in ("q4", "q8", "ggml"):
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see pagedtree/worker/models/block_quant.py, "Threads"
     started = time.perf_counter()
     run = EngineRun(spec)
@@ -639,11 +639,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default="pagedtree,pagedtree-spec,transformers,transformers-assisted,vllm,vllm-spec",
                         help="comma-separated, from pagedtree, pagedtree-int8, pagedtree-int4 (weight-only "
                              "quantized, straight from a packaged model's GGUF), pagedtree-q8, pagedtree-q4 (blocks of "
-                             "32 with int8 activations, ONNX Runtime's kernels), pagedtree-spec, transformers, "
+                             "32 with int8 activations, ONNX Runtime's kernels), pagedtree-ggml (the GGUF's own "
+                             "blocks through ggml's kernels), pagedtree-spec, transformers, "
                              "transformers-assisted, vllm, vllm-spec, vllm-ngram, llamacpp (llama.cpp on the model's GGUF, "
                              "batch 1 only; from --llamacpp-python's venv), llamacpp-lookup (the same with "
                              "prompt-lookup speculation)")
-    parser.add_argument("--pagedtree-quantization", default=None, choices=["int8", "int4", "q8", "q4"],
+    parser.add_argument("--pagedtree-quantization", default=None, choices=["int8", "int4", "q8", "q4", "ggml"],
                         help="quantize the pagedtree and pagedtree-spec engines (target and draft; labels get "
                              "@FORMAT); the pagedtree-FORMAT engines are unaffected")
     parser.add_argument("--spec-presets", type=_csv(str), default="chain-5,dynamic-16",

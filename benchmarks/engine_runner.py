@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "fields; vLLM: num_speculative_tokens)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "q8", "q4"],
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "q8", "q4", "ggml"],
                         help="pagedtree: quantized linear layers")
     parser.add_argument("--keep-suffix-cache", action="store_true",
                         help="pagedtree: keep the suffix drafter's global tree between timings (default: "

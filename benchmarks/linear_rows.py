@@ -13,6 +13,11 @@ Formats (every one a thin call into a library kernel):
 - ``fp16-fbgemm``: FBGEMM's fp16-weight GEMM (``quantized.linear_dynamic_fp16``);
 - ``int8``, ``int4``: torch's weight-only kernels (``Linear.quantize``; bf16 activations);
 - ``q8``, ``q4``: ONNX Runtime's MatMulNBits (MLAS) with int8 activations (``Linear.quantize``);
+- ``q4-b64``, ``q4-b128``: the same MLAS kernel on 4-bit blocks of 64 and 128;
+- ``ggml-q4_k``, ``ggml-q6_k``, ``ggml-q8_0``, ``ggml-q4_0``: llama.cpp's block formats
+  (rounded by ggml's quantizer) through ggml's kernels in the file's layout, whose rows
+  are independent of their batch (``ggml_matmul``); ``ggml-q4_k-repack``,
+  ``ggml-q4_0-repack``: the 8-row interleaved layout llama.cpp loads them in on x86;
 - ``int8-onednn``: oneDNN's prepacked int8 GEMM (``onednn.qlinear_pointwise``) with each
   row quantized on its own to 7 bits (u8 around 64: AVX2 without VNNI multiplies u8 by
   s8 in pairs that saturate 16 bits beyond that), scales applied after.
@@ -37,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedtree.worker.models import block_quant  # noqa: E402
 from pagedtree.worker.models.linear import Linear  # noqa: E402
 
 SHAPES = {  # name: (in_features, out_features)
@@ -90,9 +96,27 @@ def int8_onednn(weight: torch.Tensor, act_bits: int = 7) -> Callable:
     return run
 
 
+def q4_blocks_of(block: int) -> Callable[[torch.Tensor], Callable]:
+    def make(weight: torch.Tensor) -> Callable:
+        return block_quant.BlockMatMul(block_quant.quantize_blocks(weight, 4, block))
+    return make
+
+
+def ggml_format(type_name: str, repack: bool = False) -> Callable[[torch.Tensor], Callable]:
+    def make(weight: torch.Tensor) -> Callable:
+        from pagedtree.worker.models import ggml_matmul
+
+        blocks = ggml_matmul.quantize_rows(weight, type_name)
+        return ggml_matmul.GgmlMatMul([blocks], repack=repack)
+    return make
+
+
 FORMATS: dict[str, Callable[[torch.Tensor], Callable]] = {
     "fp32": fp32, "fp16-fbgemm": fp16_fbgemm, "int8": quantized("int8"), "int4": quantized("int4"),
-    "q8": quantized("q8"), "q4": quantized("q4"), "int8-onednn": int8_onednn,
+    "q8": quantized("q8"), "q4": quantized("q4"), "q4-b64": q4_blocks_of(64), "q4-b128": q4_blocks_of(128),
+    "ggml-q4_k": ggml_format("Q4_K"), "ggml-q4_k-repack": ggml_format("Q4_K", repack=True),
+    "ggml-q4_0": ggml_format("Q4_0"), "ggml-q4_0-repack": ggml_format("Q4_0", repack=True),
+    "ggml-q6_k": ggml_format("Q6_K"), "ggml-q8_0": ggml_format("Q8_0"), "int8-onednn": int8_onednn,
 }
 
 

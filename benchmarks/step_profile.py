@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "q4", "q8", "none"],
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "q4", "q8", "ggml", "none"],
                         help="default: the model's own (a GGUF file: q4 on CPU)")
     parser.add_argument("--layers", action="store_true", help="also time each kind of linear layer at one row")
     parser.add_argument("--batch", type=int, default=8)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     timed(engine.runner.model, "forward", "model forward")
     timed(engine.runner.model, "compute_logits", "LM head")
     timed(model_runner, "sample_rows", "sampling")
-    timed(engine, "_update", "update (tokens, detokenizer, stops, KV bookkeeping)")
+    timed(engine, "update", "update (tokens, detokenizer, stops, KV bookkeeping)")
 
     prompts = (CODING_PROMPTS * (args.batch // len(CODING_PROMPTS) + 1))[: args.batch]
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up

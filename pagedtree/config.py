@@ -31,7 +31,7 @@ DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-QUANTIZATIONS = ("int8", "int4", "q4", "q8")  # see pagedtree.worker.models.linear
+QUANTIZATIONS = ("int8", "int4", "q4", "q8", "ggml")  # see pagedtree.worker.models.linear
 LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint, or random weights (benchmarks)
 # Formats whose kernels take bf16 activations (the others take fp32).
 BF16_QUANTIZATIONS = ("int8", "int4")

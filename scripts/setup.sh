@@ -29,6 +29,17 @@ echo "[setup] installing torch==2.13.0, triton==3.7.1 and pagedtree"
 # transformers 5 cannot use, so pip cannot resolve it as a dependency. It only needs
 # aiohttp, pydantic 2 and requests at run time, all installed above.
 "${PIP[@]}" --no-deps "text-generation>=0.7"
+# ggml (llama.cpp's kernels, the "ggml" weight format) is built from source for this
+# CPU: -march=native, so the wheel is never cached for another machine. Without
+# OpenMP ggml runs its own thread pool, whose threads sleep between products while
+# torch's OpenMP threads work. About a minute on 2 cores; skipped when this CPU's
+# build is already installed.
+if ! .venv/bin/python -c "import ggml" 2>/dev/null || [ "$(cat .venv/.ggml-cpu 2>/dev/null)" != "$(grep -m1 '^flags' /proc/cpuinfo | md5sum)" ]; then
+  echo "[setup] building ggml-python==0.0.45 for this CPU (about a minute)"
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
+    "${PIP[@]}" --no-cache-dir --no-binary ggml-python --force-reinstall --no-deps "ggml-python==0.0.45"
+  grep -m1 '^flags' /proc/cpuinfo | md5sum > .venv/.ggml-cpu
+fi
 
 if [ -n "$models" ]; then
   for name in $models; do

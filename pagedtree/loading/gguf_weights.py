@@ -10,6 +10,8 @@ common block formats becomes ONNX Runtime blocks that represent it exactly
 (``gguf_blocks``: 4-bit formats as 4-bit codes, 5- to 8-bit ones as 8-bit codes; a
 fused layer takes its widest part's codes); ``"q8"`` widens the 4-bit ones to 8-bit
 codes too (still exact). Tensors in other formats are rounded to q4 or q8 blocks.
+For ``quantization="ggml"`` every linear weight keeps the file's own blocks, byte for
+byte, multiplied by ggml's kernels (``ggml_matmul``), as llama.cpp runs the file.
 Norms, biases and the embedding table stay dense (bf16, or the model's dtype).
 
 Only the tensors being converted are ever dense, one at a time: the 1.5B model needs
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from pagedtree.loading import gguf_blocks
-from pagedtree.worker.models import block_quant
+from pagedtree.worker.models import block_quant, ggml_matmul
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 from pagedtree.worker.models.linear import (
     INT4_GROUP_SIZE,
@@ -177,6 +179,17 @@ def _blocks(pieces: list, bits: int) -> block_quant.BlockWeights:
     return block_quant.concat_blocks(parts)
 
 
+def _ggml_rows(tensor, heads: int | None) -> ggml_matmul.GgmlBlocks:
+    """A GGUF tensor's rows as stored (a copy of the file's bytes), unpermuted for
+    llama-layout Q/K projections (whole rows move: exact)."""
+    rows, cols = _rows(tensor), int(tensor.shape[0])
+    data = np.asarray(tensor.data).reshape(rows, -1).view(np.uint8)
+    blocks = ggml_matmul.GgmlBlocks(tensor.tensor_type.name, data, cols)
+    if heads is not None:
+        return blocks.take_rows(_unpermute_rows(torch.arange(rows), heads).numpy())
+    return blocks
+
+
 def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (rows are ``[heads, 2, head_dim/2]`` there)."""
     half = x.shape[0] // heads // 2
@@ -244,6 +257,14 @@ def _set_linear(layer: Linear, pieces: list, quantization: str, keep_rows: torch
     keeping only the output rows ``keep_rows`` when given."""
     pieces = sorted(pieces, key=lambda p: 0 if p[0] is None else p[0].start)
     pick = (lambda x: x) if keep_rows is None else (lambda x: x[keep_rows])
+    if quantization == "ggml":
+        parts = [_ggml_rows(tensor, heads) for _, tensor, heads in pieces]
+        if keep_rows is not None:
+            if len(parts) != 1:
+                raise ValueError("a cut vocabulary needs a head of one tensor")
+            parts = [parts[0].take_rows(keep_rows.numpy())]
+        layer.set_ggml(parts)
+        return
     if quantization in block_quant.BITS:
         blocks = _blocks(pieces, block_quant.BITS[quantization])
         if keep_rows is not None:

@@ -27,6 +27,7 @@ from pagedtree.config import (
 )
 from pagedtree.devices import indexed_device
 from pagedtree.loading.model_format import block_quant_available, default_quantization
+from pagedtree.worker.models.ggml_matmul import ggml_available
 
 
 @functools.cache
@@ -90,6 +91,12 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
             raise ValueError(f"quantization {name!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
         if not block_quant_available():
             raise ValueError(f"quantization {name!r} needs onnxruntime and onnx: pip install onnxruntime onnx")
+    if "ggml" in {target_quantization, draft_quantization}:
+        if device.type != "cpu":
+            raise ValueError("quantization 'ggml' runs on CPU only (ggml's CPU kernels)")
+        if not ggml_available():
+            raise ValueError("quantization 'ggml' needs ggml's library: pip install ggml-python "
+                             "(builds ggml for this CPU; scripts/setup.sh does it)")
     target = ModelConfig(
         model=config.model, dtype=resolve_dtype(config.dtype, target_quantization, device),
         quantization=target_quantization, device=device, attention_backend=config.attention_backend,

@@ -170,3 +170,34 @@ def test_block_layers_hold_the_files_weights(tensors_of, bits):
     blocks = _blocks(pieces, bits)
     assert blocks.bits == bits and blocks.offsets is not None  # Q4_1 has a real minimum
     torch.testing.assert_close(blocks.dequantize(), torch.cat(dense), rtol=1e-6, atol=1e-7)
+
+
+def test_ggml_engines_hold_the_files_bytes_and_decode_like_fp32(tensors_of):
+    """``quantization="ggml"``: every linear layer holds the file's own tensors byte
+    for byte (SmolLM2's Q4_1, its Q/K rows moved whole into our order; the head the
+    file's Q8_0 table), multiplied by ggml's kernels; greedy decoding follows fp32
+    up to the 8-bit rounding of the activations."""
+    pytest.importorskip("ggml")
+    from pagedtree.loading.gguf_weights import _ggml_rows, _unpermute_rows
+
+    named = tensors_of(pm.SMOLLM2_135M)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    dense = LLM(pm.SMOLLM2_135M.name, dtype="float32", max_model_len=128, kv_cache_memory=2**26)
+    llm = LLM(pm.SMOLLM2_135M.name, quantization="ggml", max_model_len=128, kv_cache_memory=2**26)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.quantization for m in layers} == {"ggml"}
+    assert model.lm_head.block_matmul.types == ["Q8_0"]
+    qkv = model.model.layers[3].self_attn.qkv_proj.block_matmul
+    assert qkv.types == ["Q4_1"] * 3
+    q = named["blk.3.attn_q.weight"]
+    moved = _ggml_rows(q, 9)
+    rows = np.asarray(q.data).reshape(int(q.shape[1]), -1)
+    order = _unpermute_rows(torch.arange(rows.shape[0]), 9).numpy()
+    assert np.array_equal(moved.data, rows[order]) and not np.array_equal(moved.data, rows)
+    a = dense.generate(prompts, params, use_tqdm=False)
+    b = llm.generate(prompts, params, use_tqdm=False)
+    agreed = sum(next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q),
+                      12) for x, y in zip(a, b))
+    assert agreed >= 0.75 * 12 * len(prompts), agreed

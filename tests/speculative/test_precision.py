@@ -44,8 +44,8 @@ def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
         EngineConfig(model=path, draft_model=path, draft_dtype="int7")
 
 
-# The default suite: bf16 (the dense default on CPUs with native bf16) and q4 (a
-# GGUF's default); -m slow every weight format and mixed draft formats.
+# The default suite: bf16 (the dense default on CPUs with native bf16), q4 and ggml
+# (a GGUF's formats); -m slow every weight format and mixed draft formats.
 @pytest.mark.parametrize("target,draft", [
     (dict(dtype="bfloat16"), dict()),
     pytest.param(dict(quantization="int8"), dict(draft_quantization="none", draft_dtype="float32"),
@@ -53,10 +53,13 @@ def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
     pytest.param(dict(quantization="int4"), dict(draft_quantization="int8"), marks=pytest.mark.slow),
     (dict(quantization="q4"), dict()),
     pytest.param(dict(quantization="q8"), dict(draft_quantization="q4"), marks=pytest.mark.slow),
+    (dict(quantization="ggml"), dict()),
 ])
 def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, target, draft):
-    if "q" in str(target.get("quantization")):
+    if target.get("quantization") in ("q4", "q8"):
         pytest.importorskip("onnxruntime")
+    if target.get("quantization") == "ggml":
+        pytest.importorskip("ggml")
     prompts = random_prompts(6, 256, 2, 30, seed=9)
     llm = LLM(str(tiny_llama.path), device="cpu", block_size=4, draft_model=str(tiny_llama_draft.path),
               speculative=SPEC, **target, **draft)

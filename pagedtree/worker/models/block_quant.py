@@ -153,8 +153,8 @@ def pack_blocks(raw: BlockCodes) -> BlockWeights:
                         np.ascontiguousarray(zps).reshape(-1), n, k, raw.bits, raw.block, offsets)
 
 
-def quantize_blocks(weight: torch.Tensor, bits: int) -> BlockWeights:
-    """Round ``weight [n, k]`` to ``bits``-bit blocks of ``BLOCK`` (``k`` a multiple of it).
+def quantize_blocks(weight: torch.Tensor, bits: int, block: int = BLOCK) -> BlockWeights:
+    """Round ``weight [n, k]`` to ``bits``-bit blocks of ``block`` (``k`` a multiple of it).
 
     4 bits: asymmetric, each block's range (stretched to include 0, so that zero
     stays exact) over codes 0..15. 8 bits: symmetric around 128.
@@ -162,9 +162,9 @@ def quantize_blocks(weight: torch.Tensor, bits: int) -> BlockWeights:
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     n, k = weight.shape
-    if k % BLOCK:
-        raise ValueError(f"block quantization needs in_features divisible by {BLOCK}, got {k}")
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if k % block:
+        raise ValueError(f"block quantization needs in_features divisible by {block}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // block, block)
     if bits == 4:
         low = blocks.amin(dim=-1).clamp(max=0)
         high = blocks.amax(dim=-1).clamp(min=0)
@@ -174,9 +174,9 @@ def quantize_blocks(weight: torch.Tensor, bits: int) -> BlockWeights:
     else:
         scale = (blocks.abs().amax(dim=-1) / 127).clamp(min=1e-12)
         codes = torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128
-        zero = torch.full((n, k // BLOCK), 128.0)
+        zero = torch.full((n, k // block), 128.0)
     return pack_blocks(BlockCodes(codes.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(),
-                                  zero.to(torch.uint8).numpy(), None, bits, BLOCK))
+                                  zero.to(torch.uint8).numpy(), None, bits, block))
 
 
 def concat_blocks(parts: list[BlockWeights | BlockCodes]) -> BlockWeights:

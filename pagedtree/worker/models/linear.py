@@ -13,11 +13,14 @@ one of these replaces the dense weight in place:
   scale and a zero point each, ``aten._weight_int4pack_mm_for_cpu`` (the packed layout
   of ``aten._convert_weight_to_int4pack_for_cpu``);
 - ``quantize("q4")`` / ``quantize("q8")``: 4- or 8-bit blocks of 32 with int8
-  activations, ONNX Runtime's MLAS kernels (``block_quant``): the fastest on CPUs
-  without AVX-512 at the row counts of decoding and small trees.
+  activations, ONNX Runtime's MLAS kernels (``block_quant``);
+- ``set_ggml`` / ``quantize("ggml")``: llama.cpp's block formats (a GGUF file's own
+  tensors, or Q4_K from a dense weight) multiplied by ggml's CPU kernels, llama.cpp's
+  own (``ggml_matmul``).
 
 torch's quantized kernels take bf16 activations (their fp32 paths are an order of
-magnitude slower), so an int8/int4 layer computes in bf16; a q4/q8 layer takes fp32.
+magnitude slower), so an int8/int4 layer computes in bf16; a q4/q8/ggml layer takes
+fp32.
 Either returns the input's dtype. Nothing here is hand-written GEMM: these are torch's
 and ONNX Runtime's own CPU kernels.
 """
@@ -30,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedtree.worker.models import block_quant
+from pagedtree.worker.models import block_quant, ggml_matmul
 from pagedtree.worker.models.row_blocks import in_row_blocks
 
-QUANTIZATIONS = ("int8", "int4", "q4", "q8")
+QUANTIZATIONS = ("int8", "int4", "q4", "q8", "ggml")
 INT4_GROUP_SIZE = 32
 # oneDNN picks its blocked layout for an expected row count: 16 serves 1-32 rows well.
 _PACK_ROWS_HINT = 16
@@ -101,12 +104,12 @@ class Linear(nn.Linear):
     # Compute dense products in blocks of exactly this many rows (``row_blocks``); set
     # by ``make_rows_consistent`` on CUDA, where cuBLAS picks its kernel by row count.
     row_block: int | None = None
-    # Quantization: "int8"/"int4" (codes and scales for torch's kernels) or "q4"/"q8"
-    # (blocks multiplied through ONNX Runtime).
+    # Quantization: "int8"/"int4" (codes and scales for torch's kernels), "q4"/"q8"
+    # (blocks multiplied through ONNX Runtime) or "ggml" (llama.cpp's blocks and kernels).
     quantization: str | None = None
     qweight: torch.Tensor | None = None
     qscales: torch.Tensor | None = None
-    block_matmul: block_quant.BlockMatMul | None = None
+    block_matmul: block_quant.BlockMatMul | ggml_matmul.GgmlMatMul | None = None
 
     def pack_for_cpu(self) -> bool:
         """Reorder an fp32 or bf16 CPU weight into oneDNN's layout and drop the dense one.
@@ -130,6 +133,8 @@ class Linear(nn.Linear):
             raise ValueError("quantize needs the dense weight (quantize before packing)")
         if mode in block_quant.BITS:
             self.set_blocks(block_quant.quantize_blocks(self.weight, block_quant.BITS[mode]))
+        elif mode == "ggml":
+            self.set_ggml([ggml_matmul.quantize_rows(self.weight)])
         elif mode == "int8":
             codes, scales = quantize_int8(self.weight)
             self.set_int8(codes, scales)
@@ -153,6 +158,16 @@ class Linear(nn.Linear):
                              f"{(self.out_features, self.in_features)}")
         self.quantization = "q4" if weights.bits == 4 else "q8"
         self.block_matmul = block_quant.BlockMatMul(weights)
+        self.weight = None
+
+    def set_ggml(self, parts: list[ggml_matmul.GgmlBlocks]) -> None:
+        """Use llama.cpp blocks (the checkpoint tensors of this layer, stacked by rows)
+        through ggml's kernels (drops the dense weight)."""
+        shape = (sum(p.n for p in parts), parts[0].k if parts else 0)
+        if shape != (self.out_features, self.in_features):
+            raise ValueError(f"GGUF blocks of shape {shape} for a layer of {(self.out_features, self.in_features)}")
+        self.quantization = "ggml"
+        self.block_matmul = ggml_matmul.GgmlMatMul(parts)
         self.weight = None
 
     def set_int4(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
