@@ -11,7 +11,9 @@ common block formats becomes ONNX Runtime blocks that represent it exactly
 fused layer takes its widest part's codes); ``"q8"`` widens the 4-bit ones to 8-bit
 codes too (still exact). Tensors in other formats are rounded to q4 or q8 blocks.
 For ``quantization="ggml"`` every linear weight keeps the file's own blocks, byte for
-byte, multiplied by ggml's kernels (``ggml_matmul``), as llama.cpp runs the file.
+byte, multiplied by ggml's kernels (``ggml_matmul``), and so does the token embedding
+(rows looked up by ggml, ``ggml_rows``), as llama.cpp runs the file: the model holds
+the file's mapped pages and nothing else of its weights but the norms and biases.
 Norms, biases and the embedding table stay dense (bf16, or the model's dtype).
 
 Only the tensors being converted are ever dense, one at a time: the 1.5B model needs
@@ -35,6 +37,7 @@ from torch import nn
 from pagedtree.loading import gguf_blocks
 from pagedtree.worker.models import block_quant, ggml_matmul
 from pagedtree.worker.models.decoder import DecoderForCausalLM
+from pagedtree.worker.models.ggml_rows import GgmlRows
 from pagedtree.worker.models.linear import (
     INT4_GROUP_SIZE,
     Linear,
@@ -225,6 +228,10 @@ def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: st
         unpermute = permute.get(proj) if llama_layout else None
         if target in linears:
             parts.setdefault(target, []).append((rows, tensor, unpermute))
+            continue
+        if quantization == "ggml" and target == "model.embed_tokens.weight":
+            # The table stays in the file's blocks; each step looks up its rows.
+            net.model.embed_tokens.set_quantized_rows(GgmlRows(_ggml_rows(tensor, None)), dtype)
             continue
         value = _dense(tensor, dtype)
         if unpermute is not None:  # a q/k bias

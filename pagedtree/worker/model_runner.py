@@ -18,7 +18,7 @@ from pagedtree.uploads import StagedUpload
 from pagedtree.worker.step_inputs import HostStep, InputFeed, TokenSources, host_step, input_feed, query_starts, \
     upload_step
 from pagedtree.worker.cuda_graphs import CaptureReport, StepGraphs
-from pagedtree.worker.host_allocator import tune_host_allocator
+from pagedtree.worker.host_allocator import lazily_zeroed, tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger("pagedtree")
@@ -177,10 +177,10 @@ class ModelRunner:
         self.scratch_block = num_blocks if attention_backend == "triton" else None
         cache_blocks = num_blocks + (self.scratch_block is not None)
         shape = (cache_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(model.num_layers)
-        ]
+        # On CPU the cache's pages become resident as blocks are first written.
+        zeroed = (lambda: lazily_zeroed(shape, kv_dtype)) if device.type == "cpu" else \
+            (lambda: torch.zeros(shape, dtype=kv_dtype, device=device))
+        self.kv_caches = [(zeroed(), zeroed()) for _ in range(model.num_layers)]
         self.attention = make_backend(attention_backend, self.kv_caches, model.head_dim**-0.5)
         # The decoder's residual adds, norms and rotary in numba kernels (fp32/bf16 on
         # CPU; a no-op elsewhere or without numba).

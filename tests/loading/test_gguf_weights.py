@@ -189,6 +189,15 @@ def test_ggml_engines_hold_the_files_bytes_and_decode_like_fp32(tensors_of):
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert {m.quantization for m in layers} == {"ggml"}
     assert model.lm_head.block_matmul.types == ["Q8_0"]
+    # The embedding too stays in the file's blocks: its rows are the file's.
+    from gguf.quants import dequantize
+
+    embed = named["token_embd.weight"]
+    ids = torch.tensor([0, 5, 1234, 49151])
+    table = np.asarray(embed.data).reshape(int(embed.shape[1]), -1)
+    want = torch.from_numpy(dequantize(table[ids.numpy()], embed.tensor_type).astype(np.float32))
+    assert model.model.embed_tokens.weight.numel() == 0
+    torch.testing.assert_close(model.model.embed_tokens(ids).float(), want.to(model.model.embed_tokens.weight.dtype).float())
     qkv = model.model.layers[3].self_attn.qkv_proj.block_matmul
     assert qkv.types == ["Q4_1"] * 3
     q = named["blk.3.attn_q.weight"]

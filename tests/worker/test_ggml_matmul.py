@@ -95,7 +95,7 @@ def test_a_row_gets_the_same_bits_alone_and_at_any_place_in_any_batch(type_name)
 
 def test_rows_that_do_not_match_the_format_are_refused():
     blocks = _blocks(torch.randn(8, 256), "Q4_K")
-    with pytest.raises(ValueError, match="Q4_K rows of 512 values take 288 bytes, got rows of 144"):
+    with pytest.raises(ValueError, match=r"Q4_K rows of 512 values take 288 bytes, got rows of \(144,\)"):
         GgmlMatMul([GgmlBlocks("Q4_K", blocks.data, 512)])
     with pytest.raises(ValueError, match="ggml has no type 'Q9_Z'"):
         GgmlMatMul([GgmlBlocks("Q9_Z", blocks.data, 256)])
@@ -129,3 +129,32 @@ def test_graphs_per_row_count_stay_bounded():
         matmul(torch.randn(rows, 256))
     assert len(matmul._graphs) == ggml_matmul.GRAPH_CACHE
     assert matmul(torch.randn(0, 256)).shape == (0, 8)
+
+
+def test_the_repacked_layout_gives_the_same_products_up_to_rounding():
+    """``repack=True`` takes llama.cpp's interleaved layout where this CPU's ggml has
+    one for the type (Q4_K on AVX2 and AVX-512): the same products up to the order of
+    the sums."""
+    torch.manual_seed(2)
+    blocks = _blocks(torch.randn(64, 512) * 0.05, "Q4_K")
+    x = torch.randn(9, 512)
+    plain, repacked = GgmlMatMul([blocks])(x), GgmlMatMul([blocks], repack=True)(x)
+    torch.testing.assert_close(repacked, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name,k", [("Q4_K", 512), ("Q5_0", 96), ("Q6_K", 256), ("F32", 48)])
+def test_looked_up_rows_are_the_tables_dequantized_rows(type_name, k):
+    """An embedding kept in GGUF blocks (``GgmlRows``): any ids, in any shape and
+    order, repeated or not, give the rows gguf-py's dequantization gives; ids outside
+    the table are refused, none at all give no rows."""
+    from pagedtree.worker.models.ggml_rows import GgmlRows
+
+    torch.manual_seed(3)
+    blocks = _blocks(torch.randn(40, k), type_name)
+    table = _dequantized(blocks)
+    rows = GgmlRows(blocks)
+    for ids in (torch.tensor([7]), torch.tensor([39, 0, 7, 7, 12]), torch.randint(0, 40, (3, 4))):
+        torch.testing.assert_close(rows(ids), table[ids], rtol=1e-6, atol=1e-6)
+    assert rows(torch.tensor([], dtype=torch.long)).shape == (0, k)
+    with pytest.raises(IndexError, match=r"token ids must be in \[0, 40\)"):
+        rows(torch.tensor([3, 40]))

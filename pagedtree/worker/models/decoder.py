@@ -188,12 +188,28 @@ class VocabParallelEmbedding(nn.Embedding):
     """The token embedding, or one rank's rows ``vocab`` of it: ids outside them look
     up zeros and the all-reduce (``reduce``) fills each row from the rank that holds it."""
 
+    # The table in a GGUF's own blocks (``ggml_rows``; unsharded "ggml" models): then
+    # ``weight`` is an empty ``[0, hidden]`` tensor that only names the model's dtype.
+    quantized_rows = None
+
     def __init__(self, vocab: range, hidden_size: int, reduce: Reduce | None):
         super().__init__(len(vocab), hidden_size)
         self.first = vocab.start
         self.reduce = reduce
 
+    def set_quantized_rows(self, rows, dtype: torch.dtype) -> None:
+        """Look rows up in ``rows`` (a ``GgmlRows`` table) instead of a dense table,
+        returned in ``dtype`` (drops the dense weight)."""
+        if self.reduce is not None:
+            raise ValueError("a quantized embedding needs an unsharded model")
+        if (rows.n, rows.k) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"an embedding table of {(rows.n, rows.k)} for {(self.num_embeddings, self.embedding_dim)}")
+        self.quantized_rows = rows
+        self.weight = nn.Parameter(torch.empty(0, self.embedding_dim, dtype=dtype), requires_grad=False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_rows is not None:
+            return self.quantized_rows(input_ids).to(self.weight.dtype)
         if self.reduce is None:
             return super().forward(input_ids)
         local = input_ids - self.first
@@ -414,7 +430,8 @@ class DecoderForCausalLM(nn.Module):
         tensors counted once; packed and quantized layers by what they hold)."""
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
         packed = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear) and m.weight is None)
-        return dense + packed
+        rows = self.model.embed_tokens.quantized_rows
+        return dense + packed + (rows.nbytes if rows is not None else 0)
 
     def keep_head_rows(self, rows: torch.Tensor) -> None:
         """Compute logits for the token ids ``rows`` only (a draft's cut vocabulary,

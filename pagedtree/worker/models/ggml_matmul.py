@@ -157,47 +157,57 @@ def _runtime() -> _Runtime:
 
 
 class _Weight:
-    """One checkpoint tensor in a ggml buffer: as stored, or (``repack``) repacked
-    where ggml repacks its type on this CPU."""
+    """One checkpoint tensor for ggml: in the file's layout the tensor points at the
+    blocks' own memory (a GGUF's mapped pages: nothing copied, as llama.cpp maps its
+    file), repacked (``repack``, where ggml repacks the type on this CPU) in a buffer
+    of ggml's."""
 
     def __init__(self, runtime: _Runtime, blocks: GgmlBlocks, repack: bool):
         ggml = runtime.ggml
+        self._ggml = ggml
         self.type_id = ggml_type(blocks.type_name)
         if blocks.k % int(ggml.ggml_blck_size(self.type_id)):
             raise ValueError(f"{blocks.type_name} rows hold a multiple of {ggml.ggml_blck_size(self.type_id)} "
                              f"values, not {blocks.k}")
         row_bytes = int(ggml.ggml_row_size(self.type_id, blocks.k))
-        if blocks.data.shape[1] != row_bytes or blocks.data.dtype != np.uint8:
+        if blocks.data.ndim != 2 or blocks.data.shape[1] != row_bytes or blocks.data.dtype != np.uint8:
             raise ValueError(f"{blocks.type_name} rows of {blocks.k} values take {row_bytes} bytes, "
-                             f"got rows of {blocks.data.shape[1]}")
+                             f"got rows of {blocks.data.shape[1:]}")
         self.n, self.k = blocks.n, blocks.k
-        self.repacked = False
-        for buffer_type in (runtime.repack_buffer_type if repack else None, runtime.plain_buffer_type):
-            if buffer_type is None:
-                continue
-            self._memory = ctypes.create_string_buffer(int(ggml.ggml_tensor_overhead()) + 256)
-            params = ggml.ggml_init_params(mem_size=len(self._memory),
-                                           mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p), no_alloc=True)
-            self._context = ggml.ggml_init(params)
-            self.tensor = ggml.ggml_new_tensor_2d(self._context, self.type_id, self.k, self.n)
-            self.buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self._context, buffer_type)
+        self.buffer = None
+        self._memory = ctypes.create_string_buffer(int(ggml.ggml_tensor_overhead()) + 256)
+        params = ggml.ggml_init_params(mem_size=len(self._memory),
+                                       mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p), no_alloc=True)
+        self._context = ggml.ggml_init(params)
+        self.tensor = ggml.ggml_new_tensor_2d(self._context, self.type_id, self.k, self.n)
+        if repack and runtime.repack_buffer_type is not None:
+            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self._context, runtime.repack_buffer_type)
             # The repack buffer marks a tensor it can repack (its traits in ``extra``);
             # setting one it cannot would abort inside ggml.
-            if buffer_type == runtime.plain_buffer_type or self.tensor.contents.extra:
-                self.repacked = buffer_type != runtime.plain_buffer_type
-                break
-            ggml.ggml_backend_buffer_free(self.buffer)
-            ggml.ggml_free(self._context)
-        data = np.ascontiguousarray(blocks.data)
-        ggml.ggml_backend_tensor_set(self.tensor, data.ctypes.data_as(ctypes.c_void_p), 0, data.nbytes)
-        self.nbytes = int(ggml.ggml_backend_buffer_get_size(self.buffer))
-        self._ggml = ggml
+            if self.tensor.contents.extra:
+                data = np.ascontiguousarray(blocks.data)
+                ggml.ggml_backend_tensor_set(self.tensor, data.ctypes.data_as(ctypes.c_void_p), 0, data.nbytes)
+                self.buffer = buffer
+                self.nbytes = int(ggml.ggml_backend_buffer_get_size(buffer))
+                return
+            ggml.ggml_backend_buffer_free(buffer)
+            self.tensor.contents.buffer = None
+            self.tensor.contents.extra = None
+        self._data = np.ascontiguousarray(blocks.data)  # kept alive: the tensor reads it
+        self.tensor.contents.data = self._data.ctypes.data
+        self.nbytes = int(self._data.nbytes)
+
+    @property
+    def repacked(self) -> bool:
+        return self.buffer is not None
 
     def __del__(self) -> None:
         ggml = getattr(self, "_ggml", None)
-        if ggml is not None:
+        if ggml is None or not hasattr(self, "_context"):
+            return
+        if self.buffer is not None:
             ggml.ggml_backend_buffer_free(self.buffer)
-            ggml.ggml_free(self._context)
+        ggml.ggml_free(self._context)
 
 
 class _Graph:
