@@ -8,8 +8,19 @@ installed, one rank, and ``dtype="auto"``. Everything else keeps its dtype: a
 safetensors model, a GGUF file given an explicit ``dtype`` (dequantized to it), a GPU
 run, a tensor-parallel run (its shards load from safetensors).
 
-``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"int4"``,
-``"int8"`` force those formats (``EngineConfig``; resolved in ``resolve.py``).
+Unless the machine lacks the memory for it: a q4 engine holds about
+``Q4_BYTES_PER_FILE_BYTE`` times its file's size (ONNX Runtime's prepacked blocks,
+the dense embedding), and where the memory available now is short of that the
+default is ``"ggml"`` (the file's blocks as they are, mapped, multiplied by ggml's
+kernels: about the file's size, llama.cpp's footprint) when ggml is installed. q4 is
+the default otherwise because its products stay nearly flat in rows, which trees
+and batches need: in the same run on the AVX-512 machine ggml decoded one stream as
+fast as q4, but batches of 16 at 0.61x and with a draft no faster than plain
+(benchmarks/RESULTS.md, "Third run").
+
+``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"ggml"``,
+``"int4"``, ``"int8"`` force those formats (``EngineConfig``; resolved in
+``resolve.py``).
 """
 
 from __future__ import annotations
@@ -29,8 +40,38 @@ def block_quant_available() -> bool:
     return True
 
 
+# A q4 engine's resident bytes per byte of its GGUF file, after load (the Qwen2.5
+# 1.5B's 1.1 GB Q4_K_M file: 4.0 GB beyond the runtime's own).
+Q4_BYTES_PER_FILE_BYTE = 4.0
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux's ``MemAvailable``; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def default_quantization(model: str | None, dtype: object, device: torch.device, tensor_parallel_size: int) -> str:
     """The format a target runs in when ``quantization`` is unset (``"none"``: dense)."""
-    gguf = (dtype == "auto" and tensor_parallel_size == 1 and device.type == "cpu"
-            and gguf_source(model) is not None)
-    return "q4" if gguf and block_quant_available() else "none"
+    if not (dtype == "auto" and tensor_parallel_size == 1 and device.type == "cpu"):
+        return "none"
+    gguf_file = gguf_source(model)
+    if gguf_file is None:
+        return "none"
+    from pagedtree.worker.models.ggml_matmul import ggml_available
+
+    try:
+        size = gguf_file.stat().st_size
+    except OSError:  # a packaged model not assembled yet: its load says what is missing
+        size = 0
+    available = available_memory()
+    fits = available is None or available >= Q4_BYTES_PER_FILE_BYTE * size
+    if block_quant_available() and (fits or not ggml_available()):
+        return "q4"
+    return "ggml" if ggml_available() else "none"

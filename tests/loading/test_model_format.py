@@ -29,6 +29,27 @@ def test_a_gguf_runs_in_its_own_blocks_unless_told_otherwise():
     assert default_quantization(EngineConfig(model=name, device="cpu", tensor_parallel_size=2)) == "none"
 
 
+@needs_gguf
+def test_a_machine_short_of_memory_for_q4_runs_a_gguf_in_ggml(monkeypatch):
+    """q4 holds about four times its file; with less memory available than that the
+    default is ggml (the file's blocks as they are, about its own size), when ggml is
+    installed (else q4 still, and the load says what it needs)."""
+    from pagedtree.loading import model_format
+    from pagedtree.worker.models.ggml_matmul import ggml_available
+
+    name = pm.SMOLLM2_135M.name
+    size = pm.gguf_path(pm.SMOLLM2_135M).stat().st_size
+    plenty = int(model_format.Q4_BYTES_PER_FILE_BYTE * size) + 1
+    monkeypatch.setattr(model_format, "available_memory", lambda: plenty)
+    assert default_quantization(EngineConfig(model=name, device="cpu")) == ("q4" if block_quant_available() else
+                                                                           "ggml" if ggml_available() else "none")
+    monkeypatch.setattr(model_format, "available_memory", lambda: 2 * size)
+    short = default_quantization(EngineConfig(model=name, device="cpu"))
+    assert short == ("ggml" if ggml_available() else "q4" if block_quant_available() else "none")
+    # asked for explicitly, q4 is q4 whatever the memory
+    assert default_quantization(EngineConfig(model=name, device="cpu", quantization="q4")) == "q4"
+
+
 def test_a_safetensors_model_keeps_its_dtype(tiny_text_model):
     assert default_quantization(EngineConfig(model=str(tiny_text_model.path), device="cpu")) == "none"
 
