@@ -15,6 +15,7 @@ from pagedtree.loading.gguf_weights import load_gguf_weights
 from pagedtree.worker.models import model_class_for
 from pagedtree.distributed.group import TensorParallelGroup
 from pagedtree.distributed.layout import ShardLayout
+from pagedtree.worker.host_allocator import trim_heap
 from pagedtree.worker.models.decoder import CheckpointTarget, DecoderForCausalLM, RotaryEmbedding
 
 
@@ -141,6 +142,9 @@ def load_model(
         if head_vocab is not None:
             net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
         load_gguf_weights(net, gguf_file, quantization, dtype)
+        # The conversion's transients (block decoding, ONNX graphs) leave hundreds of
+        # MB of free heap behind: handed back now rather than at the first idle moment.
+        trim_heap()
         net.rotary = RotaryEmbedding(config, net.head_dim).to(device)
         return LoadedModel(model=net.eval(), config=config, tokenizer=tokenizer, path=folder)
     folder = resolve_model_path(model)
