@@ -17,7 +17,13 @@ the same cores. OpenMP threads spin for a while after each parallel region by de
 and an ONNX Runtime call right after one waited for them: the Qwen2.5 1.5B's forward
 took 252 ms a token instead of 56 on the 2-core machine. Importing pagedtree before
 torch sets ``OMP_WAIT_POLICY=PASSIVE`` (read when OpenMP starts) unless the
-environment sets a policy; a warning says so where torch came first.
+environment sets a policy; a warning says so where torch came first. ONNX Runtime's
+own threads must not spin either, and only a session's own pool can be told so (the
+process-wide pool of ``set_global_thread_pool_sizes`` always spins): each layer's
+session has its own pool, as many threads as torch uses, sleeping between calls.
+With the shared, spinning pool the 1.5B's q4 stream ran at 6-19 tokens/s from one
+48-token generation to the next, as its spinning worker and the forward's thread
+took turns on two cores; with sleeping pools, 17.4-18.1 every time.
 
 Rows are independent of each other: each row's activations are quantized on their
 own, and a row's result does not depend on the rows beside it, except that MLAS
@@ -194,20 +200,13 @@ def concat_blocks(parts: list[BlockWeights | BlockCodes]) -> BlockWeights:
 
 
 @functools.cache
-def _share_thread_pool() -> None:
-    """One intra-op thread pool for every session, as many threads as torch uses (a
-    pool per session would start a thread set per layer)."""
-    from onnxruntime.capi import _pybind_state
-
+def _warn_unless_openmp_waits_passively() -> None:
     if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         logger.warning(
             "q4/q8 layers run on ONNX Runtime's threads between torch's and numba's OpenMP ones, which spin "
             "on the same cores after every parallel region unless OMP_WAIT_POLICY=PASSIVE is set before the "
             "process starts (import pagedtree before torch, or set it in the environment): the Qwen2.5 1.5B "
             "took 252 ms a token instead of 56 on 2 cores")
-
-    threads = max(1, torch.get_num_threads())
-    _pybind_state.set_global_thread_pool_sizes(threads, 1)
 
 
 def block_matmul_model(weights: BlockWeights) -> onnx.ModelProto:
@@ -248,13 +247,14 @@ class BlockMatMul:
     def __init__(self, weights: BlockWeights):
         import onnxruntime as ort
 
-        _share_thread_pool()
+        _warn_unless_openmp_waits_passively()
         self.n, self.k, self.bits = weights.n, weights.k, weights.bits
         model = block_matmul_model(weights)
         options = ort.SessionOptions()
-        options.use_per_session_threads = False
-        # The engine's own threads (torch's OpenMP pool) run between these calls:
-        # spinning ONNX Runtime threads would steal their cores.
+        # A pool of the session's own, whose threads sleep between calls (see "Threads"):
+        # the engine's threads (torch's and numba's) run between these products.
+        options.use_per_session_threads = True
+        options.intra_op_num_threads = max(1, torch.get_num_threads())
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.enable_cpu_mem_arena = False  # inputs and outputs are ours; no arena to grow
         options.log_severity_level = 3

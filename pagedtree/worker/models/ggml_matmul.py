@@ -120,9 +120,7 @@ class _Runtime:
         self.ggml = ggml
         ggml.ggml_cpu_init()
         self.threads = max(1, torch.get_num_threads())
-        params = ggml.ggml_threadpool_params_default(self.threads)
-        params.poll = POLL
-        self.pool = ggml.ggml_threadpool_new(ctypes.byref(params))
+        self._pools: dict[int, int] = {}
         self.device = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
         self.plain_buffer_type = ggml.ggml_backend_dev_buffer_type(self.device)
         self.repack_buffer_type = self._repack_buffer_type()
@@ -143,6 +141,17 @@ class _Runtime:
                 return extra[index]
             index += 1
         return None
+
+    def pool(self, threads: int) -> int:
+        """ggml's thread pool of ``threads`` threads (made on first use: a process
+        that only looks up embedding rows never starts the products' workers, which
+        poll for work after each product)."""
+        pool = self._pools.get(threads)
+        if pool is None:
+            params = self.ggml.ggml_threadpool_params_default(threads)
+            params.poll = POLL
+            pool = self._pools[threads] = self.ggml.ggml_threadpool_new(ctypes.byref(params))
+        return pool
 
     def work(self, size: int) -> Any:
         """The shared work buffer, at least ``size`` bytes (under ``lock``)."""
@@ -234,7 +243,7 @@ class _Graph:
             self.outputs.append((y, 4 * column))
             column += weight.n
             ggml.ggml_build_forward_expand(self.graph, y)
-        self.plan = ggml.ggml_graph_plan(self.graph, runtime.threads, runtime.pool)
+        self.plan = ggml.ggml_graph_plan(self.graph, runtime.threads, runtime.pool(runtime.threads))
         self._ggml = ggml
 
     def __del__(self) -> None:

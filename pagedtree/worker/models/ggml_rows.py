@@ -33,7 +33,9 @@ class _Lookup:
         self.out = ggml.ggml_get_rows(self._context, table.tensor, self.ids)
         self.graph = ggml.ggml_new_graph(self._context)
         ggml.ggml_build_forward_expand(self.graph, self.out)
-        self.plan = ggml.ggml_graph_plan(self.graph, runtime.threads, runtime.pool)
+        # One thread: a step's rows are a few KB to dequantize, and a pool's workers
+        # would poll for work on the cores the forward needs.
+        self.plan = ggml.ggml_graph_plan(self.graph, 1, runtime.pool(1))
         self._ggml = ggml
 
     def __del__(self) -> None:
