@@ -80,7 +80,7 @@ def test_models_list(capsys):
 
 # Every script and command answers --help. One interpreter runs them all in turn
 # (runpy, as ``python script --help`` would): a process per script cost seconds each.
-SCRIPTS = sorted(f"{p.parent.name}/{p.name}" for folder in ("benchmarks", "examples")
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for folder in ("benchmarks", "benchmarks/peers", "examples")
                  for p in (ROOT / folder).glob("*.py"))
 MODULES = ["-m pagedtree.bench.soak", "-m pagedtree.entrypoints.cli", "-m pagedtree.entrypoints.cli worker"]
 # What some answers must name besides "usage".
