@@ -47,7 +47,8 @@ GRAPH_CACHE = 32
 # forward about 10% (a wake-up per product, 113 a token); between two products of
 # a forward torch's work is short.
 POLL = 50
-# ggml's tensor struct allows four dimensions; each node needs its tensor and view.
+# Tensor headers a graph's context makes room for per product (its result is one;
+# the rest is headroom).
 _TENSORS_PER_PART = 4
 
 
@@ -94,7 +95,7 @@ def quantize_rows(weight: torch.Tensor, type_name: str | None = None) -> GgmlBlo
 def ggml_available() -> bool:
     """Whether ggml's CPU library can be loaded here."""
     try:
-        _runtime()
+        shared_runtime()
     except (ImportError, OSError):
         return False
     return True
@@ -110,9 +111,10 @@ def ggml_type(type_name: str) -> int:
     return int(value)
 
 
-class _Runtime:
-    """ggml's CPU device, its repack buffer type and one thread pool, shared by every
-    layer of the process; calls are serialized (one thread pool, one work buffer)."""
+class GgmlRuntime:
+    """ggml's CPU device, its repack buffer type and thread pools (one per thread
+    count), shared by every layer of the process; calls are serialized (shared pools,
+    one work buffer)."""
 
     def __init__(self) -> None:
         import ggml
@@ -161,17 +163,18 @@ class _Runtime:
 
 
 @functools.cache
-def _runtime() -> _Runtime:
-    return _Runtime()
+def shared_runtime() -> GgmlRuntime:
+    """The process's ggml runtime (made on first use)."""
+    return GgmlRuntime()
 
 
-class _Weight:
+class GgmlWeight:
     """One checkpoint tensor for ggml: in the file's layout the tensor points at the
     blocks' own memory (a GGUF's mapped pages: nothing copied, as llama.cpp maps its
     file), repacked (``repack``, where ggml repacks the type on this CPU) in a buffer
     of ggml's."""
 
-    def __init__(self, runtime: _Runtime, blocks: GgmlBlocks, repack: bool):
+    def __init__(self, runtime: GgmlRuntime, blocks: GgmlBlocks, repack: bool):
         ggml = runtime.ggml
         self._ggml = ggml
         self.type_id = ggml_type(blocks.type_name)
@@ -222,7 +225,7 @@ class _Weight:
 class _Graph:
     """The products of one row count: ``x [rows, k]`` in, ``out [rows, n]`` out."""
 
-    def __init__(self, runtime: _Runtime, weights: list[_Weight], rows: int, n: int):
+    def __init__(self, runtime: GgmlRuntime, weights: list[GgmlWeight], rows: int, n: int):
         ggml = runtime.ggml
         size = int(ggml.ggml_tensor_overhead()) * _TENSORS_PER_PART * (len(weights) + 1) \
             + int(ggml.ggml_graph_overhead()) + 1024
@@ -260,8 +263,8 @@ class GgmlMatMul:
     def __init__(self, parts: list[GgmlBlocks], repack: bool = False):
         if not parts or len({p.k for p in parts}) != 1:
             raise ValueError("GgmlMatMul needs one or more parts of one width")
-        self._runtime = _runtime()
-        self._weights = [_Weight(self._runtime, part, repack) for part in parts]
+        self._runtime = shared_runtime()
+        self._weights = [GgmlWeight(self._runtime, part, repack) for part in parts]
         self.k = parts[0].k
         self.n = sum(part.n for part in parts)
         self.types = [part.type_name for part in parts]

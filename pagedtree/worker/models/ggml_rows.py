@@ -16,13 +16,13 @@ from collections import OrderedDict
 
 import torch
 
-from pagedtree.worker.models.ggml_matmul import GRAPH_CACHE, GgmlBlocks, _runtime, _Weight
+from pagedtree.worker.models.ggml_matmul import GRAPH_CACHE, GgmlBlocks, GgmlRuntime, GgmlWeight, shared_runtime
 
 
 class _Lookup:
     """The lookup of one row count: ``ids [count]`` int32 in, ``out [count, k]`` fp32 out."""
 
-    def __init__(self, runtime, table: _Weight, count: int):
+    def __init__(self, runtime: GgmlRuntime, table: GgmlWeight, count: int):
         ggml = runtime.ggml
         size = int(ggml.ggml_tensor_overhead()) * 4 + int(ggml.ggml_graph_overhead()) + 1024
         self._memory = ctypes.create_string_buffer(size)
@@ -48,8 +48,8 @@ class GgmlRows:
     """``table[ids]`` in fp32 for a table of GGUF blocks ``[n, k]`` (see module docstring)."""
 
     def __init__(self, blocks: GgmlBlocks):
-        self._runtime = _runtime()
-        self._table = _Weight(self._runtime, blocks, repack=False)
+        self._runtime = shared_runtime()
+        self._table = GgmlWeight(self._runtime, blocks, repack=False)
         self.n, self.k, self.type_name = blocks.n, blocks.k, blocks.type_name
         self._lookups: OrderedDict[int, _Lookup] = OrderedDict()
 
