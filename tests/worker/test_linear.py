@@ -194,3 +194,33 @@ def test_block_quantization_needs_whole_blocks():
     layer = _layer(8, 64, bias=False)
     with pytest.raises(ValueError, match="block weights of shape"):
         layer.set_blocks(block_quant.quantize_blocks(torch.randn(8, 32), 4))
+
+
+def test_block_layer_threads_sleep_between_products():
+    """q4 products alternate with the engine's own work on the same cores: ONNX Runtime's
+    threads must sleep between calls, not spin (a spinning worker took turns with the
+    forward's thread on two cores and halved a stream's speed at random). Between
+    products separated by short pauses, the other threads use little CPU time (a
+    spinning pool would use about all of every pause); a loaded machine only lowers it."""
+    import resource
+    import time
+
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    layer = Linear(1536, 2048, bias=False)
+    layer.quantize("q4")
+    x = torch.randn(1, 1536)
+    layer(x)  # the session's pool starts
+    pause, calls = 0.002, 50
+
+    def cpu_seconds() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    process, thread = cpu_seconds(), time.thread_time()
+    with torch.inference_mode():
+        for _ in range(calls):
+            layer(x)
+            time.sleep(pause)
+    others = (cpu_seconds() - process) - (time.thread_time() - thread)
+    assert others < 0.4 * pause * calls, f"other threads used {others * 1e3:.1f} ms in {pause * calls * 1e3:.0f} ms of pauses"
