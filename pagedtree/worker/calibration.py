@@ -5,7 +5,8 @@ are measured at load on synthetic decode-shaped steps (every token its own seque
 over a short context, logits for every row, as a verify pass or a draft level
 computes them), which takes a few seconds, and cached on disk under a key of
 everything that changes them: the weights (path, size, modification time), device,
-dtype, quantization, torch version, CPU and thread count. A changed key measures
+dtype, quantization and the version of the library that runs it, torch version, CPU
+and thread count. A changed key measures
 again; online timings refine the curve while the engine runs.
 """
 
@@ -31,7 +32,7 @@ from pagedtree.worker.step_inputs import query_starts
 
 logger = logging.getLogger("pagedtree")
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3  # 3: q4/q8 sessions on sleeping pools of their own
 _CONTEXT = 64  # KV entries each synthetic sequence attends to
 
 
@@ -76,10 +77,24 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "dtype": str(dtype),
         "quantization": quantization,
         "torch": torch.__version__,
+        "kernels": _kernel_library(quantization),
         "max_tokens": max_tokens,
         "tensor_parallel_size": tensor_parallel_size,
         "head_vocab": head_vocab,
     }
+
+
+def _kernel_library(quantization: str | None) -> str | None:
+    """The version of the library whose kernels run ``quantization``'s products."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    package = {"q4": "onnxruntime", "q8": "onnxruntime", "ggml": "ggml-python"}.get(quantization or "")
+    if package is None:
+        return None
+    try:
+        return f"{package} {version(package)}"
+    except PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:
