@@ -14,9 +14,9 @@ the dense embedding), and where the memory available now is short of that the
 default is ``"ggml"`` (the file's blocks as they are, mapped, multiplied by ggml's
 kernels: about the file's size, llama.cpp's footprint) when ggml is installed. q4 is
 the default otherwise because its products stay nearly flat in rows, which trees
-and batches need: in the same run on the AVX-512 machine ggml decoded one stream as
-fast as q4, but batches of 16 at 0.61x and with a draft no faster than plain
-(benchmarks/RESULTS.md, "Third run").
+and batches need: on the AVX-512 machine ggml decoded one stream at 17.4 tokens/s
+against q4's 16.0, but batches of 16 at 0.61x q4's, and with the draft its budget
+never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third run").
 
 ``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"ggml"``,
 ``"int4"``, ``"int8"`` force those formats (``EngineConfig``; resolved in
