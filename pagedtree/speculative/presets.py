@@ -24,6 +24,9 @@ TREE_PRESETS: dict[str, dict[str, Any]] = {
     "sequoia-16": dict(tree="sequoia", depth=8, max_nodes=16, adaptive=False),
     "adaptive-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=True),
     "adaptive-chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=True),
+    # The default with the drafts' heads cut to 32,768 ids (the tokenizer's first ids
+    # and its special tokens): outputs stay exact, a draft level reads less.
+    "adaptive-chain-5-v32k": dict(tree="chain", depth=5, max_nodes=5, adaptive=True, draft_vocab_size=32768),
     # The model-free suffix drafter alone, and beside a draft model's chain.
     "suffix": dict(drafter="suffix", max_nodes=12, adaptive=True),
     "suffix-16-fixed": dict(drafter="suffix", max_nodes=16, adaptive=False),
