@@ -34,9 +34,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=[*QUANTIZATIONS, "none"],
                         help="quantized linear layers: int8/int4 weight-only (torch's kernels, bf16 "
-                             "activations), q4/q8 blocks with int8 activations (ONNX Runtime's kernels) or none "
-                             "(dense); default: a GGUF model on CPU runs in q4 (its own blocks, exactly), "
-                             "anything else dense")
+                             "activations), q4/q8 blocks with int8 activations (ONNX Runtime's kernels), ggml "
+                             "(a GGUF's own blocks through llama.cpp's kernels, about the file's memory) or none "
+                             "(dense); default: a GGUF model on CPU runs in q4 (its own blocks, exactly; ggml where "
+                             "memory is short), anything else dense")
     parallel = parser.add_argument_group(
         "tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA; other machines join with "
         "`pagedtree worker` and MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or all run under torchrun)")
