@@ -33,6 +33,7 @@ import ctypes
 import functools
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,11 +156,57 @@ class GgmlRuntime:
             pool = self._pools[threads] = self.ggml.ggml_threadpool_new(ctypes.byref(params))
         return pool
 
-    def work(self, size: int) -> Any:
-        """The shared work buffer, at least ``size`` bytes (under ``lock``)."""
-        if self._work.nbytes < size:
-            self._work = np.empty(max(size, 2 * self._work.nbytes), np.uint8)
-        return self._work.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
+    def compute(self, graph: Any, plan: Any) -> None:
+        """Run ``graph`` by ``plan`` with the shared work buffer (under ``lock``)."""
+        if self._work.nbytes < plan.work_size:
+            self._work = np.empty(max(plan.work_size, 2 * self._work.nbytes), np.uint8)
+        plan.work_data = self._work.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
+        status = self.ggml.ggml_graph_compute(graph, ctypes.byref(plan))
+        if status != 0:
+            raise RuntimeError(f"ggml's graph compute failed (status {status})")
+
+
+class GgmlContext:
+    """A ggml context in memory of its own: room for ``tensors`` tensor headers and,
+    with ``graph``, one graph; freed with this object."""
+
+    def __init__(self, runtime: GgmlRuntime, tensors: int, graph: bool = False):
+        ggml = runtime.ggml
+        size = int(ggml.ggml_tensor_overhead()) * tensors + 256
+        if graph:
+            size += int(ggml.ggml_graph_overhead()) + 1024
+        self._memory = ctypes.create_string_buffer(size)
+        params = ggml.ggml_init_params(mem_size=size, mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p),
+                                       no_alloc=True)
+        self.context = ggml.ggml_init(params)
+        self._ggml = ggml
+
+    def __del__(self) -> None:
+        ggml = getattr(self, "_ggml", None)
+        if ggml is not None:
+            ggml.ggml_free(self.context)
+
+
+class GraphCache:
+    """Graphs by row count, the ``GRAPH_CACHE`` most recently used kept."""
+
+    def __init__(self, make: Callable[[int], Any]):
+        self._make = make
+        self._graphs: OrderedDict[int, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def get(self, rows: int) -> Any:
+        """The graph for ``rows`` (made on a miss)."""
+        graph = self._graphs.get(rows)
+        if graph is None:
+            graph = self._graphs[rows] = self._make(rows)
+            if len(self._graphs) > GRAPH_CACHE:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(rows)
+        return graph
 
 
 @functools.cache
@@ -187,13 +234,10 @@ class GgmlWeight:
                              f"got rows of {blocks.data.shape[1:]}")
         self.n, self.k = blocks.n, blocks.k
         self.buffer = None
-        self._memory = ctypes.create_string_buffer(int(ggml.ggml_tensor_overhead()) + 256)
-        params = ggml.ggml_init_params(mem_size=len(self._memory),
-                                       mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p), no_alloc=True)
-        self._context = ggml.ggml_init(params)
-        self.tensor = ggml.ggml_new_tensor_2d(self._context, self.type_id, self.k, self.n)
+        self._context = GgmlContext(runtime, tensors=1)
+        self.tensor = ggml.ggml_new_tensor_2d(self._context.context, self.type_id, self.k, self.n)
         if repack and runtime.repack_buffer_type is not None:
-            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self._context, runtime.repack_buffer_type)
+            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(self._context.context, runtime.repack_buffer_type)
             # The repack buffer marks a tensor it can repack (its traits in ``extra``);
             # setting one it cannot would abort inside ggml.
             if self.tensor.contents.extra:
@@ -214,12 +258,8 @@ class GgmlWeight:
         return self.buffer is not None
 
     def __del__(self) -> None:
-        ggml = getattr(self, "_ggml", None)
-        if ggml is None or not hasattr(self, "_context"):
-            return
-        if self.buffer is not None:
-            ggml.ggml_backend_buffer_free(self.buffer)
-        ggml.ggml_free(self._context)
+        if getattr(self, "buffer", None) is not None:
+            self._ggml.ggml_backend_buffer_free(self.buffer)
 
 
 class _Graph:
@@ -227,19 +267,15 @@ class _Graph:
 
     def __init__(self, runtime: GgmlRuntime, weights: list[GgmlWeight], rows: int, n: int):
         ggml = runtime.ggml
-        size = int(ggml.ggml_tensor_overhead()) * _TENSORS_PER_PART * (len(weights) + 1) \
-            + int(ggml.ggml_graph_overhead()) + 1024
-        self._memory = ctypes.create_string_buffer(size)
-        params = ggml.ggml_init_params(mem_size=size, mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p),
-                                       no_alloc=True)
-        self._context = ggml.ggml_init(params)
+        self._context = GgmlContext(runtime, tensors=_TENSORS_PER_PART * (len(weights) + 1), graph=True)
+        context = self._context.context
         k = weights[0].k
-        self.x = ggml.ggml_new_tensor_2d(self._context, ggml.GGML_TYPE_F32, k, rows)
-        self.graph = ggml.ggml_new_graph(self._context)
+        self.x = ggml.ggml_new_tensor_2d(context, ggml.GGML_TYPE_F32, k, rows)
+        self.graph = ggml.ggml_new_graph(context)
         self.outputs = []  # (tensor, byte offset of its first column)
         column = 0
         for weight in weights:
-            y = ggml.ggml_mul_mat(self._context, weight.tensor, self.x)
+            y = ggml.ggml_mul_mat(context, weight.tensor, self.x)
             # Its rows n floats apart: this part's columns of the layer's output.
             y.contents.nb[1] = 4 * n
             y.contents.nb[2] = y.contents.nb[3] = 4 * n * rows
@@ -247,12 +283,6 @@ class _Graph:
             column += weight.n
             ggml.ggml_build_forward_expand(self.graph, y)
         self.plan = ggml.ggml_graph_plan(self.graph, runtime.threads, runtime.pool(runtime.threads))
-        self._ggml = ggml
-
-    def __del__(self) -> None:
-        ggml = getattr(self, "_ggml", None)
-        if ggml is not None:
-            ggml.ggml_free(self._context)
 
 
 class GgmlMatMul:
@@ -268,17 +298,7 @@ class GgmlMatMul:
         self.k = parts[0].k
         self.n = sum(part.n for part in parts)
         self.types = [part.type_name for part in parts]
-        self._graphs: OrderedDict[int, _Graph] = OrderedDict()
-
-    def _graph(self, rows: int) -> _Graph:
-        graph = self._graphs.get(rows)
-        if graph is None:
-            graph = self._graphs[rows] = _Graph(self._runtime, self._weights, rows, self.n)
-            if len(self._graphs) > GRAPH_CACHE:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(rows)
-        return graph
+        self._graphs = GraphCache(lambda rows: _Graph(self._runtime, self._weights, rows, self.n))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
@@ -287,15 +307,12 @@ class GgmlMatMul:
             return out
         runtime = self._runtime
         with runtime.lock:
-            graph = self._graph(rows.shape[0])
+            graph = self._graphs.get(rows.shape[0])
             graph.x.contents.data = rows.data_ptr()
             base = out.data_ptr()
             for tensor, offset in graph.outputs:
                 tensor.contents.data = base + offset
-            graph.plan.work_data = runtime.work(graph.plan.work_size)
-            status = runtime.ggml.ggml_graph_compute(graph.graph, ctypes.byref(graph.plan))
-        if status != 0:
-            raise RuntimeError(f"ggml's graph compute failed (status {status})")
+            runtime.compute(graph.graph, graph.plan)
         return out
 
     @property

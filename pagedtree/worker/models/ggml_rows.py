@@ -11,12 +11,17 @@ table that the file's blocks stand for.
 
 from __future__ import annotations
 
-import ctypes
-from collections import OrderedDict
 
 import torch
 
-from pagedtree.worker.models.ggml_matmul import GRAPH_CACHE, GgmlBlocks, GgmlRuntime, GgmlWeight, shared_runtime
+from pagedtree.worker.models.ggml_matmul import (
+    GgmlBlocks,
+    GgmlContext,
+    GgmlRuntime,
+    GgmlWeight,
+    GraphCache,
+    shared_runtime,
+)
 
 
 class _Lookup:
@@ -24,24 +29,14 @@ class _Lookup:
 
     def __init__(self, runtime: GgmlRuntime, table: GgmlWeight, count: int):
         ggml = runtime.ggml
-        size = int(ggml.ggml_tensor_overhead()) * 4 + int(ggml.ggml_graph_overhead()) + 1024
-        self._memory = ctypes.create_string_buffer(size)
-        params = ggml.ggml_init_params(mem_size=size, mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p),
-                                       no_alloc=True)
-        self._context = ggml.ggml_init(params)
-        self.ids = ggml.ggml_new_tensor_1d(self._context, ggml.GGML_TYPE_I32, count)
-        self.out = ggml.ggml_get_rows(self._context, table.tensor, self.ids)
-        self.graph = ggml.ggml_new_graph(self._context)
+        self._context = GgmlContext(runtime, tensors=4, graph=True)
+        self.ids = ggml.ggml_new_tensor_1d(self._context.context, ggml.GGML_TYPE_I32, count)
+        self.out = ggml.ggml_get_rows(self._context.context, table.tensor, self.ids)
+        self.graph = ggml.ggml_new_graph(self._context.context)
         ggml.ggml_build_forward_expand(self.graph, self.out)
         # One thread: a step's rows are a few KB to dequantize, and a pool's workers
         # would poll for work on the cores the forward needs.
         self.plan = ggml.ggml_graph_plan(self.graph, 1, runtime.pool(1))
-        self._ggml = ggml
-
-    def __del__(self) -> None:
-        ggml = getattr(self, "_ggml", None)
-        if ggml is not None:
-            ggml.ggml_free(self._context)
 
 
 class GgmlRows:
@@ -51,7 +46,7 @@ class GgmlRows:
         self._runtime = shared_runtime()
         self._table = GgmlWeight(self._runtime, blocks, repack=False)
         self.n, self.k, self.type_name = blocks.n, blocks.k, blocks.type_name
-        self._lookups: OrderedDict[int, _Lookup] = OrderedDict()
+        self._lookups = GraphCache(lambda count: _Lookup(self._runtime, self._table, count))
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -63,24 +58,11 @@ class GgmlRows:
             return out.view(*ids.shape, self.k)
         runtime = self._runtime
         with runtime.lock:
-            lookup = self._lookup(index.numel())
+            lookup = self._lookups.get(index.numel())
             lookup.ids.contents.data = index.data_ptr()
             lookup.out.contents.data = out.data_ptr()
-            lookup.plan.work_data = runtime.work(lookup.plan.work_size)
-            status = runtime.ggml.ggml_graph_compute(lookup.graph, ctypes.byref(lookup.plan))
-        if status != 0:
-            raise RuntimeError(f"ggml's graph compute failed (status {status})")
+            runtime.compute(lookup.graph, lookup.plan)
         return out.view(*ids.shape, self.k)
-
-    def _lookup(self, count: int) -> _Lookup:
-        lookup = self._lookups.get(count)
-        if lookup is None:
-            lookup = self._lookups[count] = _Lookup(self._runtime, self._table, count)
-            if len(self._lookups) > GRAPH_CACHE:
-                self._lookups.popitem(last=False)
-        else:
-            self._lookups.move_to_end(count)
-        return lookup
 
     @property
     def nbytes(self) -> int:
