@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -142,6 +143,19 @@ class SpeculativeConfig:
 
 
 
+def _as_config(value: Any, cls: type, name: str) -> Any:
+    """``value`` as a ``cls``: itself, one built from a dict, or None; ``ValueError``
+    naming ``name`` for anything else (or for a dict with unknown fields)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+    raise ValueError(f"{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How to load the model and size the cache and the batch (the flat form; see the
@@ -249,24 +263,9 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs one process: a tensor-parallel step sends its input tokens "
                              "from the host")
-        if isinstance(self.grammar_compile, Mapping):
-            try:
-                self.grammar_compile = GrammarCompileConfig(**self.grammar_compile)
-            except TypeError as exc:
-                raise ValueError(f"grammar_compile: {exc}") from exc
-        elif self.grammar_compile is not None and not isinstance(self.grammar_compile, GrammarCompileConfig):
-            raise ValueError("grammar_compile must be a GrammarCompileConfig or a dict, got "
-                             f"{type(self.grammar_compile).__name__}")
-        if self.structured_output_limits is None:
-            self.structured_output_limits = StructuredOutputLimits()
-        elif isinstance(self.structured_output_limits, Mapping):
-            try:
-                self.structured_output_limits = StructuredOutputLimits(**self.structured_output_limits)
-            except TypeError as exc:
-                raise ValueError(f"structured_output_limits: {exc}") from exc
-        elif not isinstance(self.structured_output_limits, StructuredOutputLimits):
-            raise ValueError("structured_output_limits must be a StructuredOutputLimits or a dict, got "
-                             f"{type(self.structured_output_limits).__name__}")
+        self.grammar_compile = _as_config(self.grammar_compile, GrammarCompileConfig, "grammar_compile")
+        limits = _as_config(self.structured_output_limits, StructuredOutputLimits, "structured_output_limits")
+        self.structured_output_limits = limits if limits is not None else StructuredOutputLimits()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -296,13 +295,7 @@ class EngineConfig:
             self.draft_model = list(self.draft_model)
             if not self.draft_model or not all(isinstance(d, str) for d in self.draft_model):
                 raise ValueError("draft_model must be a model name/path or a non-empty list of them")
-        if isinstance(self.speculative, Mapping):
-            try:
-                self.speculative = SpeculativeConfig(**self.speculative)
-            except TypeError as exc:
-                raise ValueError(f"speculative: {exc}") from exc
-        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise ValueError(f"speculative must be a SpeculativeConfig or a dict, got {type(self.speculative).__name__}")
+        self.speculative = _as_config(self.speculative, SpeculativeConfig, "speculative")
         if self.speculative is not None and self.draft_model is None and self.speculative.drafter != "suffix":
             raise ValueError("speculative is set but no draft_model was given "
                              "(drafter='suffix' speculates without one)")

@@ -21,6 +21,15 @@ from pagedtree.text_checks import has_surrogate
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def _require_counts(config: object, names: tuple[str, ...]) -> None:
+    """``ValueError`` naming the first of ``config``'s fields ``names`` that is not an
+    integer >= 1."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutputLimits:
     """Bounds on one request's constraint, enforced before it is compiled.
@@ -37,10 +46,7 @@ class StructuredOutputLimits:
     compile_timeout_s: float = 10.0  # a compile that takes longer is killed and the request refused
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_schema_depth", "max_choices"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"StructuredOutputLimits.{name} must be an integer >= 1, got {value!r}")
+        _require_counts(self, ("max_bytes", "max_schema_depth", "max_choices"))
         t = self.compile_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"StructuredOutputLimits.compile_timeout_s must be a finite number > 0, got {t!r}")
@@ -67,10 +73,7 @@ class GrammarCompileConfig:
     worker_memory_bytes: int | None = 2 * 1024**3
 
     def __post_init__(self) -> None:
-        for name in ("workers", "max_queued", "max_per_client"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GrammarCompileConfig.{name} must be an integer >= 1, got {value!r}")
+        _require_counts(self, ("workers", "max_queued", "max_per_client"))
         memory = self.worker_memory_bytes
         if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 2**28):
             raise ValueError(f"GrammarCompileConfig.worker_memory_bytes must be None or >= 256 MiB, got {memory!r}")

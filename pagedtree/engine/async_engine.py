@@ -289,9 +289,13 @@ class AsyncEngine:
                 except ValueError as exc:
                     raise InvalidRequestError(index, str(exc)) from exc
         except BaseException:
-            for _, ticket in tickets:
-                self.grammars.leave(ticket)
+            self._leave(tickets)
             raise
+
+    def _leave(self, tickets: list[tuple[int, Any]]) -> None:
+        """Give up waiting for these compiles (dropped when nobody else waits)."""
+        for _, ticket in tickets:
+            self.grammars.leave(ticket)
 
     def _submit_grammars(self, missing: list[tuple[int, Any]], client: str | None) -> list[tuple[int, Any]]:
         """Runs in the grammar pool: each constraint's ticket (all or none: a refusal
@@ -304,8 +308,7 @@ class AsyncEngine:
                 except ValueError as exc:
                     raise InvalidRequestError(index, str(exc)) from exc
         except BaseException:
-            for _, ticket in tickets:
-                self.grammars.leave(ticket)
+            self._leave(tickets)
             raise
         return tickets
 

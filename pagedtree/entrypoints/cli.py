@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"most strings of a choice constraint (guided_choice; default {so.max_choices})")
     grammar.add_argument("--grammar-compile-timeout", type=float, default=so.compile_timeout_s,
                          help="seconds a constraint may take to compile, counted from its arrival (waiting for a "
-                              f"compile worker included), before the request is refused with a 400 "
+                              "compile worker included): a compile past it is killed and refused with a 400, one "
+                              "that reached no free worker in time gets HTTP 429 with Retry-After "
                               f"(default {so.compile_timeout_s:g})")
     grammar.add_argument("--max-constrained-tokens", type=int, default=2048,
                          help="tokens a constrained request without max_tokens may generate (a constraint may never "

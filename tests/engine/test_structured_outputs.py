@@ -904,41 +904,36 @@ def _property_check(llm, schemas, seed: int) -> None:
             jsonschema.validate(_parse_json(completion.text), json.loads(param.structured_outputs.json))
 
 
+def _check_drawn_schemas(llm, speculation: bool, examples: int, seed: int, derandomize: bool) -> None:
+    """Every stop output of ``examples`` schemas drawn by hypothesis validates, with
+    or without tree speculation; no KV block is left."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=examples, deadline=None, derandomize=derandomize,
+              suppress_health_check=list(HealthCheck))
+    @given(_schemas())
+    def check(schema):
+        _property_check(llm, [schema], seed=seed)
+
+    llm.engine.set_speculation(speculation)
+    try:
+        check()
+    finally:
+        llm.engine.set_speculation(True)
+    _assert_all_free(llm)
+
+
 @pytest.mark.parametrize("speculation", [False, True], ids=["plain", "draft"])
 def test_every_stop_output_of_drawn_schemas_validates(draft_llm, speculation):
     """Schemas drawn by hypothesis from the enforced subset (a few here, hundreds
     under -m slow), with and without tree speculation."""
-    from hypothesis import HealthCheck, given, settings
-
-    @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(_schemas())
-    def check(schema):
-        _property_check(draft_llm, [schema], seed=1)
-
-    draft_llm.engine.set_speculation(speculation)
-    try:
-        check()
-    finally:
-        draft_llm.engine.set_speculation(True)
-    _assert_all_free(draft_llm)
+    _check_drawn_schemas(draft_llm, speculation, examples=4, seed=1, derandomize=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("speculation", [False, True], ids=["plain", "draft"])
 def test_every_stop_output_of_drawn_schemas_validates_at_full_power(draft_llm, speculation):
-    from hypothesis import HealthCheck, given, settings
-
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(_schemas())
-    def check(schema):
-        _property_check(draft_llm, [schema], seed=2)
-
-    draft_llm.engine.set_speculation(speculation)
-    try:
-        check()
-    finally:
-        draft_llm.engine.set_speculation(True)
-    _assert_all_free(draft_llm)
+    _check_drawn_schemas(draft_llm, speculation, examples=150, seed=2, derandomize=False)
 
 
 def test_a_constrained_request_without_max_tokens_is_bounded(tiny_text_model):
