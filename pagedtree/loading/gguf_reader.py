@@ -11,6 +11,7 @@ the same mapping instead (no copy): the same header, fields, tensors and bytes
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -32,3 +33,16 @@ class PlainViewReader(GGUFReader):
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """``path`` parsed for reading."""
     return PlainViewReader(str(path))
+
+
+def release_pages(reader: GGUFReader) -> None:
+    """Drop the file's pages from this process's resident memory.
+
+    Reading a tensor faults its pages into the mapping, where they count as the
+    process's memory until it is unmapped: a load that reads every tensor would hold
+    the whole file (1.05 GB for the Qwen2.5-Coder 1.5B's) beside the weights it has
+    built from it. The pages stay in the page cache (a later read maps them again,
+    without disk I/O) and any view of the mapping stays valid."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)

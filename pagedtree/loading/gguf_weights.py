@@ -233,22 +233,27 @@ def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: st
             parts.setdefault(target, []).append((rows, tensor, unpermute))
             continue
         if target == "model.embed_tokens.weight" and (quantization == "ggml" or ggml_available()):
-            # The table stays in the file's blocks; each step looks up its rows (the
-            # same values as the dense table: 131 MB for the 1.5B's instead of 467 in bf16).
-            # Other formats copy it out: a view would keep the whole mapped file
-            # resident after the load has read every page of it.
-            table = _ggml_rows(tensor, None)
-            if quantization != "ggml":
-                table = ggml_matmul.GgmlBlocks(table.type_name, np.array(table.data), table.k)
-            net.model.embed_tokens.set_quantized_rows(GgmlRows(table), dtype)
+            # The table stays in the file's blocks, a view of the mapping; each step
+            # looks up its rows (the same values as the dense table: 131 MB for the
+            # 1.5B's instead of 467 in bf16), and only the pages of rows looked up
+            # become resident.
+            net.model.embed_tokens.set_quantized_rows(GgmlRows(_ggml_rows(tensor, None)), dtype)
             continue
         value = _dense(tensor, dtype)
         if unpermute is not None:  # a q/k bias
             value = _unpermute_rows(value, unpermute)
         _set_dense(net, target, rows, value)
-    for target, pieces in parts.items():
+    gguf_reader.release_pages(reader)
+    # The largest layer (the head) first, while little else is built: its conversion's
+    # transient arrays then add to the smallest heap of the load, not the largest.
+    order = sorted(parts, key=lambda target: -sum(int(np.prod(t.shape)) for _, t, _ in parts[target]))
+    for target in order:
+        pieces = parts[target]
         keep = net.head_rows if target == "lm_head.weight" else None  # a draft's cut vocabulary
         _set_linear(net.get_submodule(target.rsplit(".", 1)[0]), pieces, quantization, keep)
+        # Each layer's file pages leave the process once its weights are built: the
+        # whole file would otherwise be resident beside them at the end of the load.
+        gguf_reader.release_pages(reader)
     missing = [n for n, p in net.named_parameters() if p.is_meta]
     missing += [f"{n}.weight" for n, m in net.named_modules()
                 if isinstance(m, Linear) and m.weight is not None and m.weight.is_meta]

@@ -9,8 +9,8 @@ safetensors model, a GGUF file given an explicit ``dtype`` (dequantized to it), 
 run, a tensor-parallel run (its shards load from safetensors).
 
 Unless the machine lacks the memory for it: a q4 engine holds about
-``Q4_BYTES_PER_FILE_BYTE`` times its file's size (ONNX Runtime's prepacked blocks,
-the dense embedding), and where the memory available now is short of that the
+``Q4_BYTES_PER_FILE_BYTE`` times its file's size (ONNX Runtime's prepacked blocks),
+and where the memory available now is short of that the
 default is ``"ggml"`` (the file's blocks as they are, mapped, multiplied by ggml's
 kernels: about the file's size, llama.cpp's footprint) when ggml is installed. q4 is
 the default otherwise because its products stay nearly flat in rows, which trees
@@ -40,9 +40,11 @@ def block_quant_available() -> bool:
     return True
 
 
-# A q4 engine's resident bytes per byte of its GGUF file, after load (the Qwen2.5
-# 1.5B's 1.1 GB Q4_K_M file: 4.0 GB beyond the runtime's own).
-Q4_BYTES_PER_FILE_BYTE = 4.0
+# A q4 engine's resident bytes per byte of its GGUF file at the peak of its load (the
+# Qwen2.5 1.5B's 1.1 GB Q4_K_M file: 2.4 GB beyond the runtime's own, 2.2 GB after it):
+# ONNX Runtime's packed blocks hold about 1.9x the file's bytes (the offsets of K-quant
+# blocks and 6-bit blocks widened to 8 bits included).
+Q4_BYTES_PER_FILE_BYTE = 2.2
 
 
 def available_memory() -> int | None:
