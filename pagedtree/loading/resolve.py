@@ -26,7 +26,7 @@ from pagedtree.config import (
     SchedulerConfig,
 )
 from pagedtree.devices import indexed_device
-from pagedtree.loading.model_format import block_quant_available, default_quantization
+from pagedtree.loading.model_format import block_quant_available, default_draft_quantization, default_quantization
 from pagedtree.worker.models.ggml_matmul import ggml_available
 
 
@@ -84,14 +84,16 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     config = with_default_quantization(config)
     device = resolve_device(config.device)
     target_quantization = _quantization(config.quantization)
-    draft_quantization = target_quantization if config.draft_quantization is None \
-        else _quantization(config.draft_quantization)
-    for name in {target_quantization, draft_quantization} & {"q4", "q8"}:
+    draft_quantizations = [
+        default_draft_quantization(name, target_quantization, device) if config.draft_quantization is None
+        else _quantization(config.draft_quantization) for name in config.draft_model or ()]
+    formats = {target_quantization, *draft_quantizations}
+    for name in formats & {"q4", "q8"}:
         if device.type != "cpu":
             raise ValueError(f"quantization {name!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
         if not block_quant_available():
             raise ValueError(f"quantization {name!r} needs onnxruntime and onnx: pip install onnxruntime onnx")
-    if "ggml" in {target_quantization, draft_quantization}:
+    if "ggml" in formats:
         if device.type != "cpu":
             raise ValueError("quantization 'ggml' runs on CPU only (ggml's CPU kernels)")
         if not ggml_available():
@@ -103,12 +105,12 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         enforce_eager=config.enforce_eager, load_format=config.load_format,
     )
     speculative = config.speculative if config.speculation_enabled else None
-    draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
-                                draft_quantization, device)
     drafts = tuple(
-        dataclasses.replace(target, model=name, dtype=draft_dtype, quantization=draft_quantization,
+        dataclasses.replace(target, model=name, quantization=quantization,
+                            dtype=resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
+                                                quantization, device),
                             head_vocab=speculative.draft_vocab_size if speculative is not None else None)
-        for name in config.draft_model or ()
+        for name, quantization in zip(config.draft_model or (), draft_quantizations)
     )
     return ResolvedConfig(
         target=target,

@@ -31,7 +31,7 @@ def test_a_gguf_runs_in_its_own_blocks_unless_told_otherwise():
 
 @needs_gguf
 def test_a_machine_short_of_memory_for_q4_runs_a_gguf_in_ggml(monkeypatch):
-    """q4 holds about four times its file; with less memory available than that the
+    """q4 holds about twice its file; with less memory available than that the
     default is ggml (the file's blocks as they are, about its own size), when ggml is
     installed (else q4 still, and the load says what it needs)."""
     from pagedtree.loading import model_format
@@ -66,3 +66,24 @@ def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
     # a resolved config stays resolved (the engine may be rebuilt from it)
     assert default_quantization(llm.engine.config) == "q4" == llm.engine.resolved.target.quantization
     assert resolve_config(llm.engine.config).target.quantization == "q4"
+
+
+@needs_gguf
+def test_a_gguf_draft_of_a_q4_target_runs_in_ggml(tiny_text_model):
+    """A draft's forwards at one stream are single rows, where ggml reads the file's own
+    blocks as fast as q4 reads ONNX Runtime's packed copy, without that copy: a GGUF
+    draft of a q4 target runs in ggml where ggml is installed. Any other draft, or a
+    target in another format, or a draft format asked for, keeps the usual rule."""
+    from pagedtree.worker.models.ggml_matmul import ggml_available
+
+    pytest.importorskip("onnxruntime")
+    gguf = pm.SMOLLM2_135M.name
+
+    def drafts(**settings) -> list:
+        resolved = resolve_config(EngineConfig(model=gguf, device="cpu", **settings))
+        return [d.quantization for d in resolved.drafts]
+
+    assert drafts(draft_model=gguf) == ["ggml" if ggml_available() else "q4"]
+    assert drafts(draft_model=[gguf, str(tiny_text_model.path)]) == ["ggml" if ggml_available() else "q4", "q4"]
+    assert drafts(draft_model=gguf, draft_quantization="q4") == ["q4"]
+    assert drafts(draft_model=gguf, quantization="q8") == ["q8"]
