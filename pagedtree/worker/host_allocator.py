@@ -81,13 +81,23 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
+def _load_libc() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
 def _glibc() -> ctypes.CDLL | None:
     """The C library when it is glibc (with ``mallopt``, ``malloc_trim`` and ``mallinfo2``)."""
     global _libc, _libc_loaded
     if not _libc_loaded:
         _libc_loaded = True
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            # glibc's soname first: ``find_library`` runs ``ldconfig -p`` in a child
+            # process, a fork of an engine that may hold gigabytes (tools that add up a
+            # process tree's resident memory count the child's shared pages again).
+            libc = _load_libc()
             libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
             libc.mallopt.restype = ctypes.c_int
             libc.malloc_trim.argtypes = [ctypes.c_size_t]
