@@ -34,6 +34,15 @@ DTYPES = {
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 QUANTIZATIONS = ("int8", "int4", "q4", "q8", "ggml")  # see pagedtree.worker.models.linear
 LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint, or random weights (benchmarks)
+OFFLOAD_ALL = "all"  # offload_weights_gb: stream every decoder layer from host memory
+# A target's resolved offload_weights_gb when it was not given and its GPU cannot hold
+# the weights: stream the fewest layers that leave the rest room.
+OFFLOAD_AUTO = "auto"
+# The speculation an offloaded target runs when the caller gave none (or the default):
+# SpecInfer's regime, where a pass streams the weights whatever it verifies, so wide,
+# deep dynamic trees pay; the adaptive budget still sizes each step from the measured
+# (nearly flat) cost curve.
+OFFLOADED_SPECULATION = {"tree": "dynamic", "top_k": 8, "depth": 8, "max_nodes": 64, "adaptive": True}
 # Formats whose kernels take bf16 activations (the others take fp32).
 BF16_QUANTIZATIONS = ("int8", "int4")
 MAX_TENSOR_PARALLEL = 64
@@ -251,8 +260,10 @@ class EngineConfig:
     max_constrained_tokens: int | None = 2048
     load_format: str = "auto"
     async_scheduling: bool | None = None
+    offload_weights_gb: float | str | None = None
 
     def __post_init__(self) -> None:
+        self.offload_weights_gb = validate_offload(self.offload_weights_gb)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_constrained_tokens is not None and (not isinstance(self.max_constrained_tokens, int)
@@ -360,12 +371,23 @@ def check_device_name(device: str) -> None:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
 
 
+def validate_offload(value: object) -> float | str | None:
+    """``offload_weights_gb`` checked: None, ``"all"`` or GiB in [0, 2**20]."""
+    if value is None or value == OFFLOAD_ALL:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1 << 20:
+        raise ValueError(f"offload_weights_gb must be None, 'all' or a number of GiB in [0, 2**20], got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """One model as a runner loads it (the target, or a draft), resolved: its source,
     activation dtype, weight format (None: dense), device and attention backend;
     ``head_vocab`` cuts a draft's LM head; ``enforce_eager`` switches off fused CPU
-    kernels and CUDA graphs; ``load_format`` "dummy" fills the weights at random."""
+    kernels and CUDA graphs; ``load_format`` "dummy" fills the weights at random;
+    ``offload_weights_gb`` (a target that streams layers from host memory, resolved:
+    None means resident) as ``EngineConfig``'s."""
 
     model: str | None
     dtype: torch.dtype
@@ -375,6 +397,7 @@ class ModelConfig:
     enforce_eager: bool = False
     head_vocab: int | None = None
     load_format: str = "auto"
+    offload_weights_gb: float | str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,16 @@ def test_the_load_format_and_async_scheduling_map_to_the_engine():
     assert cli.engine_kwargs(args)["load_format"] == "dummy"
 
 
+def test_the_offload_option_maps_to_the_engine(capsys):
+    parse = cli.build_parser().parse_args
+    assert cli.engine_kwargs(parse(["serve"]))["offload_weights_gb"] is None
+    assert cli.engine_kwargs(parse(["serve", "--offload-weights-gb", "all"]))["offload_weights_gb"] == "all"
+    assert cli.engine_kwargs(parse(["serve", "--offload-weights-gb", "12.5"]))["offload_weights_gb"] == 12.5
+    with pytest.raises(SystemExit):
+        parse(["serve", "--offload-weights-gb", "most"])
+    assert "a number of GiB or 'all'" in capsys.readouterr().err
+
+
 def test_spec_options_map_to_the_engine():
     from pagedtree.entrypoints.cli import build_parser, engine_kwargs
 

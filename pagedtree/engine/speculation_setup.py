@@ -80,8 +80,10 @@ def calibrate_speculation(speculator: Speculator, config: ResolvedConfig, target
                   _MAX_CALIBRATED_TOKENS)
     cache = CalibrationCache(calibration_dir())
     target = config.target
+    streamer = getattr(target_runner.model, "layer_streamer", None)
     target_key = calibration_key(target_path, target.device, target.dtype, target.quantization, largest,
-                                 config.parallel.tensor_parallel_size)
+                                 config.parallel.tensor_parallel_size,
+                                 streamed_layers=tuple(streamer.order) if streamer is not None else ())
     target_costs = calibrate(target_runner, cache, target_key, largest, label="target")
     draft_costs = None
     if speculator.drafts:

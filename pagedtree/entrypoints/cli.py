@@ -31,6 +31,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="auto: read the checkpoint; dummy: random weights from the folder's config.json "
                              "(benchmarks of real shapes)")
+    parser.add_argument("--offload-weights-gb", type=_offload_amount, default=None, metavar="{GiB,all}",
+                        help="keep this many GiB of the target's decoder layers in host memory and stream them to "
+                             "the GPU each pass ('all': every layer; 0: never); default: stream only what does not "
+                             "fit on the GPU. Offloaded targets speculate with wide trees by default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=[*QUANTIZATIONS, "none"],
                         help="quantized linear layers: int8/int4 weight-only (torch's kernels, bf16 "
@@ -68,6 +72,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                            "tokens (e.g. 65536; default: the whole vocabulary)")
 
 
+def _offload_amount(text: str) -> float | str:
+    """``--offload-weights-gb``: "all" or a number of GiB."""
+    if text == "all":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB or 'all', got {text!r}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``LLM`` keyword arguments from parsed engine options."""
     kwargs = dict(
@@ -85,6 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         draft_tensor_parallel_size=args.draft_tensor_parallel_size,
         distributed_timeout=args.distributed_timeout,
+        offload_weights_gb=args.offload_weights_gb,
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)

@@ -19,6 +19,7 @@ from pagedtree.config import CacheConfig, ModelConfig, SchedulerConfig, Speculat
 from pagedtree.devices import same_device
 from pagedtree.distributed.group import START_TIMEOUT, TensorParallelGroup
 from pagedtree.executor.commands import CommandChannel
+from pagedtree.executor.offload import offload_target, refuse_unless_host_holds
 from pagedtree.executor.tp_runner import TensorParallelRunner
 from pagedtree.loading.loader import LoadedModel, load_model
 from pagedtree.worker.cuda_graphs import MAX_GRAPH_BATCH
@@ -122,12 +123,20 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     the device's memory: their caches grow with the target's.
     """
     group = channel.group if channel is not None else None
-    loaded = load_model(model.model, dtype=model.dtype, device=model.device, quantization=model.quantization,
-                        group=group, load_format=model.load_format)
+    offloaded = model.offload_weights_gb is not None
+    if offloaded:
+        refuse_unless_host_holds(model, cache, scheduler, max_model_len)
+    # An offloaded target loads on the host (unpacked: its streamed layers' tensors are
+    # copied to the device as they are), then streams some layers and moves the rest.
+    loaded = load_model(model.model, dtype=model.dtype, device="cpu" if offloaded else model.device,
+                        quantization=model.quantization, group=group, load_format=model.load_format,
+                        pack_weights=not offloaded)
     model_limit = int(getattr(loaded.config, "max_position_embeddings", 4096))
     requested_len = max_model_len or model_limit
     if requested_len > model_limit:
         raise ValueError(f"max_model_len {requested_len} exceeds the model's {model_limit} positions")
+    if offloaded:
+        offload_target(loaded.model, model, cache, scheduler, requested_len)
     # A token's logits must not depend on whether a tree pass or a one-token decode
     # computed them (greedy with speculation == without, in any dtype). Before any
     # graph is captured: the graphs freeze the forward as it is then. On CUDA every
@@ -143,7 +152,8 @@ def load_target(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConf
     elif speculative is not None:
         loaded.model.make_rows_consistent()
     backend = resolve_backend_name(model.attention_backend, model.device, model.dtype)
-    graphs = _graphs_wanted(model, backend, group)
+    # A streamed layer's copies and events are not captured: an offloaded target runs eagerly.
+    graphs = _graphs_wanted(model, backend, group) and loaded.model.layer_streamer is None
     max_tree_nodes = speculative.max_nodes if speculative is not None else 0
     max_tree_tokens = 1 + max_tree_nodes  # a tree and its root
     # The graphs' memory is measured first, so that a cache sized from the memory

@@ -18,12 +18,15 @@ import torch
 from pagedtree.config import (
     BF16_QUANTIZATIONS,
     DTYPES,
+    OFFLOAD_AUTO,
+    OFFLOADED_SPECULATION,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     ResolvedConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagedtree.devices import indexed_device
 from pagedtree.loading.model_format import block_quant_available, default_draft_quantization, default_quantization
@@ -71,9 +74,41 @@ def with_default_quantization(config: EngineConfig) -> EngineConfig:
     """``config`` with an unset ``quantization`` replaced by the model's own format."""
     if config.quantization is not None:
         return config
+    if config.offload_weights_gb not in (None, 0.0):  # streamed layers are dense (or int8/int4) tensors
+        return dataclasses.replace(config, quantization="none")
     device = resolve_device(config.device)
     return dataclasses.replace(config, quantization=default_quantization(
         config.model, config.dtype, device, config.tensor_parallel_size))
+
+
+def _target_offload(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    quantization: str | None) -> float | str | None:
+    """The target's ``offload_weights_gb`` resolved: what was asked, or None when it
+    stays resident (see ``executor/offload.py``). Raises for a format whose weights a
+    CPU library holds."""
+    requested = config.offload_weights_gb
+    if requested is None:  # automatic: only a GPU short of room for the weights streams
+        if device.type != "cuda":
+            return None
+        from transformers import AutoConfig
+
+        from pagedtree.loading.loader import resolve_model_path
+        from pagedtree.loading.offload_sizing import should_offload
+
+        try:
+            hf_config = AutoConfig.from_pretrained(str(resolve_model_path(config.model)))
+        except (OSError, ValueError):  # the load reports a model it cannot find
+            return None
+        if not should_offload(None, device, hf_config, dtype, config.gpu_memory_utilization,
+                              config.max_num_batched_tokens, config.max_model_len):
+            return None
+        return OFFLOAD_AUTO
+    if requested == 0:
+        return None
+    if quantization in ("q4", "q8", "ggml"):
+        raise ValueError(f"offload_weights_gb streams dense, int8 or int4 weights to the device; {quantization!r} "
+                         "weights are held by a CPU library (choose quantization='none', 'int8' or 'int4')")
+    return requested
 
 
 def resolve_config(config: EngineConfig) -> ResolvedConfig:
@@ -99,12 +134,16 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         if not ggml_available():
             raise ValueError("quantization 'ggml' needs ggml's library: pip install ggml-python "
                              "(builds ggml for this CPU; scripts/setup.sh does it)")
+    target_dtype = resolve_dtype(config.dtype, target_quantization, device)
+    offload = _target_offload(config, device, target_dtype, target_quantization)
     target = ModelConfig(
-        model=config.model, dtype=resolve_dtype(config.dtype, target_quantization, device),
+        model=config.model, dtype=target_dtype,
         quantization=target_quantization, device=device, attention_backend=config.attention_backend,
-        enforce_eager=config.enforce_eager, load_format=config.load_format,
+        enforce_eager=config.enforce_eager, load_format=config.load_format, offload_weights_gb=offload,
     )
     speculative = config.speculative if config.speculation_enabled else None
+    if offload is not None and speculative == SpeculativeConfig():  # the default, for a resident target
+        speculative = SpeculativeConfig(**OFFLOADED_SPECULATION)
     drafts = tuple(
         dataclasses.replace(target, model=name, quantization=quantization,
                             dtype=resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedtree.config import OFFLOADED_SPECULATION
+
 TREE_PRESETS: dict[str, dict[str, Any]] = {
     "chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=False),
     "chain-4": dict(tree="chain", depth=4, max_nodes=4, adaptive=False),
@@ -31,6 +33,8 @@ TREE_PRESETS: dict[str, dict[str, Any]] = {
     "suffix": dict(drafter="suffix", max_nodes=12, adaptive=True),
     "suffix-16-fixed": dict(drafter="suffix", max_nodes=16, adaptive=False),
     "adaptive-chain-5+suffix": dict(drafter="model+suffix", tree="chain", depth=5, max_nodes=12, adaptive=True),
+    # An offloaded target's default (``config.OFFLOADED_SPECULATION``).
+    "offload-dynamic-64": dict(OFFLOADED_SPECULATION),
 }
 
 

@@ -63,15 +63,17 @@ def _weights_identity(model_path: str | os.PathLike) -> list:
 
 def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
                     quantization: str | None, max_tokens: int, tensor_parallel_size: int = 1,
-                    head_vocab: int | None = None) -> dict:
-    """Everything a cost curve depends on (a model split over ranks costs otherwise, and
-    a draft whose LM head is cut to ``head_vocab`` ids costs less per forward)."""
+                    head_vocab: int | None = None, streamed_layers: tuple[int, ...] = ()) -> dict:
+    """Everything a cost curve depends on (a model split over ranks costs otherwise, a
+    draft whose LM head is cut to ``head_vocab`` ids costs less per forward, and a
+    target streaming ``streamed_layers`` from host memory costs about the same at any
+    number of tokens)."""
     return {
         "version": CALIBRATION_VERSION,
         "weights": _weights_identity(model_path),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-        or platform.machine(),
+        # (Not ``platform.processor()``: on Linux it runs ``uname -p`` in a forked child.)
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "cpu": _cpu_model(),
         "threads": torch.get_num_threads(),
         "dtype": str(dtype),
@@ -81,6 +83,7 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "max_tokens": max_tokens,
         "tensor_parallel_size": tensor_parallel_size,
         "head_vocab": head_vocab,
+        "streamed_layers": list(streamed_layers),
     }
 
 

@@ -117,7 +117,10 @@ class FusedCpuForward:
         sin32 = sin.float().contiguous().numpy()
         x: torch.Tensor | None = None
         rotary = rotary_serial if residual.shape[0] <= SERIAL_MAX_TOKENS else rotary_kernel
-        for part in self.layers:
+        parts = self.layers
+        if self.model.layer_streamer is not None:  # layers whose weights are streamed in
+            parts = self.model.layer_streamer.layers(parts, [part.layer_index for part in parts])
+        for part in parts:
             normed = self._add_rms_norm(x, residual, part.input_norm)
             num_tokens = normed.shape[0]
             qkv = part.qkv(normed).contiguous()

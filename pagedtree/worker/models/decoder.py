@@ -298,6 +298,10 @@ class DecoderForCausalLM(nn.Module):
         # fused element-wise work (and, on a GPU, its batch-invariant LM head).
         self.fused_forward = None
         self.fused_head = None
+        # Set where some layers' weights live in host memory (``worker/layer_streaming``):
+        # every forward loops over ``layer_streamer.layers(...)``, which brings each
+        # streamed layer's weights in before it computes.
+        self.layer_streamer = None
 
     def checkpoint_target(self, name: str) -> CheckpointTarget:
         """Where checkpoint tensor ``name`` (Hugging Face naming) goes in this model.
@@ -346,7 +350,10 @@ class DecoderForCausalLM(nn.Module):
             return self.fused_forward.forward(input_ids, positions, attention)
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
+        layers = self.model.layers
+        if self.layer_streamer is not None:
+            layers = self.layer_streamer.layers(layers, range(len(layers)))
+        for layer in layers:
             hidden = layer(hidden, cos, sin, attention)
         return self.model.norm(hidden)
 
@@ -426,12 +433,16 @@ class DecoderForCausalLM(nn.Module):
         return sum(module.pack_for_cpu() for module in self.modules() if isinstance(module, Linear))
 
     def weight_bytes(self) -> int:
-        """Bytes of this model's (or shard's) weights in their current forms (tied
-        tensors counted once; packed and quantized layers by what they hold)."""
+        """Bytes of this model's (or shard's) weights in their current forms on its
+        device (tied tensors counted once; packed and quantized layers by what they
+        hold; streamed layers by the slots they share, not the host copies)."""
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
         packed = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear) and m.weight is None)
         rows = self.model.embed_tokens.quantized_rows
-        return dense + packed + (rows.nbytes if rows is not None else 0)
+        total = dense + packed + (rows.nbytes if rows is not None else 0)
+        if self.layer_streamer is not None:  # the streamed views were counted above as if resident
+            total += self.layer_streamer.slot_bytes - self.layer_streamer.bytes_per_pass
+        return total
 
     def keep_head_rows(self, rows: torch.Tensor) -> None:
         """Compute logits for the token ids ``rows`` only (a draft's cut vocabulary,

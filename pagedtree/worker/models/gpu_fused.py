@@ -129,7 +129,10 @@ class FusedGpuForward:
         """Hidden states ``[T, hidden]`` after the final norm, as ``DecoderForCausalLM.forward``."""
         residual = self.model.model.embed_tokens(input_ids).contiguous()  # a fresh buffer, updated in place
         x: torch.Tensor | None = None
-        for part in self.layers:
+        parts = self.layers
+        if self.model.layer_streamer is not None:  # layers whose weights are streamed in
+            parts = self.model.layer_streamer.layers(parts, [part.layer_index for part in parts])
+        for part in parts:
             normed = dense_ops.add_rms_norm(x, part.input_norm, self.eps, residual) if x is not None else \
                 dense_ops.add_rms_norm(residual, part.input_norm, self.eps)
             t = normed.shape[0]
