@@ -33,6 +33,8 @@ TREE_PRESETS: dict[str, dict[str, Any]] = {
     "suffix": dict(drafter="suffix", max_nodes=12, adaptive=True),
     "suffix-16-fixed": dict(drafter="suffix", max_nodes=16, adaptive=False),
     "adaptive-chain-5+suffix": dict(drafter="model+suffix", tree="chain", depth=5, max_nodes=12, adaptive=True),
+    # 64-node dynamic trees every step (the offloaded default without the adaptive budget).
+    "dynamic-64": dict(OFFLOADED_SPECULATION, adaptive=False),
     # An offloaded target's default (``config.OFFLOADED_SPECULATION``).
     "offload-dynamic-64": dict(OFFLOADED_SPECULATION),
 }

@@ -160,3 +160,18 @@ def test_weights_a_cpu_library_holds_cannot_stream(tiny_llama):
     assert resolve_config(EngineConfig(model=str(tiny_llama.path), offload_weights_gb=0)).target.offload_weights_gb \
         is None
     assert resolve_config(EngineConfig(model=str(tiny_llama.path))).target.offload_weights_gb is None
+
+
+def test_each_rank_streams_its_own_shard(tiny_llama):
+    """Tensor parallelism: every rank streams the layers of its shard (the same plan on
+    each), and two offloaded ranks decode what one resident rank does."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 256, 3, 20, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(str(tiny_llama.path), dtype="float32")
+    two = LLM(str(tiny_llama.path), dtype="float32", tensor_parallel_size=2, offload_weights_gb="all")
+    try:
+        assert two.engine.runner.model.layer_streamer is not None  # rank 0's shard
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        two.shutdown()
