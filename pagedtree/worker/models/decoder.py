@@ -393,13 +393,15 @@ class DecoderForCausalLM(nn.Module):
         """Make every token's result independent of how many tokens share its forward.
 
         On CPU (``row_block`` None): one-row products of the oneDNN-packed and the q4
-        layers run as two rows (``Linear.pad_single_rows``; those libraries send one
-        row through another kernel, several rows through one whose rows are
-        independent). With ``row_block`` (CUDA, ``row_blocks.row_block_for``): every
+        layers run as two rows (``Linear.pad_single_rows``) where the library sends one
+        row through another kernel than several rows, whose rows are independent
+        (``Linear.lone_row_needs_padding``: always for 16-bit outputs, measured per
+        shape for fp32 ones; MLAS's 4-bit kernels send it elsewhere on an AVX2 CPU and
+        not on the AVX-512 one). With ``row_block`` (CUDA, ``row_blocks.row_block_for``): every
         dense product and RMSNorm runs in blocks of exactly that many rows, one
         kernel on one shape whatever the batch. Tree speculation needs it for greedy
         outputs equal to plain decoding in every dtype; returns how many layers it
-        switched."""
+        switched (on CPU: how many pad)."""
         if row_block is not None:
             layers = [m for m in self.modules() if (isinstance(m, Linear) and m.weight is not None
                                                      and m.quantization is None) or isinstance(m, RMSNorm)]
@@ -409,8 +411,10 @@ class DecoderForCausalLM(nn.Module):
         layers = [m for m in self.modules() if isinstance(m, Linear)
                   and (m.packed_weight is not None or m.quantization == "q4")]
         for layer in layers:
-            layer.pad_single_rows = True
-        return len(layers)
+            # Padding costs 1.1-1.5x a one-row product: only where the library's lone
+            # row may differ.
+            layer.pad_single_rows = layer.lone_row_needs_padding()
+        return sum(layer.pad_single_rows for layer in layers)
 
     def quantize_weights(self, mode: str) -> int:
         """``mode`` (one of ``linear.QUANTIZATIONS``) for every linear layer; returns how many.

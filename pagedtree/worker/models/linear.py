@@ -43,6 +43,9 @@ _PACK_ROWS_HINT = 16
 _ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 # The int4 kernel's packing tiles the input dimension by this many 16-element tiles.
 _INT4_INNER_K_TILES = 8
+# (library, out, in, threads) -> whether an fp32 row alone gets other bits than among others
+# (``Linear.lone_row_needs_padding``).
+_LONE_ROW_DIFFERS: dict[tuple, bool] = {}
 
 
 @functools.cache
@@ -218,6 +221,40 @@ class Linear(nn.Linear):
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
+
+    def lone_row_needs_padding(self) -> bool:
+        """Whether this layer may compute a row alone with other bits than the same row
+        among others: then a token decoded alone would not get the logits it gets in a
+        verified tree, and ``pad_single_rows`` is needed (oneDNN and MLAS may send one
+        row through a kernel that sums in another order; whether they do depends on the
+        CPU, the library and the shape).
+
+        A layer with 16-bit outputs always pads: rounding to bf16 hides most of a
+        different order's differences (oneDNN's one-row bf16 kernel changed 11 to 22 of
+        65 rows of the Qwen layers' shapes, so no cheap probe settles it). A layer with
+        fp32 outputs (q4, q8, fp32) is measured once per library, shape and thread count:
+        8 seeded random rows, each alone and among the others; in fp32 a different order
+        shows in nearly every output."""
+        if self.packed_weight is not None:
+            kind, dtype = "onednn", self.packed_weight.dtype
+        elif self.block_matmul is not None:
+            kind, dtype = self.quantization, torch.float32
+        else:
+            kind, dtype = "dense", self.weight.dtype
+        if dtype != torch.float32:
+            return True
+        key = (kind, self.out_features, self.in_features, torch.get_num_threads())
+        if key not in _LONE_ROW_DIFFERS:
+            padded, self.pad_single_rows = self.pad_single_rows, False
+            try:
+                rows = torch.randn(8, self.in_features, generator=torch.Generator().manual_seed(0))
+                with torch.inference_mode():
+                    together = self(rows)
+                    _LONE_ROW_DIFFERS[key] = not all(torch.equal(self(rows[i : i + 1])[0], together[i])
+                                                     for i in range(len(rows)))
+            finally:
+                self.pad_single_rows = padded
+        return _LONE_ROW_DIFFERS[key]
 
     @property
     def weight_bytes(self) -> int:
