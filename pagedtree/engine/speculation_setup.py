@@ -83,7 +83,9 @@ def calibrate_speculation(speculator: Speculator, config: ResolvedConfig, target
     streamer = getattr(target_runner.model, "layer_streamer", None)
     target_key = calibration_key(target_path, target.device, target.dtype, target.quantization, largest,
                                  config.parallel.tensor_parallel_size,
-                                 streamed_layers=tuple(streamer.order) if streamer is not None else ())
+                                 streamed_layers=tuple(streamer.order) if streamer is not None else (),
+                                 padded_layers=sum(bool(getattr(m, "pad_single_rows", False))
+                                                   for m in target_runner.model.modules()))
     target_costs = calibrate(target_runner, cache, target_key, largest, label="target")
     draft_costs = None
     if speculator.drafts:
