@@ -36,10 +36,14 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
 def device_weight_budget(device: torch.device, hf_config, dtype: torch.dtype, gpu_memory_utilization: float,
                          max_num_batched_tokens: int, max_model_len: int | None) -> int | None:
     """Bytes of weights the device can hold beside activations and a KV cache for one
-    full-length sequence (None on a CPU: its weights are host memory already)."""
+    full-length sequence (None on a CPU, whose weights are host memory already, or
+    where CUDA cannot say)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except (RuntimeError, AssertionError):  # no usable CUDA here: nothing to size against
+        return None
     used = total - free
     activations = 16 * max_num_batched_tokens * int(hf_config.hidden_size) * 4 + GIB
     length = max_model_len or int(getattr(hf_config, "max_position_embeddings", 4096))

@@ -55,6 +55,19 @@ def test_an_offloaded_engine_decodes_what_a_resident_one_does(tiny_llama, dense_
     assert_no_leaks(offloaded)
 
 
+def test_int8_layers_stream_their_codes_and_scales(tiny_llama):
+    """Weight-only int8 layers stream their codes and scales (plain tensors, not
+    parameters) and decode what the resident int8 engine does."""
+    prompts = random_prompts(3, 256, 3, 12, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    resident = LLM(str(tiny_llama.path), quantization="int8", max_num_seqs=4, block_size=4)
+    offloaded = LLM(str(tiny_llama.path), quantization="int8", max_num_seqs=4, block_size=4, offload_weights_gb="all")
+    layer = offloaded.engine.runner.model.model.layers[0].mlp.down_proj
+    slots = {slot.untyped_storage().data_ptr() for slot in offloaded.engine.runner.model.layer_streamer.slots}
+    assert layer.quantization == "int8" and layer.qweight.untyped_storage().data_ptr() in slots
+    assert generate(offloaded, prompts, params) == generate(resident, prompts, params)
+
+
 def test_an_offloaded_target_speculates_with_wide_trees_and_exact_outputs(tiny_llama, draft_of_tiny_llama,
                                                                             dense_on_cpu):
     prompts = random_prompts(4, 256, 3, 16, seed=2)
