@@ -58,7 +58,8 @@ def plan_offload(requested: float | str | None, sizing: OffloadSizing, budget: i
     if requested == OFFLOAD_ALL:
         return StreamPlan(tuple(range(num_layers)), slots)
     if isinstance(requested, float):
-        # The fewest layers (the largest first count: layers are alike) holding requested GiB.
+        # The fewest layers whose bytes reach the GiB asked for (counted largest first);
+        # which layers is the even spread.
         want, count, held = requested * GIB, 0, 0
         for size in sorted(sizing.layer_bytes, reverse=True):
             if held >= want:
@@ -95,23 +96,35 @@ def check_host_memory(model_bytes: int, available: int | None, device_budget: in
             f"GiB{device}, and the host has {available / GIB:.2f} GiB available to hold the streamed layers")
 
 
-def place_offloaded(model, plan: StreamPlan, device: torch.device) -> LayerStreamer:
+def place_offloaded(model, plan: StreamPlan, device: torch.device) -> LayerStreamer | None:
     """Stream ``plan``'s layers of ``model`` (loaded on the host) and move everything
-    else to ``device``. Before anything binds the weights (fused forwards, graphs)."""
+    else to ``device``. Before anything binds the weights (fused forwards, graphs).
+    A plan that streams nothing (the model fits after all) only moves it: no
+    streamer, and the engine keeps its CUDA graphs."""
+    if not plan.streamed:
+        _move(model, device)
+        return None
     streamer = LayerStreamer(model.model.layers, plan, device)
     model.layer_streamer = streamer
-    if device.type != "cpu":
-        model.to(device)  # the streamed weights are on the device already (views of its slots)
-        for module in model.modules():  # quantized codes are plain attributes, which ``to`` skips
-            if isinstance(module, Linear):
-                for attr in ("qweight", "qscales"):
-                    value = getattr(module, attr)
-                    if value is not None and value.device != device:
-                        setattr(module, attr, value.to(device))
+    _move(model, device)
     logger.info("offloaded %d of %d layers: %.2f GiB stream from host memory each pass through %d buffers "
                 "of %.0f MiB", len(plan.streamed), len(model.model.layers), streamer.bytes_per_pass / GIB,
                 streamer.num_slots, (streamer.slot_bytes / max(streamer.num_slots, 1)) / 2**20)
     return streamer
+
+
+def _move(model, device: torch.device) -> None:
+    """Everything of ``model`` not on ``device`` yet goes there (streamed weights are
+    views of its slots already)."""
+    if device.type == "cpu":
+        return
+    model.to(device)
+    for module in model.modules():  # quantized codes are plain attributes, which ``to`` skips
+        if isinstance(module, Linear):
+            for attr in ("qweight", "qscales"):
+                value = getattr(module, attr)
+                if value is not None and value.device != device:
+                    setattr(module, attr, value.to(device))
 
 
 
@@ -134,7 +147,7 @@ def refuse_unless_host_holds(config: ModelConfig, cache: CacheConfig, scheduler:
 
 
 def offload_target(model, config: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig,
-                   max_model_len: int) -> LayerStreamer:
+                   max_model_len: int) -> LayerStreamer | None:
     """Plan and place ``model`` (a target loaded on the host) for ``config.offload_weights_gb``."""
     budget = device_weight_budget(config.device, model.config, config.dtype, cache.gpu_memory_utilization,
                                   scheduler.max_num_batched_tokens, max_model_len)

@@ -141,6 +141,14 @@ def test_a_gib_amount_streams_the_fewest_layers_that_hold_it():
         plan_offload("auto", sizing, budget=GIB)
 
 
+def test_a_plan_that_streams_nothing_leaves_the_model_resident(tiny_llama, dense_on_cpu):
+    from pagedtree.executor.offload import place_offloaded
+    from pagedtree.loading.loader import load_model
+
+    model = load_model(str(tiny_llama.path), pack_weights=False).model
+    assert place_offloaded(model, StreamPlan(()), torch.device("cpu")) is None and model.layer_streamer is None
+
+
 def test_a_model_the_host_cannot_hold_either_is_refused(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="fits neither on the device nor in host memory"):
         check_host_memory(10 * GIB, 4 * GIB, device_budget=2 * GIB)
