@@ -243,17 +243,24 @@ def test_a_draft_backlog_is_priced():
 
 
 def test_a_first_prompt_is_amortised_and_a_gap_after_plain_steps_is_not():
-    """The drafts' first prompt is spread over the steps it enables; tokens decoded
-    plainly since the drafts last fed the request are paid in full when it resumes
-    (and the one unfed accepted leaf of a chain is not counted twice)."""
+    """The drafts' first prompt is spread over the steps it enables, whether they fed
+    none of it or a cached prefix of it; tokens decoded plainly since the drafts last
+    fed the request are paid in full when it resumes (and the one unfed accepted leaf
+    of a chain is not counted twice)."""
     policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
-    request = Request("r", None, list(range(41)), Params(max_tokens=200), 0)
-    request.output_token_ids.extend(range(9))  # 50 tokens in all
     expected = {1: 0.8, 5: 2.0}
-    for backlog, amortised in ((49, True), (12, False), (1, True)):
-        policy.draft_backlog = lambda r, n=backlog: n
-        priced = policy._amortised_backlog(request, expected)
-        assert (priced < backlog / 10) if amortised else priced == backlog, (backlog, priced)
+
+    def priced(outputs: int, backlog: int) -> float:
+        request = Request("r", None, list(range(41)), Params(max_tokens=200), 0)
+        request.output_token_ids.extend(range(outputs))
+        policy.draft_backlog = lambda r: backlog
+        return policy._amortised_backlog(request, expected)
+
+    assert priced(1, 41) < 41 / 10  # a fresh request: the whole prompt, spread
+    assert priced(1, 9) < 9 / 10  # a chat request whose first 32 prompt tokens were cached
+    assert priced(9, 8) == 8  # 8 tokens decoded plainly after the drafts fed the prompt
+    assert priced(9, 1) < 1 / 10  # a chain's unfed accepted leaf
+    assert 8 < priced(9, 12) < 8.5  # 4 prompt tokens never fed (spread) and the 8 decoded (whole)
 
 
 def test_whole_steps_slower_than_predicted_correct_the_plan():

@@ -180,24 +180,33 @@ class BudgetPolicy:
                 self.draft_free.add(rid)
 
     def _amortised_backlog(self, request: Request, expected: Mapping[int, float]) -> float:
-        """The draft's backlog for a request as tokens fed this step: a first prompt
-        spread over the speculative steps it enables (the request's remaining tokens
-        at the best expected rate), the gap left by plain steps in full."""
+        """The draft's backlog for a request as tokens fed this step: the prompt tokens
+        the drafts have not fed (all of a first prompt, or what follows a prefix-cache
+        hit) spread over the speculative steps they enable (the request's remaining
+        tokens at the best expected rate); tokens decoded plainly since the drafts last
+        fed the request in full."""
         backlog = self.draft_backlog(request)
         if backlog <= 0:
             return 0.0
-        if 1 < backlog < request.num_tokens - 1:
-            # The drafts fed this request before and fell behind while it decoded
-            # plainly (a backlog of one is the accepted leaf every chain leaves unfed,
-            # which the expected tokens already stand for): resuming pays the whole
-            # gap in this step's first draft forward, and nothing says the request
-            # will keep speculating long enough to spread it (amortised, a request
-            # that kept stopping re-paid a many-row catch-up at every retry).
-            return float(backlog)
+        fed = request.num_tokens - 1 - backlog
+        prompt_left = max(0, request.num_prompt_tokens - fed)
+        gap = backlog - prompt_left  # decoded tokens the drafts have not fed
+        # A gap of one is the accepted leaf every chain leaves unfed, which the
+        # expected tokens already stand for. A longer gap, left while the request
+        # decoded plainly, is paid whole in this step's first draft forward: nothing
+        # says the request will keep speculating long enough to spread it (amortised,
+        # a request that kept stopping re-paid a many-row catch-up at every retry).
+        # A prompt is fed once whatever follows, so it is spread. (Charging a prompt
+        # after a prefix-cache hit in full, as a gap, had kept chat requests, whose
+        # template prefix is cached, from ever starting to speculate.)
+        whole = float(gap) if gap > 1 else 0.0
+        spread = prompt_left + (gap if gap <= 1 else 0)
+        if not spread:
+            return whole
         max_tokens = request.params.max_tokens or 256
         remaining = max(1, max_tokens - len(request.output_token_ids))
         steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))
-        return backlog / steps
+        return whole + spread / steps
 
     def _evidence_scale(self, request: Request) -> float:
         evidence = self.evidence.get(request.request_id)
