@@ -213,9 +213,9 @@ class EngineConfig:
     dense. Unset, a GGUF model on a CPU with ``dtype="auto"`` runs in "q4" (its own
     blocks, exactly) and anything else dense (``loading/model_format.py``). The draft
     models take the target's dtype and quantization unless ``draft_dtype`` /
-    ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts),
-    except that a GGUF draft of a q4 target runs in "ggml" where ggml is installed
-    (its single-row forwards at q4's speed without ONNX Runtime's packed copy).
+    ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts;
+    ``"ggml"`` for a GGUF draft holds 0.7 GB less beside a q4 target, but its
+    multi-row catch-ups cost about three times q4's, so the budget drafts less).
 
     ``async_scheduling`` launches each plain decode step before the previous one is
     read back, so the host's work between steps overlaps the GPU's

@@ -18,8 +18,6 @@ and batches need: on the AVX-512 machine ggml decoded one stream at 17.4 tokens/
 against q4's 16.0, but batches of 16 at 0.61x q4's, and with the draft its budget
 never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third run").
 
-A GGUF draft model of a q4 target runs in ``"ggml"`` (``default_draft_quantization``).
-
 ``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"ggml"``,
 ``"int4"``, ``"int8"`` force those formats (``EngineConfig``; resolved in
 ``resolve.py``).
@@ -80,18 +78,3 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
         return "q4"
     return "ggml" if ggml_available() else "none"
 
-
-def default_draft_quantization(draft: str, target_quantization: str, device: torch.device) -> str:
-    """The format a draft model runs in when ``draft_quantization`` is unset: its
-    target's, except that a GGUF draft of a q4 target runs in ``"ggml"`` where ggml is
-    installed. A draft's forwards at one stream are single rows (a chain's levels, a
-    catch-up token or two), where ggml reads the file's own blocks from the mapping as
-    fast as q4 reads its packed copy; q4 would hold ONNX Runtime's copy besides (the
-    0.5B's 0.65 GB at the peak of the Qwen pair's load). Speculation's cost model
-    calibrates the draft in the format it runs in, so wider drafts (batches, trees
-    of several children) are priced at ggml's steeper rows."""
-    if target_quantization != "q4" or device.type != "cpu" or gguf_source(draft) is None:
-        return target_quantization
-    from pagedtree.worker.models.ggml_matmul import ggml_available
-
-    return "ggml" if ggml_available() else target_quantization

@@ -29,7 +29,7 @@ from pagedtree.config import (
     SpeculativeConfig,
 )
 from pagedtree.devices import indexed_device
-from pagedtree.loading.model_format import block_quant_available, default_draft_quantization, default_quantization
+from pagedtree.loading.model_format import block_quant_available, default_quantization
 from pagedtree.worker.models.ggml_matmul import ggml_available
 
 
@@ -119,9 +119,9 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     config = with_default_quantization(config)
     device = resolve_device(config.device)
     target_quantization = _quantization(config.quantization)
-    draft_quantizations = [
-        default_draft_quantization(name, target_quantization, device) if config.draft_quantization is None
-        else _quantization(config.draft_quantization) for name in config.draft_model or ()]
+    draft_quantization = target_quantization if config.draft_quantization is None \
+        else _quantization(config.draft_quantization)
+    draft_quantizations = [draft_quantization for _ in config.draft_model or ()]
     formats = {target_quantization, *draft_quantizations}
     for name in formats & {"q4", "q8"}:
         if device.type != "cpu":

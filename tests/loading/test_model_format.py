@@ -67,23 +67,3 @@ def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
     assert default_quantization(llm.engine.config) == "q4" == llm.engine.resolved.target.quantization
     assert resolve_config(llm.engine.config).target.quantization == "q4"
 
-
-@needs_gguf
-def test_a_gguf_draft_of_a_q4_target_runs_in_ggml(tiny_text_model):
-    """A draft's forwards at one stream are single rows, where ggml reads the file's own
-    blocks as fast as q4 reads ONNX Runtime's packed copy, without that copy: a GGUF
-    draft of a q4 target runs in ggml where ggml is installed. Any other draft, or a
-    target in another format, or a draft format asked for, keeps the usual rule."""
-    from pagedtree.worker.models.ggml_matmul import ggml_available
-
-    pytest.importorskip("onnxruntime")
-    gguf = pm.SMOLLM2_135M.name
-
-    def drafts(**settings) -> list:
-        resolved = resolve_config(EngineConfig(model=gguf, device="cpu", **settings))
-        return [d.quantization for d in resolved.drafts]
-
-    assert drafts(draft_model=gguf) == ["ggml" if ggml_available() else "q4"]
-    assert drafts(draft_model=[gguf, str(tiny_text_model.path)]) == ["ggml" if ggml_available() else "q4", "q4"]
-    assert drafts(draft_model=gguf, draft_quantization="q4") == ["q4"]
-    assert drafts(draft_model=gguf, quantization="q8") == ["q8"]

@@ -155,6 +155,38 @@ def test_a_request_that_drafts_badly_stops_and_is_retried():
         pytest.fail("the request was never re-tried")
 
 
+def test_an_unproven_request_probes_a_tree_predicted_just_short_of_plain():
+    """A request with no acceptance of its own on record speculates where the prior
+    predicts a little less than plain decoding's rate (its real acceptance may be far
+    better: a request that never speculates never shows it); with poor evidence it
+    does not, and with good evidence it goes on."""
+    from pagedtree.speculative.budget.policy import PROBE_MARGIN
+
+    def policy_for(draft_ratio: float) -> BudgetPolicy:
+        policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+        policy.target_cost, policy.draft_cost = cpu_like_costs(draft_ratio)
+        policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+        return policy
+
+    # A draft dear enough that the prior's best tree is predicted below plain decoding's
+    # usual margin: an unproven request still probes it.
+    for percent in range(20, 100):
+        policy = policy_for(percent / 100)
+        budget = policy.choose(_requests(1), 0)["q0"]
+        plan = policy.last_plan
+        if budget > 0 and plan.best_rate < 1.05 * plan.plain_rate:
+            break
+    else:
+        pytest.fail("no draft cost left the prior's tree between the probe's margin and the usual one")
+    assert PROBE_MARGIN * plan.plain_rate <= plan.best_rate
+    poor, good = _requests(2)
+    for _ in range(3):
+        policy.observe_verification(poor, [(1, 0, False)])
+        policy.observe_verification(good, [(1, 0, True), (2, 0, True), (3, 0, True), (4, 0, True), (5, 0, True)])
+    assert policy.choose([poor], 0)["q0"] == 0
+    assert policy.choose([good], 0)["q1"] > 0
+
+
 def test_greedy_and_sampling_requests_learn_separately():
     policy = BudgetPolicy(SpeculativeConfig(), DEFAULT_PRIORS["model"])
     greedy, sampling = _requests(1)[0], _requests(1, temperature=0.8)[0]
