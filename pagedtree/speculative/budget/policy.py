@@ -54,11 +54,10 @@ ALONE_MIN_EXPECTED = 2.0
 # predicted at least this fraction of plain decoding's rate (instead of the usual
 # margin above it): a request's acceptance can sit far from its class's prior (the
 # Qwen pair accepted 5.6 tokens a step on code where the prior expects 3.3), and one
-# that never speculates never shows it. A probe risks one step; its verification
-# then speaks for the request until its evidence fades (``RequestEvidence.FADE``).
+# that never speculates never shows it. A request probes until its first verification,
+# which then speaks for it (re-tries after that follow its fading evidence at the
+# usual margin: probing again each time it faded cost prose requests 5-8%).
 PROBE_MARGIN = 0.85
-# Evidence (expected-accepted tokens on record) below which a request counts as unproven.
-PROBE_EVIDENCE = 1.0
 
 
 def _accepted_path(trials: Sequence[tuple[int, int, bool]]) -> int:
@@ -220,10 +219,8 @@ class BudgetPolicy:
         return whole + spread / steps
 
     def _unproven(self, request: Request) -> bool:
-        """Whether ``request`` has too little acceptance of its own on record to trust
-        over its class's prior (never verified, or its evidence faded)."""
-        evidence = self.evidence.get(request.request_id)
-        return evidence is None or evidence.expected < PROBE_EVIDENCE
+        """Whether ``request`` has no acceptance of its own on record (never verified)."""
+        return request.request_id not in self.evidence
 
     def _evidence_scale(self, request: Request) -> float:
         evidence = self.evidence.get(request.request_id)
