@@ -38,6 +38,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -384,65 +385,94 @@ def table(figures: list[Figure], header: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = args.device
-    if device == "auto" or device == "cuda":
+def bench_device(requested: str, tiny: bool) -> str | None:
+    """"cuda" or "cpu" for ``--device`` (None: CUDA asked for and absent, said on
+    stderr); a CPU run takes the Triton kernels in the interpreter."""
+    device = requested
+    if device in ("auto", "cuda"):
         import torch
 
         if not torch.cuda.is_available():
             if device == "cuda":
                 print("error: --device cuda, but no CUDA device is available", file=sys.stderr)
-                return 2
+                return None
             device = "cpu"
         else:
             device = "cuda"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU tensors
-        if not args.tiny:
+        if not tiny:
             print("note: --device cpu runs the Triton kernels in the interpreter; use --tiny", file=sys.stderr)
-    import torch
+    return device
+
+
+def run_sections(sections: list[str], run: Callable[[str], list[Figure]], desc: str,
+                 no_progress: bool) -> tuple[list[Figure], dict[str, float]]:
+    """Every section through ``run`` (an error becomes that section's one figure, so a
+    broken section does not hide the others), printed as it finishes, with its seconds."""
     from tqdm import tqdm
 
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
-    sections = [s for s in SECTIONS if s in args.sections.split(",")]
     figures: list[Figure] = []
     seconds: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="pagedtree-gpu-bench-") as folder:
-        run = Runner(args, device, Path(folder))
-        plain_steps: dict = {}
-        bar = tqdm(sections, desc="gpu bench", unit="section", disable=args.no_progress, file=sys.stderr)
-        for name in bar:
-            bar.set_postfix_str(name)
-            started = time.perf_counter()
-            try:
-                if name == "plain":
-                    found, plain_steps = section_plain(run, gpu)
-                elif name == "speculation":
-                    found = section_speculation(run, plain_steps, args.acceptance_lengths)
-                elif name == "suffix":
-                    found = section_suffix(run, plain_steps)
-                elif name == "llama8b":
-                    found = section_llama(run, gpu)
-                else:
-                    found = section_transformers(run)
-            except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
-                found = [Figure(name, "error", f"{type(exc).__name__}", str(exc).splitlines()[0][:200]
-                                if str(exc) else "")]
-            figures += found
-            seconds[name] = round(time.perf_counter() - started, 1)
-            print("\n".join(f"  {f.section:12s} {f.case:44s} {f.value:>18s}  {f.versus}" for f in found), flush=True)
-    header = (f"pagedtree GPU bench on {gpu}; torch {torch.__version__}; bf16, random weights, prompts of "
-              f"{run.prompt_len} tokens, steps timed over {run.output_len - run.short_len} extra tokens")
+    bar = tqdm(sections, desc=desc, unit="section", disable=no_progress, file=sys.stderr)
+    for name in bar:
+        bar.set_postfix_str(name)
+        started = time.perf_counter()
+        try:
+            found = run(name)
+        except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
+            found = [Figure(name, "error", type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")]
+        figures += found
+        seconds[name] = round(time.perf_counter() - started, 1)
+        print("\n".join(f"  {f.section:12s} {f.case:44s} {f.value:>18s}  {f.versus}" for f in found), flush=True)
+    return figures, seconds
+
+
+def report(figures: list[Figure], header: str, seconds: dict[str, float], markdown: str | None,
+           json_path: str | None) -> int:
+    """Print the table, write it as markdown and the figures as JSON where asked;
+    exit status 1 when a section failed."""
     text = table(figures, header)
     print(text)
     print(f"sections took {seconds}")
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(header=header, seconds=seconds,
+    if markdown:
+        Path(markdown).write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(header=header, seconds=seconds,
                                                    figures=[asdict(f) for f in figures]), indent=1))
     return 1 if any(f.case == "error" for f in figures) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = bench_device(args.device, args.tiny)
+    if device is None:
+        return 2
+    import torch
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    sections = [s for s in SECTIONS if s in args.sections.split(",")]
+    with tempfile.TemporaryDirectory(prefix="pagedtree-gpu-bench-") as folder:
+        run = Runner(args, device, Path(folder))
+        plain_steps: dict = {}
+
+        def section(name: str) -> list[Figure]:
+            nonlocal plain_steps
+            if name == "plain":
+                found, plain_steps = section_plain(run, gpu)
+                return found
+            if name == "speculation":
+                return section_speculation(run, plain_steps, args.acceptance_lengths)
+            if name == "suffix":
+                return section_suffix(run, plain_steps)
+            if name == "llama8b":
+                return section_llama(run, gpu)
+            return section_transformers(run)
+
+        figures, seconds = run_sections(sections, section, "gpu bench", args.no_progress)
+    header = (f"pagedtree GPU bench on {gpu}; torch {torch.__version__}; bf16, random weights, prompts of "
+              f"{run.prompt_len} tokens, steps timed over {run.output_len - run.short_len} extra tokens")
+    return report(figures, header, seconds, args.markdown, args.json)
 
 
 if __name__ == "__main__":

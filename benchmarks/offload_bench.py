@@ -34,17 +34,26 @@ One table, as text and markdown, and JSON. Under 5 minutes on an H100.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_bench import LLAMA_8B, QWEN_0_5B, TINY, TINY_DRAFT, Figure, free, table, weight_bytes, write_config  # noqa: E402
+from benchmarks.gpu_bench import (  # noqa: E402
+    LLAMA_8B,
+    QWEN_0_5B,
+    TINY,
+    TINY_DRAFT,
+    Figure,
+    bench_device,
+    free,
+    report,
+    run_sections,
+    weight_bytes,
+    write_config,
+)
 
 SECTIONS = ("bandwidth", "resident", "offloaded", "trees", "peer")
 # Mean acceptance length (tokens a step, the target's own included) of 64-node dynamic
@@ -281,65 +290,27 @@ def plot(figures: list[Figure], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = args.device
-    if device in ("auto", "cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            if device == "cuda":
-                print("error: --device cuda, but no CUDA device is available", file=sys.stderr)
-                return 2
-            device = "cpu"
-        else:
-            device = "cuda"
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        if not args.tiny:
-            print("note: --device cpu runs the Triton kernels in the interpreter; use --tiny", file=sys.stderr)
+    device = bench_device(args.device, args.tiny)
+    if device is None:
+        return 2
     import torch
-    from tqdm import tqdm
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (host memory standing in for the device)"
     sections = [s for s in SECTIONS if s in args.sections.split(",")]
-    figures: list[Figure] = []
-    seconds: dict[str, float] = {}
     state: dict = {}
     with tempfile.TemporaryDirectory(prefix="pagedtree-offload-bench-") as folder:
         bench = Bench(args, device, Path(folder))
-        bar = tqdm(sections, desc="offload bench", unit="section", disable=args.no_progress, file=sys.stderr)
-        for section in bar:
-            bar.set_postfix_str(section)
-            started = time.perf_counter()
-            try:
-                if section == "bandwidth":
-                    found = section_bandwidth(bench, state)
-                elif section == "resident":
-                    found = section_resident(bench, state)
-                elif section == "offloaded":
-                    found = section_offloaded(bench, state)
-                elif section == "trees":
-                    found = section_trees(bench, state, args.acceptance)
-                else:
-                    found = section_peer(bench, state)
-            except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
-                found = [Figure(section, "error", type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")]
-            figures += found
-            seconds[section] = round(time.perf_counter() - started, 1)
-            print("\n".join(f"  {f.section:10s} {f.case:42s} {f.value:>16s}  {f.versus}" for f in found), flush=True)
+        runs = {"bandwidth": section_bandwidth, "resident": section_resident, "offloaded": section_offloaded,
+                "trees": lambda b, st: section_trees(b, st, args.acceptance), "peer": section_peer}
+        figures, seconds = run_sections(sections, lambda section: runs[section](bench, state), "offload bench",
+                                        args.no_progress)
     shape = "tiny shapes" if args.tiny else f"Llama-3-8B shape ({weight_bytes(LLAMA_8B) / 2**30:.1f} GiB bf16)"
     header = (f"pagedtree offload bench on {name}; torch {torch.__version__}; {shape}, random weights, prompts of "
               f"{bench.prompt_len} tokens, steps timed over {bench.lengths[1] - bench.lengths[0]} extra tokens")
-    text = table(figures, header)
-    print(text)
-    print(f"sections took {seconds}")
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(header=header, seconds=seconds,
-                                                   figures=[asdict(f) for f in figures]), indent=1))
+    status = report(figures, header, seconds, args.markdown, args.json)
     if args.plot:
         plot(figures, args.plot, f"Offloaded decoding on {name}")
-    return 1 if any(f.case == "error" for f in figures) else 0
+    return status
 
 
 if __name__ == "__main__":
