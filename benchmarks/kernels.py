@@ -27,39 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
-import statistics
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# Peak HBM bandwidth in GB/s by device-name substring; first match wins, so more
-# specific names come first.
-PEAK_GBPS = [
-    ("GH200", 4000.0),
-    ("H200", 4800.0),
-    ("H100 NVL", 3900.0),
-    ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("H800", 3350.0),
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0),
-    ("L40S", 864.0),
-    ("L40", 864.0),
-    ("L4", 300.0),
-    ("A10G", 600.0),
-    ("A10", 600.0),
-    ("RTX 4090", 1008.0),
-    ("V100", 900.0),
-    ("MI300X", 5300.0),
-]
+from pagedtree.diagnostics.attention_workloads import (  # noqa: E402
+    Workload,
+    make_workload,
+    peak_gbps,
+    time_fn,
+)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -95,93 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def peak_gbps(device: torch.device, override: float | None) -> tuple[str, float | None]:
-    """The device's name and its peak memory bandwidth (None when unknown)."""
-    if device.type != "cuda":
-        return f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)", override
-    name = torch.cuda.get_device_name(device)
-    if override is not None:
-        return name, override
-    return name, next((gbps for key, gbps in PEAK_GBPS if key in name), None)
-
-
-@dataclass
-class Workload:
-    """B requests of T new tokens each (T = 1: decode) over L keys per request."""
-
-    query: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    plan: object
-    dense_q: torch.Tensor  # [B, H, T, D]
-    dense_k: torch.Tensor  # [B, H_kv, L, D]
-    dense_v: torch.Tensor
-    mask: torch.Tensor  # [B, 1, T, L] bool
-    ideal_bytes: int
-
-
-def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: random.Random) -> Workload:
-    """Random caches, shuffled block tables and random trees; dense copies for the baselines."""
-    from pagedtree.attention import torch_backend as reference
-    from pagedtree.step_data import AttentionMetadata
-    from pagedtree.kernels.attention_plan import PlanBuffers, build_kernel_plan
-
-    bs, hkv, d = args.block_size, args.kv_heads, args.head_dim
-    per_req = -(-ctx // bs)
-    num_blocks = batch * per_req + 1
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype).to(device)
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables = [ids[i * per_req : (i + 1) * per_req] for i in range(batch)]
-    parents = [None if nodes == 1 else [-1] + [rng.randrange(-1, j) for j in range(1, nodes)] for _ in range(batch)]
-    qsl = [i * nodes for i in range(batch + 1)]
-    slots = torch.zeros(batch * nodes, dtype=torch.long, device=device)
-    meta = AttentionMetadata(bs, slots, qsl, [ctx] * batch, tables, parents)
-    plan = build_kernel_plan(meta, num_blocks, PlanBuffers(device))
-    query = torch.randn(batch * nodes, args.heads, d, generator=gen).to(dtype).to(device)
-    pos = torch.arange(ctx)
-    gather = torch.stack([torch.tensor(t)[pos // bs] * bs + pos % bs for t in tables]).to(device)  # [B, L]
-    dense_k = k_cache.view(-1, hkv, d)[gather].transpose(1, 2).contiguous()
-    dense_v = v_cache.view(-1, hkv, d)[gather].transpose(1, 2).contiguous()
-    mask = torch.zeros(batch, nodes, ctx, dtype=torch.bool)
-    mask[:, :, : ctx - nodes] = True
-    for b, par in enumerate(parents):
-        mask[b, :, ctx - nodes :] = torch.ones(nodes, nodes, dtype=torch.bool).tril() if par is None else reference.ancestor_mask(par)
-    elem = torch.empty((), dtype=dtype).element_size()
-    ideal = 2 * batch * ctx * hkv * d * elem + 2 * batch * nodes * args.heads * d * elem
-    return Workload(
-        query=query, k_cache=k_cache, v_cache=v_cache, plan=plan,
-        dense_q=query.view(batch, nodes, args.heads, d).transpose(1, 2).contiguous(),
-        dense_k=dense_k, dense_v=dense_v, mask=mask.unsqueeze(1).to(device), ideal_bytes=ideal,
-    )
-
-
-def time_fn(fn, warmup: int, iters: int, device: torch.device) -> float:
-    """Median seconds of ``fn()``; on CUDA timed with events after an L2 flush."""
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    events = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
 
 
 def sdpa_fn(w: Workload, scale: float):

@@ -1,8 +1,8 @@
 """Check 5: tree attention against decode attention, timed with the kernel benchmark.
 
-Uses the measurement of ``benchmarks/kernels.py`` in the checkout (its workloads:
-B requests over L keys through shuffled block tables, random trees; its timer: CUDA
-events after an L2 flush, the median of the iterations) for a decode and for trees
+Uses the measurement ``benchmarks/kernels.py`` uses (``attention_workloads``: B
+requests over L keys through shuffled block tables, random trees; CUDA events after
+an L2 flush, the median of the iterations) for a decode and for trees
 of 16 and 64 nodes at two context lengths, and reports each tree's time over the
 decode's at the same KV length (the design target is at most 1.1x) and the decode's
 share of the memory bandwidth. Informational: the rows never
@@ -11,19 +11,16 @@ fail, except when the benchmark cannot run. In the interpreter the timings mean 
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import torch
 
-from pagedtree.diagnostics.report import INFO, Row, failed_run, skipped
+from pagedtree.diagnostics import attention_workloads as bench
+from pagedtree.diagnostics.report import INFO, Row, failed_run
 
 CHECK = "tree/decode kernel time"
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
 TARGET_RATIO = 1.1
 
 
@@ -52,21 +49,6 @@ def bench_plan(device_type: str, quick: bool) -> BenchPlan:
     return BenchPlan(2, (80, 160), (16, 64), 4, 2, 32, 16, torch.float32, warmup=0, iters=1)
 
 
-def load_benchmark(path: Path = BENCHMARK) -> ModuleType | None:
-    """``benchmarks/kernels.py`` of the checkout as a module (None where it is absent,
-    as in an installed package)."""
-    if not path.is_file():
-        return None
-    name = "pagedtree_benchmarks_kernels"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @dataclass(slots=True)
 class BenchPoint:
     """One timed launch: context length, tree nodes (1 = decode), seconds, ideal bytes."""
@@ -77,7 +59,7 @@ class BenchPoint:
     ideal_bytes: int
 
 
-def measure(plan: BenchPlan, device: torch.device, bench: ModuleType, seed: int = 0) -> list[BenchPoint]:
+def measure(plan: BenchPlan, device: torch.device, seed: int = 0) -> list[BenchPoint]:
     """Time the decode and every tree size at every context with the benchmark's
     workloads and timer."""
     from pagedtree.kernels import triton_ops
@@ -117,15 +99,12 @@ def spin_up(device: torch.device, seconds: float = 0.3) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_rows(device: torch.device, quick: bool, seed: int = 0, path: Path = BENCHMARK) -> list[Row]:
+def bench_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
     """Check 5's rows: per context, the decode's time and bandwidth, then each tree's
     time over the decode's."""
     plan = bench_plan(device.type, quick)
-    bench = load_benchmark(path)
-    if bench is None:
-        return [skipped(CHECK, "decode and trees", f"{path.name} not in this checkout")]
     try:
-        points = measure(plan, device, bench, seed)
+        points = measure(plan, device, seed)
         name, peak = bench.peak_gbps(device, None)
     except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
         return [failed_run(CHECK, "decode and trees", exc)]
