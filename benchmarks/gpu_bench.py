@@ -76,13 +76,32 @@ class Figure:
     detail: dict = field(default_factory=dict)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+def bench_parser(doc: str, sections: tuple[str, ...]) -> argparse.ArgumentParser:
+    """A GPU benchmark's parser with the options they share (``--device``, ``--tiny``,
+    ``--sections``, ``--json``, ``--markdown``, ``--no-progress``); ``doc`` is the
+    script's docstring (its first paragraph the description, the rest the epilog)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog="\n\n".join(doc.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--sections", default=",".join(sections), help=f"comma-separated subset of {sections}")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--markdown", default=None, help="write the table here as markdown")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def chosen_sections(parser: argparse.ArgumentParser, args: argparse.Namespace, sections: tuple[str, ...]) -> list[str]:
+    """``--sections`` in the script's order (a parser error names unknown ones)."""
+    asked = args.sections.split(",")
+    unknown = [s for s in asked if s not in sections]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {','.join(sections)}")
+    return [s for s in sections if s in asked]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = bench_parser(__doc__, SECTIONS)
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; tiny 8)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens a long run generates (default 64; "
                                                                        "tiny 6)")
@@ -91,13 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="also print where the host's time goes in batch-1 "
                                                                    "decode steps (cProfile) and torch.profiler's "
                                                                    "tables of host and GPU time")
-    parser.add_argument("--json", default=None, help="write the figures here")
-    parser.add_argument("--markdown", default=None, help="write the table here as markdown")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    args.chosen = chosen_sections(parser, args, SECTIONS)
     try:
         args.acceptance_lengths = {k: float(v) for k, v in (item.split("=") for item in args.acceptance.split(",")
                                                             if item)}
@@ -451,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
-    sections = [s for s in SECTIONS if s in args.sections.split(",")]
     with tempfile.TemporaryDirectory(prefix="pagedtree-gpu-bench-") as folder:
         run = Runner(args, device, Path(folder))
         plain_steps: dict = {}
@@ -469,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                 return section_llama(run, gpu)
             return section_transformers(run)
 
-        figures, seconds = run_sections(sections, section, "gpu bench", args.no_progress)
+        figures, seconds = run_sections(args.chosen, section, "gpu bench", args.no_progress)
     header = (f"pagedtree GPU bench on {gpu}; torch {torch.__version__}; bf16, random weights, prompts of "
               f"{run.prompt_len} tokens, steps timed over {run.output_len - run.short_len} extra tokens")
     return report(figures, header, seconds, args.markdown, args.json)

@@ -48,6 +48,8 @@ from benchmarks.gpu_bench import (  # noqa: E402
     TINY_DRAFT,
     Figure,
     bench_device,
+    bench_parser,
+    chosen_sections,
     free,
     report,
     run_sections,
@@ -64,27 +66,16 @@ SECTIONS = ("bandwidth", "resident", "offloaded", "trees", "peer")
 CPU_ACCEPTANCE = 7.88
 DRAFT_8B_VOCAB = dict(QWEN_0_5B, vocab_size=LLAMA_8B["vocab_size"], bos_token_id=LLAMA_8B["bos_token_id"],
                       eos_token_id=LLAMA_8B["eos_token_id"], max_position_embeddings=LLAMA_8B["max_position_embeddings"])
-TREE = {"tree": "dynamic", "top_k": 8, "depth": 8, "max_nodes": 64, "adaptive": False}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser = bench_parser(__doc__, SECTIONS)
     parser.add_argument("--acceptance", type=float, default=CPU_ACCEPTANCE,
                         help="mean acceptance length of the 64-node trees measured on CPU with the real pair "
                              "(default %(default)s)")
-    parser.add_argument("--json", default=None, help="write the figures here")
-    parser.add_argument("--markdown", default=None, help="write the table here as markdown")
     parser.add_argument("--plot", default=None, help="write a bar chart of the step times here (PNG)")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    args.chosen = chosen_sections(parser, args, SECTIONS)
     if not args.acceptance >= 1:
         parser.error("--acceptance is tokens a step, at least 1")
     return args
@@ -205,7 +196,11 @@ def section_offloaded(bench: Bench, state: dict) -> list[Figure]:
 
 def section_trees(bench: Bench, state: dict, acceptance: float) -> list[Figure]:
     figures = []
-    llm = bench.llm(max_num_seqs=16, offload_weights_gb="all", draft_model=bench.draft, speculative=TREE)
+    from pagedtree.speculative.presets import tree_preset  # after the device choice (the interpreter's flag)
+
+    # The offloaded default's 64-node trees at their full size every step.
+    llm = bench.llm(max_num_seqs=16, offload_weights_gb="all", draft_model=bench.draft,
+                    speculative=tree_preset("dynamic-64"))
     for batch in (1,) if bench.tiny else (1, 16):
         t = bench.step(llm, batch)
         plain = state.get(("offloaded", batch))
@@ -296,13 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (host memory standing in for the device)"
-    sections = [s for s in SECTIONS if s in args.sections.split(",")]
     state: dict = {}
     with tempfile.TemporaryDirectory(prefix="pagedtree-offload-bench-") as folder:
         bench = Bench(args, device, Path(folder))
         runs = {"bandwidth": section_bandwidth, "resident": section_resident, "offloaded": section_offloaded,
                 "trees": lambda b, st: section_trees(b, st, args.acceptance), "peer": section_peer}
-        figures, seconds = run_sections(sections, lambda section: runs[section](bench, state), "offload bench",
+        figures, seconds = run_sections(args.chosen, lambda section: runs[section](bench, state), "offload bench",
                                         args.no_progress)
     shape = "tiny shapes" if args.tiny else f"Llama-3-8B shape ({weight_bytes(LLAMA_8B) / 2**30:.1f} GiB bf16)"
     header = (f"pagedtree offload bench on {name}; torch {torch.__version__}; {shape}, random weights, prompts of "

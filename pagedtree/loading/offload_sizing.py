@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedtree.config import OFFLOAD_ALL
-
 GIB = 1 << 30
 
 
@@ -51,13 +49,10 @@ def device_weight_budget(device: torch.device, hf_config, dtype: torch.dtype, gp
     return int(total * gpu_memory_utilization) - used - activations - kv
 
 
-def should_offload(requested: float | str | None, device: torch.device, hf_config, dtype: torch.dtype,
-                   gpu_memory_utilization: float, max_num_batched_tokens: int, max_model_len: int | None) -> bool:
-    """Whether the target streams layers: asked for, or (None) a GPU short of room."""
-    if requested == OFFLOAD_ALL or (isinstance(requested, float) and requested > 0):
-        return True
-    if requested is not None:  # 0: never
-        return False
+def exceeds_device(device: torch.device, hf_config, dtype: torch.dtype, gpu_memory_utilization: float,
+                   max_num_batched_tokens: int, max_model_len: int | None) -> bool:
+    """Whether a GPU is short of room for the model's weights (``device_weight_budget``);
+    False on a CPU or where CUDA cannot say."""
     budget = device_weight_budget(device, hf_config, dtype, gpu_memory_utilization, max_num_batched_tokens,
                                   max_model_len)
     return budget is not None and estimate_weight_bytes(hf_config, dtype) > budget

@@ -93,13 +93,13 @@ def _target_offload(config: EngineConfig, device: torch.device, dtype: torch.dty
         from transformers import AutoConfig
 
         from pagedtree.loading.loader import resolve_model_path
-        from pagedtree.loading.offload_sizing import should_offload
+        from pagedtree.loading.offload_sizing import exceeds_device
 
         try:
             hf_config = AutoConfig.from_pretrained(str(resolve_model_path(config.model)))
         except (OSError, ValueError):  # the load reports a model it cannot find
             return None
-        if not should_offload(None, device, hf_config, dtype, config.gpu_memory_utilization,
+        if not exceeds_device(device, hf_config, dtype, config.gpu_memory_utilization,
                               config.max_num_batched_tokens, config.max_model_len):
             return None
         return OFFLOAD_AUTO
@@ -121,8 +121,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     target_quantization = _quantization(config.quantization)
     draft_quantization = target_quantization if config.draft_quantization is None \
         else _quantization(config.draft_quantization)
-    draft_quantizations = [draft_quantization for _ in config.draft_model or ()]
-    formats = {target_quantization, *draft_quantizations}
+    formats = {target_quantization, draft_quantization}
     for name in formats & {"q4", "q8"}:
         if device.type != "cpu":
             raise ValueError(f"quantization {name!r} runs on CPU only (ONNX Runtime's MLAS kernels)")
@@ -144,12 +143,13 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     speculative = config.speculative if config.speculation_enabled else None
     if offload is not None and speculative == SpeculativeConfig():  # the default, for a resident target
         speculative = SpeculativeConfig(**OFFLOADED_SPECULATION)
+    draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
+                                draft_quantization, device)
     drafts = tuple(
-        dataclasses.replace(target, model=name, quantization=quantization,
-                            dtype=resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
-                                                quantization, device),
+        dataclasses.replace(target, model=name, dtype=draft_dtype, quantization=draft_quantization,
+                            offload_weights_gb=None,  # drafts stay resident
                             head_vocab=speculative.draft_vocab_size if speculative is not None else None)
-        for name, quantization in zip(config.draft_model or (), draft_quantizations)
+        for name in config.draft_model or ()
     )
     return ResolvedConfig(
         target=target,

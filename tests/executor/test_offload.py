@@ -78,6 +78,7 @@ def test_an_offloaded_target_speculates_with_wide_trees_and_exact_outputs(tiny_l
     default = resolve_config(EngineConfig(model=str(tiny_llama.path), draft_model=str(draft_of_tiny_llama.path),
                                           offload_weights_gb="all"))
     assert default.speculative == SpeculativeConfig(**OFFLOADED_SPECULATION) and default.speculative.max_nodes == 64
+    assert default.target.offload_weights_gb == "all" and all(d.offload_weights_gb is None for d in default.drafts)
     # Those 64-node trees every step (here the host's pass is not flat, so the adaptive
     # budget would rightly shrink them), verified through the streamed layers.
     plain = LLM(str(tiny_llama.path), max_num_seqs=4, block_size=4)
