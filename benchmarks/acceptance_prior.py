@@ -22,7 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--datasets", default="coding,prose", help="prompt sets of pagedtree.bench.datasets")
+    parser.add_argument("--datasets", default="coding,prose", help="prompt sets of pagedtree.loadgen.datasets")
     parser.add_argument("--temperature", type=float, default=0.8, help="the sampling class's temperature")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedtree import LLM, SamplingParams
-    from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
+    from pagedtree.loadgen.datasets import PROMPT_SETS, chat_token_ids
     from pagedtree.speculative.budget.acceptance import request_class
 
     expansion = tuple(int(k) for k in args.expansion.split(","))
@@ -41,7 +41,7 @@ def main() -> None:
               speculative=dict(tree="static", expansion=expansion, max_nodes=sum(_level_sizes(expansion)),
                                adaptive=False))
     counts: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-    budget = llm.engine.speculator.budget
+    budget = llm.engine.speculation.budget
     original = budget.observe_verification
 
     def record(request, trials):

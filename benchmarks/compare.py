@@ -68,7 +68,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
+from pagedtree.loadgen.datasets import PROMPT_SETS, chat_token_ids
 from pagedtree.speculative.presets import tree_preset
 
 HERE = Path(__file__).resolve().parent

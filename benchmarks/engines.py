@@ -104,7 +104,7 @@ def clear_suffix_cache(llm) -> None:
     """Forget what the suffix drafter learnt from earlier requests' outputs (its global
     tree). Benchmarks repeat the same prompts: a tree that remembered the last timing's
     outputs would predict this one's whole output."""
-    spec = llm.engine.speculator
+    spec = llm.engine.speculation
     if spec is not None and spec.proposer.suffix is not None:
         spec.proposer.suffix.clear_global()
 

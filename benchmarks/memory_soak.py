@@ -1,7 +1,7 @@
 """A server's memory over a long run: RSS sampled under mixed clients, with a plot.
 
 Starts ``pagedtree serve`` in a process of its own, drives it with the soak's client
-mix (``pagedtree.bench.soak``: valid, disconnecting, hostile, long-prompt, huge-prompt,
+mix (``pagedtree.loadgen.soak``: valid, disconnecting, hostile, long-prompt, huge-prompt,
 constrained, hostile-constraint and slowloris clients) for ``--duration`` seconds, samples the server's RSS and its
 ``/metrics`` memory gauges every ``--interval`` seconds, waits for the engine to go
 idle, and reports the RSS after the warm-up, at the end, the slope of the last third
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedtree.bench.soak import (  # noqa: E402
+from pagedtree.loadgen.soak import (  # noqa: E402
     MemorySampler,
     SoakClients,
     plateau,
@@ -183,7 +183,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between RSS samples (default 10)")
     parser.add_argument("--warm-up", type=float, default=120.0, help="seconds before the RSS baseline (default 120)")
-    parser.add_argument("--clients", default="", help="loops per client kind and sizes (pagedtree.bench.soak.SoakClients), "
+    parser.add_argument("--clients", default="", help="loops per client kind and sizes (pagedtree.loadgen.soak.SoakClients), "
                                                       "e.g. valid=4,huge=1,long_max_words=300")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="benchmarks/results/soak")

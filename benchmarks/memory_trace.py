@@ -2,7 +2,7 @@
 
 Serves a model in this process (an ``AsyncEngine`` behind the aiohttp app, on a
 thread) with ``tracemalloc`` on, and drives it from a separate process with the
-soak's client mix (``python -m pagedtree.bench.soak --requests-per-loop N``: the
+soak's client mix (``python -m pagedtree.loadgen.soak --requests-per-loop N``: the
 same requests every round). After every round it waits until the engine is idle,
 collects garbage, and records the RSS, glibc's heap in use (``mallinfo2``), Python's
 allocated blocks, the objects the collector tracks by type, and a tracemalloc
@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> dict:
     client_env = dict(os.environ, PYTHONPATH=str(ROOT))  # the clients are this checkout's
     for index in range(args.rounds):
         started = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "pagedtree.bench.soak", "--url", url, "--requests-per-loop",
+        out = subprocess.run([sys.executable, "-m", "pagedtree.loadgen.soak", "--url", url, "--requests-per-loop",
                               str(args.requests_per_loop), "--clients", args.clients, "--seed", "1"],
                              capture_output=True, text=True, env=client_env, cwd=ROOT, check=True)
         while engine.num_active_requests:
@@ -160,7 +160,7 @@ def main() -> int:
     parser.add_argument("--warm-rounds", type=int, default=1, help="rounds before the growth baseline (default 1)")
     parser.add_argument("--requests-per-loop", type=int, default=8, help="requests each client loop sends a round")
     parser.add_argument("--clients", default="valid=3,disconnect=2,logprobs=1,hostile=2,long=1,huge=0,slowloris=0",
-                        help="the soak's client loops (pagedtree.bench.soak.SoakClients)")
+                        help="the soak's client loops (pagedtree.loadgen.soak.SoakClients)")
     parser.add_argument("--frames", type=int, default=1, help="tracemalloc frames per allocation (1 is fastest)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--source", default=None, help="serve from this checkout (an earlier version)")

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> dict:
     """One variant in this process: load, decode, time; returns its figures."""
     from pagedtree import LLM, SamplingParams
-    from pagedtree.bench.datasets import CODING_PROMPTS
+    from pagedtree.loadgen.datasets import CODING_PROMPTS
     from pagedtree.worker.models.linear import Linear
 
     kwargs = dict(VARIANTS[args.worker], max_model_len=1024, enable_prefix_caching=False, kv_cache_memory=256 * 2**20)

@@ -4,7 +4,7 @@ It models one attention launch (one layer) as the engine sends it: a decode is o
 query per request; a token tree of T nodes is T + 1 queries (the root, the last
 committed token, and the nodes: ``ScheduledChunk.with_tree``), which see the
 request's L committed keys plus the T node keys. The tile shape and split-KV come
-from the launch code itself (``attention_plan.choose_tile_shape`` with the real
+from the launch code itself (``tiles.choose_tile_shape`` with the real
 query count), and registers, warps and shared memory per program from the compiled
 kernels (the JSON of ``python -m pagedtree.kernels.cuda_compile``). Per launch:
 
@@ -85,7 +85,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedtree.kernels.attention_plan import choose_tile_shape, next_power_of_2  # noqa: E402
+from pagedtree.kernels.tiles import choose_tile_shape, next_power_of_2  # noqa: E402
 
 DEFAULT_COMPILED = Path(__file__).resolve().parent / "results" / "kernels_sm80_sm90.json"
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pagedtree  # noqa: F401 - before torch: OpenMP's passive wait policy
     from benchmarks.engines import EngineOptions, clear_suffix_cache, load_pagedtree, time_batches
-    from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
+    from pagedtree.loadgen.datasets import PROMPT_SETS, chat_token_ids
     from pagedtree.speculative import SpeculativeConfig
     from pagedtree.speculative.presets import tree_preset
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     info, run = load_pagedtree(options, None, 2048)
     print(f"loaded in {info.load_seconds:.1f} s", flush=True)
     llm = run.llm
-    engine, speculator = llm.engine, llm.engine.speculator
+    engine, speculator = llm.engine, llm.engine.speculation
     base = speculator.config
     arms: dict[str, SpeculativeConfig | None] = {"plain": None}
     for name in args.configs.split(","):

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engines import EngineOptions, load_pagedtree, load_transformers, time_batches  # noqa: E402
-from pagedtree.bench.datasets import CODING_PROMPTS, chat_token_ids  # noqa: E402
+from pagedtree.loadgen.datasets import CODING_PROMPTS, chat_token_ids  # noqa: E402
 from pagedtree.speculative import SpeculativeConfig  # noqa: E402
 from pagedtree.speculative.presets import TREE_PRESETS  # noqa: E402
 
@@ -176,7 +176,7 @@ def main() -> None:
         bar.update(1)
         llm.engine.set_speculation(True)
         for name, cfg in configs.items():
-            llm.engine.speculator.reconfigure(cfg)
+            llm.engine.speculation.reconfigure(cfg)
             tokens, seconds, delta = time_batches(run, [prompts], args.temperature, args.output_len)
             drafts = delta.get("num_drafts", 0)
             rows.append(Row(

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pagedtree.kernels.attention_plan import PlanBuffers, StaticShape, build_kernel_plan  # noqa: E402
+from pagedtree.kernels.attention_plan import PlanBuffers, build_kernel_plan
+from pagedtree.step_data import StaticShape  # noqa: E402
 from pagedtree.step_data import AttentionMetadata  # noqa: E402
 
 

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pagedtree.worker.model_runner as model_runner
     from pagedtree import LLM, SamplingParams
-    from pagedtree.bench.datasets import CODING_PROMPTS
+    from pagedtree.loadgen.datasets import CODING_PROMPTS
 
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=1024,
               enable_prefix_caching=False, kv_cache_memory=2**28)

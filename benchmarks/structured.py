@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     import pagedtree  # noqa: F401 - before torch: OpenMP's passive wait policy
     from benchmarks.engines import EngineOptions, clear_suffix_cache, load_pagedtree
     from pagedtree import SamplingParams, StructuredOutputsParams
-    from pagedtree.bench.datasets import chat_token_ids
+    from pagedtree.loadgen.datasets import chat_token_ids
 
     spec = {"drafter": args.drafter, **json.loads(args.spec)}
     drafts = [args.draft_model] if args.drafter != "suffix" else None

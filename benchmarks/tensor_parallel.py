@@ -3,7 +3,7 @@
 For each tensor-parallel size and batch size it starts an engine, prefills a batch
 of prompts, then times decode steps (``LLMEngine.step``, each one forward of the
 whole batch) and reads every rank's counters before and after
-(``LLMEngine.tensor_parallel_report``). A step's time splits into
+(``TensorParallelGroupHandle.report``). A step's time splits into
 
 - ``collectives``: rank 0's host time inside all-reduces and the logit gather (on
   CPU they block; this includes waiting for the slower rank);
@@ -58,7 +58,7 @@ def measure(model: str, ranks: int, batches: list[int], steps: int, dtype: str) 
     from tqdm.auto import tqdm
 
     from pagedtree import LLM, SamplingParams
-    from pagedtree.bench.datasets import CODING_PROMPTS as BENCH_PROMPTS
+    from pagedtree.loadgen.datasets import CODING_PROMPTS as BENCH_PROMPTS
 
     llm = LLM(model, dtype=dtype, tensor_parallel_size=ranks, max_model_len=1024, kv_cache_memory=256 * 2**20)
     engine = llm.engine
@@ -69,7 +69,7 @@ def measure(model: str, ranks: int, batches: list[int], steps: int, dtype: str) 
         for batch in tqdm(batches, desc=f"{ranks} rank(s)", unit="batch"):
             ids = [engine.add_request(None, BENCH_PROMPTS[i % len(BENCH_PROMPTS)], params) for i in range(batch)]
             while engine.scheduler.waiting or any(
-                not engine._parents[i].children[0].output_token_ids for i in ids
+                not engine.requests.parents[i].children[0].output_token_ids for i in ids
             ):
                 engine.step()  # prefill
             before = report(engine, ranks)
@@ -89,7 +89,7 @@ def measure(model: str, ranks: int, batches: list[int], steps: int, dtype: str) 
 def report(engine, ranks: int) -> list[dict]:
     """Every rank's counters (one rank: its runner's memory, no collectives)."""
     if ranks > 1:
-        return engine.tensor_parallel_report()
+        return engine.tensor_parallel.report()
     memory = engine.runner.memory_bytes()
     return [{"rank": 0, "models": [{"weight_bytes": memory["weights"], "kv_cache_bytes": memory["kv_cache"],
                                     "kv_blocks": engine.runner.num_blocks}],

@@ -12,7 +12,7 @@ import argparse
 import time
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.bench.datasets import CODING_PROMPTS
+from pagedtree.loadgen.datasets import CODING_PROMPTS
 from pagedtree.speculative import SpeculativeConfig
 
 TARGET = "qwen2.5-coder-1.5b-instruct"

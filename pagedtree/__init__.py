@@ -13,7 +13,7 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Before any oneDNN operation runs in this process: bound its primitive caches.
-from pagedtree.worker.host_allocator import bound_onednn_caches  # noqa: E402
+from pagedtree.host_memory import bound_onednn_caches  # noqa: E402
 
 bound_onednn_caches()
 

@@ -1,10 +1,11 @@
-"""The data one engine step passes along: plan, attention metadata, outputs, result.
+"""The data one engine step passes along: plan, attention metadata, result.
 
 A step is three calls (``LLMEngine.step``): the scheduler returns a ``StepPlan``;
 the step runner turns it into a ``StepResult`` (drafting token trees, one forward,
 one device readback, verification); the engine and the scheduler update requests
 and KV bookkeeping from that result. Everything here is plain data with no behaviour
-beyond small pure helpers, so every layer may import it.
+beyond small pure helpers, so every layer may import it. (What a forward leaves on
+the device until its readback is ``worker.step_output.StepOutput``.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedtree.request import Request
-from pagedtree.sampling import DeviceRows, QueuedReadBack, SampleResult, queue_read_back
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -168,55 +168,16 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
-class StepOutput:
-    """What one forward produced, first on the device, then on the host.
+class Verified:
+    """What verification decided for a step's trees: the tokens each request
+    commits (its accepted path, then the target's own token), the accepted node
+    count, the KV moves that put each accepted path in place, and the requests whose
+    verification raised (to fail alone)."""
 
-    The model runner leaves a draw for every plain chunk that asked for logits in
-    ``sample_groups`` and every row's logits of each token-tree (VERIFY) chunk in
-    ``verify_logits``; the verifier stages each tree's row outcomes in
-    ``verify_rows``. ``read_back`` then brings all of it to the host in one copy (a
-    GPU step's one sync), filling ``samples`` and ``verified_rows``.
-    """
-
-    sample_groups: list[tuple[list[str], DeviceRows]] = field(default_factory=list)
-    verify_logits: dict[str, torch.Tensor] = field(default_factory=dict)
-    verify_rows: dict[str, DeviceRows] = field(default_factory=dict)
-    samples: dict[str, SampleResult] = field(default_factory=dict)
-    verified_rows: dict[str, tuple[list[SampleResult], list[bool] | None]] = field(default_factory=dict)
-    queued: QueuedReadBack | None = None  # the readback's copy, queued and not yet waited for
-
-    def merge(self, other: StepOutput) -> None:
-        """Take another (partial) step's device results in (failure isolation)."""
-        self.sample_groups.extend(other.sample_groups)
-        self.verify_logits.update(other.verify_logits)
-        self.verify_rows.update(other.verify_rows)
-
-    def read_back(self) -> None:
-        """Bring every staged result to the host in one copy."""
-        self.start_read_back()
-        self.finish_read_back()
-
-    def start_read_back(self) -> None:
-        """Queue the one copy of every staged result (nothing waits yet); the device
-        rows stay readable (``token_sources``) until ``finish_read_back``."""
-        groups = [rows for _, rows in self.sample_groups] + list(self.verify_rows.values())
-        self.queued = queue_read_back(groups)
-
-    def finish_read_back(self) -> None:
-        """Wait for the queued copy and fill ``samples`` and ``verified_rows``."""
-        if self.queued is None:
-            self.start_read_back()
-        host = self.queued.read_back()
-        for (request_ids, _), (results, _) in zip(self.sample_groups, host):
-            self.samples.update(zip(request_ids, results))
-        self.verified_rows.update(zip(self.verify_rows, host[len(self.sample_groups):]))
-        self.sample_groups, self.verify_rows, self.queued = [], {}, None
-
-    def token_sources(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """Where each plain chunk's drawn token is on the device: ``(tokens, row)`` by
-        request id (the next step can feed it as an input before it is read back)."""
-        return {rid: (rows.tokens, i) for request_ids, rows in self.sample_groups
-                for i, rid in enumerate(request_ids)}
+    committed: dict[str, list[Committed]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    slot_moves: list[SlotMove] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -230,6 +191,9 @@ class StepResult:
     accepted: dict[str, int] = field(default_factory=dict)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     slot_moves: list[SlotMove] = field(default_factory=list)
+    # The model's top probability at each plain draw that reported one (request id ->
+    # probability; ``ModelRunner.report_confidence``).
+    confidence: dict[str, float] = field(default_factory=dict)
     num_tree_nodes: int = 0  # tree nodes verified in the step
     forward_seconds: float = 0.0  # the target's forward, up to its one readback
     draft_seconds: float = 0.0  # the draft models' forwards
@@ -237,3 +201,25 @@ class StepResult:
     def fail(self, request: Request, exc: Exception) -> None:
         """Record a request that must fail alone."""
         self.failed.append((request, exc))
+
+
+@dataclass(frozen=True, slots=True)
+class StaticShape:
+    """A step padded to a fixed shape, whose plan must sit at the same addresses and
+    pick the same kernels every time (a CUDA graph replays its launches): ``bucket``
+    requests of ``tokens`` new tokens each (the caller pads the step), block tables
+    ``max_blocks`` wide, a tree-mask section for every token when ``tokens > 1``
+    (whether or not the step has trees), and every buffer in slots of its own shape
+    but the block tables: the first ``bucket`` rows of one persistent device table
+    of ``table_rows`` rows (the largest bucket; 0: ``bucket``) shared by every shape
+    of that width (``DeviceBlockTables``)."""
+
+    bucket: int
+    max_blocks: int
+    tokens: int = 1
+    table_rows: int = 0
+
+    @property
+    def tag(self) -> str:
+        """Suffix of this shape's buffer slots."""
+        return f":b{self.bucket}t{self.tokens}"

@@ -199,7 +199,7 @@ def fused_gpu_llm(model, dtype: str, monkeypatch, **kwargs) -> "LLM":
               max_num_seqs=4, block_size=4, **kwargs)
     engine = llm.engine
     assert engine.runner.model.enable_fused_gpu_ops()
-    for draft in getattr(engine.speculator, "drafts", ()) if engine.speculator is not None else ():
+    for draft in engine.speculation.drafts:
         assert draft.runner.model.enable_fused_gpu_ops()
     return llm
 

@@ -92,7 +92,7 @@ def test_models_list(capsys):
 # (runpy, as ``python script --help`` would): a process per script cost seconds each.
 SCRIPTS = sorted(str(p.relative_to(ROOT)) for folder in ("benchmarks", "benchmarks/peers", "examples")
                  for p in (ROOT / folder).glob("*.py"))
-MODULES = ["-m pagedtree.bench.soak", "-m pagedtree.entrypoints.cli", "-m pagedtree.entrypoints.cli worker"]
+MODULES = ["-m pagedtree.loadgen.soak", "-m pagedtree.entrypoints.cli", "-m pagedtree.entrypoints.cli worker"]
 # What some answers must name besides "usage".
 EXPECTED = {
     "benchmarks/kernels.py": ["--peak-gbps", "--quick"],

@@ -1,8 +1,9 @@
 """The packages depend on each other one way only, and no two files import each other.
 
-entrypoints -> bench/diagnostics -> engine -> executor -> speculative/loading -> worker ->
+entrypoints -> loadgen/diagnostics -> engine -> executor -> speculative/loading -> worker ->
 scheduler/attention/distributed -> kernels -> step_data -> plain data (config,
-sampling_params, request, outputs, uploads, sampling) -> text_checks, numba_cache, devices. Every import
+sampling_params, request, outputs, uploads, sampling) -> text_checks, numba_cache, devices,
+host_memory. Every import
 (at module level, inside a function, or under ``TYPE_CHECKING``) must point to a
 lower layer or stay in its own package, so there are no import cycles between
 packages; inside a package, the files' imports form no cycle either.
@@ -19,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedtree"
 
 # Lower numbers are lower layers; each key is a package or a top-level module.
 LAYERS = {
-    "text_checks": 0, "numba_cache": 0, "devices": 0,
+    "text_checks": 0, "numba_cache": 0, "devices": 0, "host_memory": 0,
     "structured_params": 1,
     "config": 2, "sampling_params": 2, "outputs": 2, "uploads": 2,
     "structured": 3,
@@ -31,7 +32,7 @@ LAYERS = {
     "loading": 9, "speculative": 9,
     "executor": 10,
     "engine": 11,
-    "bench": 12, "diagnostics": 12,
+    "loadgen": 12, "diagnostics": 12,
     "entrypoints": 13,
 }
 

@@ -70,7 +70,7 @@ def test_qwen_pair_tree_speculation_equals_plain_decoding():
         SpeculativeConfig(tree="dynamic", top_k=4, depth=6, max_nodes=16, adaptive=False),
         SpeculativeConfig(tree="sequoia", depth=6, max_nodes=12, adaptive=False),
     ):
-        llm.engine.speculator.reconfigure(spec)
+        llm.engine.speculation.reconfigure(spec)
         outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert outs == plain, spec.tree
     stats = llm.stats()

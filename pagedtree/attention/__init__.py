@@ -10,32 +10,57 @@
 
 Every backend implements ``AttentionBackend`` (``backend.py``): ``begin_step(meta)``
 once per forward, then ``backend(layer, q, k, v)`` per layer, plus ``copy_blocks``
-and ``copy_slots``. ``BACKENDS`` names each one's class; a new backend is one file
-and one line there.
+and ``copy_slots``, and says where it cannot run (``unavailable``). ``BACKENDS``
+names each one's class and where "auto" may choose it, in the order "auto" prefers
+them; a new backend is one file and one entry there.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
 from pagedtree.attention.backend import AttentionBackend
 from pagedtree.attention.torch_backend import TorchPagedAttention
 
-# name -> "module:class" of its backend, imported when first made (Triton and numba
-# are optional).
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    """Where a backend's class is, imported when first asked about (Triton and numba
+    are optional), where "auto" may choose it, and what to install when it does not
+    import."""
+
+    target: str  # "module:class"
+    auto_devices: tuple[str, ...]  # device types on which it is the default
+    requires: str = ""
+
+
+# "auto" takes the first, in this order, that may run on the device by default,
+# imports and takes the cache.
 BACKENDS = {
-    "torch": "pagedtree.attention.torch_backend:TorchPagedAttention",
-    "cpu": "pagedtree.attention.cpu_backend:CpuPagedAttention",
-    "triton": "pagedtree.attention.triton_backend:TritonPagedAttention",
+    "triton": BackendEntry("pagedtree.attention.triton_backend:TritonPagedAttention", ("cuda",),
+                           "Triton (pip install triton)"),
+    "cpu": BackendEntry("pagedtree.attention.cpu_backend:CpuPagedAttention", ("cpu",), "numba (pip install numba)"),
+    "torch": BackendEntry("pagedtree.attention.torch_backend:TorchPagedAttention", ("cpu", "cuda")),
 }
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 
 
+def backend_class(name: str) -> type[AttentionBackend] | None:
+    """The backend class called ``name``, or None when its module does not import."""
+    module, cls = BACKENDS[name].target.split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError:
+        return None
+
+
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """The concrete backend for ``name`` and a KV cache of ``dtype``: "auto" is Triton on
-    CUDA; on CPU the in-place kernel ("cpu") for fp32/bf16 when numba imports, else torch.
+    """The concrete backend for ``name`` and a KV cache of ``dtype`` on ``device``:
+    "auto" is the first of ``BACKENDS`` that may run there by default (Triton on
+    CUDA; on CPU the in-place kernel for fp32/bf16 caches when numba imports; else
+    torch); a named backend is checked, with an error that says what is missing.
 
     "triton" on CPU runs the kernels in Triton's interpreter (slow; for tests), which
     must be switched on with ``TRITON_INTERPRET=1`` before pagedtree is imported.
@@ -43,46 +68,21 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        if device.type == "cuda":
-            return "triton" if _triton_kernels_available() else "torch"
-        return "cpu" if _cpu_kernel_available(dtype) else "torch"
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend='cpu' runs on CPU only, not {device}")
-        if not _cpu_kernel_available(dtype):
-            raise ValueError(
-                f"attention_backend='cpu' needs numba (pip install numba) and an fp32 or bf16 KV cache, got {dtype}"
-            )
-    if name == "triton":
-        if not _triton_kernels_available():
-            raise ValueError(
-                "attention_backend='triton' needs Triton (pip install triton); "
-                "it could not be imported, use attention_backend='torch'"
-            )
-        from pagedtree.kernels.triton_ops import check_device
-
-        check_device(device)  # on CPU: a clear error unless TRITON_INTERPRET=1 was set in time
+        for candidate, entry in BACKENDS.items():
+            if device.type not in entry.auto_devices:
+                continue  # not imported: Triton stays out of a CPU process
+            cls = backend_class(candidate)
+            if cls is not None and cls.unavailable(device, dtype) is None:
+                return candidate
+        raise ValueError(f"no attention backend runs a {dtype} KV cache on {device}")
+    cls = backend_class(name)
+    if cls is None:
+        raise ValueError(f"attention_backend={name!r} needs {BACKENDS[name].requires}; it could not be imported, "
+                         "use attention_backend='torch'")
+    reason = cls.unavailable(device, dtype)
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
     return name
-
-
-def _triton_kernels_available() -> bool:
-    """Whether the Triton kernels import (Triton installed)."""
-    try:
-        import pagedtree.attention.triton_backend  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _cpu_kernel_available(dtype: torch.dtype) -> bool:
-    """Whether the numba kernel imports (numba installed) and takes ``dtype`` caches."""
-    try:
-        import pagedtree.kernels.cpu_attention  # noqa: F401  (imports numba)
-    except ImportError:
-        return False
-    from pagedtree.attention.cpu_backend import supports_dtype
-
-    return supports_dtype(dtype)
 
 
 def make_backend(name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> AttentionBackend:
@@ -91,9 +91,11 @@ def make_backend(name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], 
         name = resolve_backend_name(name, kv_caches[0][0].device, kv_caches[0][0].dtype)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(kv_caches, scale)
+    cls = backend_class(name)
+    if cls is None:
+        raise ValueError(f"attention_backend={name!r} needs {BACKENDS[name].requires}; it could not be imported")
+    return cls(kv_caches, scale)
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BACKENDS", "TorchPagedAttention", "make_backend",
-           "resolve_backend_name"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BACKENDS", "TorchPagedAttention", "backend_class",
+           "make_backend", "resolve_backend_name"]

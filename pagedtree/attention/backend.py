@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pagedtree.kernels.attention_plan import StaticShape
+    from pagedtree.step_data import StaticShape
     from pagedtree.step_data import AttentionMetadata
 
 
@@ -26,6 +26,12 @@ class AttentionBackend(ABC):
     """Paged (tree) attention over per-layer KV caches ``[blocks, block_size, H_kv, D]``."""
 
     name: str = ""
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot hold a KV cache of ``dtype`` on ``device`` in this
+        process (None: it can)."""
+        return None
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
         self.kv_caches = kv_caches

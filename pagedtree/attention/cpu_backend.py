@@ -27,13 +27,13 @@ from pagedtree.attention.torch_backend import (
     ancestor_mask,
     build_reference_plan,
     paged_attention,
-    store_kv,
+    store_kv_reference,
 )
 from pagedtree.kernels.cpu_attention import paged_attention_kernel
 from pagedtree.kernels.numba_arrays import as_kernel_array
 
 if TYPE_CHECKING:
-    from pagedtree.kernels.attention_plan import StaticShape
+    from pagedtree.step_data import StaticShape
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -125,6 +125,15 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu"
 
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """CPU caches of fp32 or bf16 only."""
+        if device.type != "cpu":
+            return f"it runs on CPU only, not {device}"
+        if not supports_dtype(dtype):
+            return f"it needs an fp32 or bf16 KV cache, got {dtype}"
+        return None
+
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
         super().__init__(kv_caches, scale)
         if not kv_caches:
@@ -177,7 +186,7 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError(f"{query.shape[0]} query tokens for a step of {plan.num_tokens}")
         key_cache, value_cache = self.kv_caches[layer_index]
         if plan.large.groups:  # the kernel stores only the rows of the requests it serves
-            store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)
+            store_kv_reference(key, value, key_cache, value_cache, self._meta.slot_mapping)
         query32 = query.to(torch.float32).contiguous()
         out = torch.empty_like(query32)
         if plan.members.size:

@@ -24,7 +24,7 @@ from pagedtree.attention.backend import AttentionBackend
 from pagedtree.step_data import AttentionMetadata
 
 if TYPE_CHECKING:
-    from pagedtree.kernels.attention_plan import StaticShape
+    from pagedtree.step_data import StaticShape
 
 # Requests with at most this many new tokens (decode steps, token trees) are padded
 # into one batched attention call; longer prefill chunks each get their own call so
@@ -156,7 +156,7 @@ def _build_group(
     )
 
 
-def store_kv(
+def store_kv_reference(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
@@ -275,7 +275,7 @@ class TorchPagedAttention(AttentionBackend):
         """Store ``key``/``value`` and return attention of ``query`` (gathers + SDPA)."""
         assert self._meta is not None and self._plan is not None, "begin_step first"
         key_cache, value_cache = self.kv_caches[layer_index]
-        store_kv(key, value, key_cache, value_cache, self._meta.slot_mapping)
+        store_kv_reference(key, value, key_cache, value_cache, self._meta.slot_mapping)
         return paged_attention(query, key_cache, value_cache, self._plan, self.scale)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -22,11 +22,11 @@ import torch
 from pagedtree.attention.backend import AttentionBackend
 from pagedtree.devices import same_device
 from pagedtree.kernels import triton_ops
-from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, StaticShape, build_kernel_plan
+from pagedtree.kernels.attention_plan import KernelPlan, PlanBuffers, build_kernel_plan
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
 if TYPE_CHECKING:
-    from pagedtree.step_data import AttentionMetadata
+    from pagedtree.step_data import AttentionMetadata, StaticShape
 
 __all__ = ["INTERPRETED", "TritonPagedAttention"]
 
@@ -35,6 +35,15 @@ class TritonPagedAttention(AttentionBackend):
     """Paged (tree) attention through Triton kernels; one attention launch per layer."""
 
     name = "triton"
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """CUDA devices, or a CPU under the interpreter (``triton_ops.check_device``)."""
+        try:
+            triton_ops.check_device(device)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
         if not kv_caches:

@@ -110,7 +110,7 @@ def make_llm(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: 
         engine = llm.engine
         tree_tokens = 1 + tree.max_nodes if tree is not None else 1
         engine.runner.enable_cuda_graphs(setup.max_num_seqs, engine.max_model_len, tree_tokens, capture=False)
-        for draft in engine.speculator.drafts if engine.speculator is not None else ():
+        for draft in engine.speculation.drafts:
             draft.runner.enable_cuda_graphs(setup.max_num_seqs * 4, engine.max_model_len, DRAFT_GRAPH_TOKENS,
                                                  capture=False)
     return llm
@@ -162,8 +162,7 @@ def greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs
         stats = llm.stats()
         result.draft_tokens = int(stats.get("num_draft_tokens", 0))
         result.accepted_tokens = int(stats.get("num_accepted_tokens", 0))
-        steps = llm.engine.async_steps
-        result.steps_ahead = steps.num_steps_ahead if steps is not None else 0
+        result.steps_ahead = llm.engine.async_steps.num_steps_ahead
         return result
     finally:
         release(llm)
@@ -171,8 +170,7 @@ def greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs
 
 def _record_graphs(llm, result: RunResult) -> None:
     runners = [llm.engine.runner]
-    if llm.engine.speculator is not None:
-        runners += [d.runner for d in llm.engine.speculator.drafts]
+    runners += [d.runner for d in llm.engine.speculation.drafts]
     graphs = [r.graphs for r in runners if getattr(r, "graphs", None) is not None]
     result.graphs_active = len(graphs) == len(runners)
     result.graph_steps = sum(g.num_steps for g in graphs)

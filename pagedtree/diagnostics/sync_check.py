@@ -4,7 +4,7 @@ Syncs are counted per engine step, and within it over the target's window, from
 ``ModelRunner.execute`` starting to ``StepOutput.read_back`` returning, where the
 design allows exactly one (the readback). The whole step's count (draft levels read
 their children back once each) is shown beside it. The measure is
-``pagedtree.worker.sync_guard.SyncGuard`` where it exists (on CUDA: torch's sync
+``pagedtree.diagnostics.sync_guard.SyncGuard`` where it exists (on CUDA: torch's sync
 debug mode, plus the explicit synchronize calls and pageable uploads it does not
 report, each with the pagedtree line that made it), else the warnings of
 ``torch.cuda.set_sync_debug_mode("warn")`` directly.
@@ -46,7 +46,7 @@ def default_recorder(device: torch.device) -> tuple[str, Recorder]:
     """``(name, recorder)``: the sync guard on ``device`` where the engine has one,
     else the sync debug mode's warnings (CUDA only)."""
     try:
-        from pagedtree.worker.sync_guard import SyncGuard
+        from pagedtree.diagnostics.sync_guard import SyncGuard
     except ImportError:
         return "sync debug mode warnings", cuda_sync_warnings
 
@@ -95,7 +95,7 @@ class _Window:
 def target_window(runner, caught: list) -> Iterator[_Window]:
     """Mark, in ``caught``, where ``runner.execute`` starts and ``StepOutput.read_back``
     returns (patched on their classes while the context lasts)."""
-    from pagedtree.step_data import StepOutput
+    from pagedtree.worker.step_output import StepOutput
 
     window = _Window()
     runner_class = type(runner)
@@ -106,8 +106,8 @@ def target_window(runner, caught: list) -> Iterator[_Window]:
             window.start = len(caught)
         return execute(self, plan, *args)
 
-    def marked_read_back(self):
-        out = read_back(self)
+    def marked_read_back(self, *args):
+        out = read_back(self, *args)
         if window.start is not None:
             window.end = len(caught)
         return out

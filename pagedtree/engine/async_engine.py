@@ -30,7 +30,8 @@ from pagedtree.engine.engine_thread import (
     StopCommand,
 )
 from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
-from pagedtree.engine.llm_engine import LLMEngine, PromptType
+from pagedtree.engine.input_processor import PromptType
+from pagedtree.engine.llm_engine import LLMEngine
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.text_checks import check_text
 

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from pagedtree.outputs import RequestOutput
 from pagedtree.scheduler.scheduler import Scheduler
-from pagedtree.speculative.step_runner import LaunchedStep, StepRunner
+from pagedtree.engine.step_runner import LaunchedStep, StepRunner
 from pagedtree.step_data import StepPlan, StepResult
 
 
@@ -50,11 +50,11 @@ class SteppingEngine(Protocol):
 class AsyncSteps:
     """The engine's steps, each launched before its predecessor is read back."""
 
-    def __init__(self, engine: SteppingEngine):
+    def __init__(self, engine: SteppingEngine, enabled: bool):
         self.engine = engine
         self.pending: LaunchedStep | None = None
         self.num_steps_ahead = 0  # steps planned and launched ahead of a readback
-        self.enabled = True  # ``LLMEngine.set_async_scheduling``
+        self.enabled = enabled  # ``LLMEngine.set_async_scheduling``
 
     def applies(self) -> bool:
         """Whether the engine's steps may run this way now (on, and speculation off)."""

@@ -21,11 +21,12 @@ from typing import Any, Protocol
 from pagedtree.config import EngineConfig
 from pagedtree.distributed.group import TensorParallelError
 from pagedtree.engine.errors import EngineStoppedError, InvalidRequestError
-from pagedtree.engine.llm_engine import LLMEngine, PromptType
+from pagedtree.engine.input_processor import PromptType
+from pagedtree.engine.llm_engine import LLMEngine
 from pagedtree.engine.warm_up import warm_up
 from pagedtree.outputs import RequestOutput
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.worker.host_allocator import IDLE_TRIM_DELAY, HeapTrimmer
+from pagedtree.host_memory import IDLE_TRIM_DELAY, HeapTrimmer
 
 logger = logging.getLogger("pagedtree.async")
 
@@ -257,7 +258,7 @@ class EngineThread(threading.Thread):
             try:
                 if new.request_id in self._sinks or any(p.request_id == new.request_id for p in parents):
                     raise ValueError(f"request_id {new.request_id!r} is already in use")
-                parent = engine.make_requests(new.request_id, new.prompt, new.params)
+                parent = engine.input_processor.make_requests(new.request_id, new.prompt, new.params)
                 params = parent.children[0].params
                 num_prompt = len(parent.prompt_token_ids)
                 if command.check_context and params.max_tokens is not None:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pagedtree.config import EngineConfig
-from pagedtree.engine.llm_engine import LLMEngine, PromptType, prompts_and_params
+from pagedtree.engine.input_processor import PromptType, prompts_and_params
+from pagedtree.engine.llm_engine import LLMEngine
 from pagedtree.outputs import RequestOutput
 from pagedtree.sampling_params import SamplingParams
 
@@ -62,7 +63,7 @@ class LLM:
         parents = []
         for index, (prompt, params) in enumerate(pairs):
             try:
-                parents.append(engine.make_requests(engine.next_request_id(), prompt, params))
+                parents.append(engine.input_processor.make_requests(engine.requests.next_id(), prompt, params))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from exc
         for parent in parents:

@@ -1,18 +1,25 @@
-"""Appending sampled tokens to requests, one at a time, with exact stop checks.
+"""Appending sampled tokens to requests, one at a time, with exact stop checks, and
+the user-facing outputs.
 
 Tokens arrive one per step in plain decoding and several per step under tree
-speculation; either way they pass through ``append_token`` one by one, so EOS,
-stop tokens, stop strings, max_tokens and the context limit cut the output at
-exactly the token where plain decoding would have stopped.
+speculation; either way they pass through ``append_token`` one by one (``commit``
+also moves a request's grammar past each), so EOS, stop tokens, stop strings,
+max_tokens, the grammar's end and the context limit cut the output at exactly the
+token where plain decoding would have stopped. ``request_output`` turns a user
+request's sequences into the ``RequestOutput`` the caller sees.
 """
 
 from __future__ import annotations
 
 import time
 
+from collections.abc import Mapping, Sequence
+
 from pagedtree.engine.detokenizer import IncrementalDetokenizer
-from pagedtree.outputs import CompletionOutput
+from pagedtree.engine.input_processor import ParentRequest
+from pagedtree.outputs import CompletionOutput, RequestOutput
 from pagedtree.request import Request, RequestStatus
+from pagedtree.step_data import Committed
 
 
 class OutputProcessor:
@@ -71,9 +78,49 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def commit(self, request: Request, tokens: Sequence[Committed]) -> tuple[RequestStatus | None, Exception | None]:
+        """Append a step's committed tokens in order, each checked for stops and
+        against the request's grammar: the status the request ends with, if it ends,
+        and the error it fails with, if a token breaks its grammar (which masked
+        sampling and verification never commit)."""
+        for token_id, logprob, top in tokens:
+            status = self.append_token(request, token_id, logprob, top)
+            grammar = request.grammar
+            if status is None and grammar is not None:
+                if not grammar.accept(token_id):
+                    return None, RuntimeError(f"token {token_id} does not follow the request's "
+                                              "structured_outputs grammar")
+                if grammar.terminated:
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                return status, None
+        return None, None
+
     def release(self, request_id: str) -> None:
         """Drop the detokenizer state of a finished request."""
         self._detokenizers.pop(request_id, None)
+
+    @staticmethod
+    def request_output(parent: ParentRequest, extra_metrics: Mapping[str, float]) -> RequestOutput:
+        """A user request's outputs so far: its sequences' completions, errors and
+        timing metrics (and ``extra_metrics``: speculation's)."""
+        errors = [c.error for c in parent.children if c.error]
+        first = parent.children[0]
+        metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": float(first.num_cached_tokens)}
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        if parent.finished:
+            metrics["finish_time"] = max(c.finish_time or 0.0 for c in parent.children)
+        metrics.update(extra_metrics)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[OutputProcessor.completion(c, i) for i, c in enumerate(parent.children)],
+            finished=parent.finished,
+            error="; ".join(errors) if errors else None,
+            metrics=metrics,
+        )
 
     @staticmethod
     def completion(request: Request, index: int) -> CompletionOutput:

@@ -21,7 +21,7 @@ from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.speculative.drafting.draft_worker import DraftWorker
 from pagedtree.speculative.budget.priors import acceptance_prior
 from pagedtree.speculative.speculator import Speculator
-from pagedtree.worker.calibration import CalibrationCache, calibrate, calibration_key
+from pagedtree.speculative.budget.calibration import CalibrationCache, calibrate, calibration_key
 from pagedtree.worker.model_runner import ModelRunner
 
 

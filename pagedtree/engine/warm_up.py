@@ -60,7 +60,8 @@ def warm_up(engine) -> WarmUpReport:
     steps = 0
     # The speculator sits out: no acceptance evidence, suffix outputs or step timings
     # (cold ones would skew its cost model) from random prompts.
-    with engine.speculation_paused():
+    saved_budget, engine.scheduler.budget_policy = engine.scheduler.budget_policy, None
+    with engine.step_runner.speculation_paused():
         try:
             for index, (job_prompt, params) in enumerate(jobs):
                 engine.add_request(f"warm-up-{index}", job_prompt, params)
@@ -71,6 +72,7 @@ def warm_up(engine) -> WarmUpReport:
             for index in range(len(jobs)):
                 engine.abort_request(f"warm-up-{index}")
             counters.restore(engine)
+            engine.scheduler.budget_policy = saved_budget
     return WarmUpReport(len(jobs), steps, time.monotonic() - started)
 
 

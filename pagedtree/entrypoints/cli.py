@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from pagedtree.bench.serving import main as serving_main
+    from pagedtree.loadgen.serving import main as serving_main
 
     return serving_main(args.args, prog="pagedtree bench serve")
 

@@ -24,11 +24,11 @@ from aiohttp import web
 from pagedtree.engine.async_engine import AsyncEngine, new_request_id
 from pagedtree.engine.async_stream import RequestStream, StreamOutput
 from pagedtree.engine.errors import EngineOverloadedError, EngineStoppedError, InvalidRequestError
-from pagedtree.engine.llm_engine import PromptType
+from pagedtree.engine.input_processor import PromptType
 from pagedtree.entrypoints.error_log import RateLimitedErrorLog
 from pagedtree.entrypoints.fields import BadRequest
 from pagedtree.entrypoints.limits import ServerLimits, read_json_object
-from pagedtree.entrypoints.metrics import ServerMetrics
+from pagedtree.entrypoints.prometheus_metrics import ServerMetrics
 from pagedtree.entrypoints.structured_fields import field_message
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.structured.compile_service import CompileQueueFull

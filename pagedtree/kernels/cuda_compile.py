@@ -63,7 +63,7 @@ PHASES = {
 
 # What a compile's outcome depends on besides the Triton version: the kernels, their
 # launchers, the tile rules and the cases here.
-SOURCES = ("triton_kernels.py", "triton_ops.py", "attention_plan.py", "cuda_compile.py")
+SOURCES = ("triton_kernels.py", "triton_ops.py", "tiles.py", "attention_plan.py", "cuda_compile.py")
 # The pairwise covering for sm_80 and sm_90 as last compiled (``--cover pairwise
 # --json``), checked against the sources in the default test suite.
 RECORD = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels_sm80_sm90.json"
@@ -232,6 +232,7 @@ def _launch_step(arch: int, dtype: torch.dtype, head_dim: int, group: int, block
     copy-on-write block copy and a slot compaction."""
     from pagedtree.kernels import attention_plan as AP
     from pagedtree.kernels import triton_ops
+    from pagedtree.kernels.tiles import choose_tile_shape
 
     meta, num_blocks = _step(block_size, requests, new, context, tree)
     plan = AP.build_kernel_plan(meta, num_blocks, AP.PlanBuffers(torch.device("cpu")))
@@ -239,9 +240,9 @@ def _launch_step(arch: int, dtype: torch.dtype, head_dim: int, group: int, block
     key = torch.empty(plan.num_tokens, NUM_KV_HEADS, head_dim, dtype=dtype)
     query = torch.empty(plan.num_tokens, NUM_KV_HEADS * group, head_dim, dtype=dtype)
     triton_ops.store_kv(key, key, cache[0], cache[1], plan.slot_mapping, slots_checked=True)
-    tile = AP.choose_tile_shape(plan.max_query_len, group, plan.num_requests, NUM_KV_HEADS, plan.max_context_len,
-                                interpreted=False, num_sms=ARCH_SMS[arch], block_size=block_size, capability=arch,
-                                head_dim=head_dim, kv_elem_bytes=cache[0].element_size())
+    tile = choose_tile_shape(plan.max_query_len, group, plan.num_requests, NUM_KV_HEADS, plan.max_context_len,
+                             interpreted=False, num_sms=ARCH_SMS[arch], block_size=block_size, capability=arch,
+                             head_dim=head_dim, kv_elem_bytes=cache[0].element_size())
     triton_ops.unified_attention(query, cache[0], cache[1], plan, 1.0 / head_dim ** 0.5, tile=tile)
     if copies:
         table = triton_ops.pointer_table(cache, torch.device("cpu"))

@@ -20,7 +20,7 @@ import torch
 
 from pagedtree.devices import same_device
 from pagedtree.kernels import dense_kernels as D
-from pagedtree.kernels.attention_plan import next_power_of_2
+from pagedtree.kernels.tiles import next_power_of_2
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

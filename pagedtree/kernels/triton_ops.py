@@ -14,7 +14,8 @@ import torch
 
 from pagedtree.devices import same_device
 from pagedtree.kernels import triton_kernels as K
-from pagedtree.kernels.attention_plan import KernelPlan, TileShape, choose_splits, choose_tile_shape, next_power_of_2
+from pagedtree.kernels.attention_plan import KernelPlan
+from pagedtree.kernels.tiles import TileShape, choose_splits, choose_tile_shape, next_power_of_2
 from pagedtree.uploads import upload
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

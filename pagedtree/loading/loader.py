@@ -15,7 +15,7 @@ from pagedtree.loading.gguf_weights import load_gguf_weights
 from pagedtree.worker.models import model_class_for
 from pagedtree.distributed.group import TensorParallelGroup
 from pagedtree.distributed.layout import ShardLayout
-from pagedtree.worker.host_allocator import trim_heap
+from pagedtree.host_memory import trim_heap
 from pagedtree.worker.models.decoder import CheckpointTarget, DecoderForCausalLM, RotaryEmbedding
 
 

@@ -32,14 +32,14 @@ class Scheduler:
     preempted: its blocks are freed and it is recomputed later (its prefix blocks
     usually survive in the prefix cache).
 
-    With a ``tree_budget`` policy, decoding requests it gives nodes to are scheduled
+    With a ``budget_policy``, decoding requests it gives nodes to are scheduled
     in the DRAFT phase with that many KV slots reserved for their token trees.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, tree_budget: TreeBudget | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, budget_policy: TreeBudget | None = None):
         self.config = config
         self.block_manager = block_manager
-        self.tree_budget = tree_budget  # None: no speculation
+        self.budget_policy = budget_policy  # None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -53,6 +53,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
+
+    def check_progress(self, plan: StepPlan) -> None:
+        """Raise if ``plan`` is empty while requests wait and none runs: cannot happen
+        while max_model_len fits the cache; failing loudly beats a generate() that
+        spins forever."""
+        if plan.is_empty() and self.waiting and not self.running:
+            raise RuntimeError(
+                f"scheduler made no progress: {len(self.waiting)} waiting, "
+                f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free"
+            )
 
     def pending_load(self) -> tuple[list[Request], int]:
         """``(decoding requests, other tokens)`` the next step will see: requests with
@@ -78,18 +88,18 @@ class Scheduler:
         request.status = status
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self, tree_budget: int | Mapping[str, int] | None = None) -> StepPlan:
+    def schedule(self, node_budgets: int | Mapping[str, int] | None = None) -> StepPlan:
         """Plan one step within the token budget; reserve the KV slots it writes.
 
-        ``tree_budget`` is a node budget for every decoding request, or one per
-        request id (missing ids: 0); by default the ``tree_budget`` policy's choice
+        ``node_budgets`` is a node budget for every decoding request, or one per
+        request id (missing ids: 0); by default the ``budget_policy``'s choice
         (none: 0). A decoding request with a budget > 0 goes into the DRAFT phase
         with up to that many extra slots reserved for its token tree (fewer near its
         length limits or when blocks are short — a smaller tree is better than
         preempting someone). Tree nodes count against the token budget.
         """
-        if tree_budget is None:
-            tree_budget = self.tree_budget.choose(*self.pending_load()) if self.tree_budget is not None else 0
+        if node_budgets is None:
+            node_budgets = self.budget_policy.choose(*self.pending_load()) if self.budget_policy is not None else 0
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
@@ -98,8 +108,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            wanted = tree_budget.get(request.request_id, 0) if isinstance(tree_budget, Mapping) else tree_budget
-            nodes = self._tree_budget(request, wanted, budget - num_new) if num_new == 1 else 0
+            wanted = node_budgets.get(request.request_id, 0) if isinstance(node_budgets, Mapping) else node_budgets
+            nodes = self._nodes_for(request, wanted, budget - num_new) if num_new == 1 else 0
             # Slots up to the computed tokens exist; a decode step needs one for the
             # newest token (plus its tree's).
             needed = request.num_computed_tokens + num_new + nodes - bm.num_tokens(request.request_id)
@@ -160,7 +170,7 @@ class Scheduler:
         speculation on, requests waiting, a running request without a draw in
         ``launched`` (one in the middle of its prompt), more requests than the token
         budget, or too few free blocks (preemption decides then)."""
-        if self.tree_budget is not None or self.waiting:
+        if self.budget_policy is not None or self.waiting:
             return None
         drawn = {c.request.request_id for c in launched.chunks
                  if c.logits_from is not None and c.phase in (Phase.DECODE, Phase.PREFILL)}
@@ -192,11 +202,11 @@ class Scheduler:
             ))
         return plan
 
-    def _tree_budget(self, request: Request, tree_budget: int, tokens_left: int) -> int:
-        """Tree nodes a decoding request may verify this step."""
-        if tree_budget <= 0 or not request.output_token_ids:
+    def _nodes_for(self, request: Request, wanted: int, tokens_left: int) -> int:
+        """Tree nodes a decoding request may verify this step (of ``wanted``)."""
+        if wanted <= 0 or not request.output_token_ids:
             return 0
-        nodes = min(tree_budget, tokens_left, self.config.max_model_len - request.num_tokens)
+        nodes = min(wanted, tokens_left, self.config.max_model_len - request.num_tokens)
         max_tokens = request.params.max_tokens
         if max_tokens is not None:
             # The step always adds the target's own token after the accepted nodes.

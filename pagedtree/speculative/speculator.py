@@ -3,12 +3,11 @@
 - ``propose(plan)``: the scheduler put decoding requests in the DRAFT phase with tree
   slots reserved; every draft model grows their trees (``TreeProposer``). Returns the
   trees, from which the step runner makes the VERIFY chunks.
-- ``stage(chunks, trees, step_output)``: after the target's pass over every tree,
+- ``stage(chunks, trees, verify_logits)``: after the target's pass over every tree,
   decide each tree's row outcomes on the device, for the step's one readback.
-- ``accept(chunks, trees, step_output)``: after the readback, accept a path per tree
-  (``Verifier.walk``) and keep the drafts' KV of that path only. Returns the
-  committed tokens, the accepted node counts and the KV slot moves as a
-  ``StepResult``.
+- ``accept(chunks, trees, verified_rows)``: after the readback, accept a path per
+  tree (``Verifier.walk``) and keep the drafts' KV of that path only. Returns the
+  committed tokens, the accepted node counts and the KV slot moves (``Verified``).
 - ``observe(plan, result, ...)``: every measurement the adaptive budget uses.
 
 The scheduler asks ``budget`` (``BudgetPolicy``) for each step's node budgets.
@@ -17,7 +16,7 @@ The scheduler asks ``budget`` (``BudgetPolicy``) for each step's node budgets.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -26,14 +25,16 @@ from pagedtree.request import Request, RequestStatus
 from pagedtree.speculative.budget.policy import BudgetPolicy
 from pagedtree.config import SpeculativeConfig
 from pagedtree.speculative.drafting.draft_worker import DraftWorker
-from pagedtree.speculative.metrics import SpecMetrics
+from pagedtree.speculative.spec_counters import SpecMetrics
 from pagedtree.speculative.noise import NoiseCache
 from pagedtree.speculative.budget.priors import AcceptancePrior, acceptance_prior
 from pagedtree.speculative.drafting.proposer import TreeProposer, proposal_rule
 from pagedtree.speculative.drafting.suffix_drafter import SuffixConfig, SuffixDrafter
 from pagedtree.speculative.tree import TokenTree
 from pagedtree.speculative.verification.verifier import Verifier, tree_bitmasks_of
-from pagedtree.step_data import Phase, ScheduledChunk, StepOutput, StepPlan, StepResult
+from pagedtree.step_data import Phase, ScheduledChunk, StepPlan, StepResult, Verified
+from pagedtree.sampling import DeviceRows
+from pagedtree.worker.step_output import HostRows
 
 logger = logging.getLogger("pagedtree")
 
@@ -122,43 +123,45 @@ class Speculator:
         return self.proposer.last_draft_seconds
 
     def stage(self, chunks: Sequence[ScheduledChunk], trees: dict[str, TokenTree],
-              step: StepOutput) -> list[tuple[Request, Exception]]:
+              verify_logits: Mapping[str, torch.Tensor]) -> tuple[dict[str, DeviceRows], list[tuple[Request, Exception]]]:
         """Decide the VERIFY ``chunks``' row outcomes from the target's logits, on the
-        device (``Verifier.row_outcomes``), into ``step.verify_rows`` for the step's
-        one readback. Returns the requests whose staging raised (to fail alone)."""
+        device (``Verifier.row_outcomes``), for the step's one readback: the rows by
+        request id, and the requests whose staging raised (to fail alone)."""
+        rows: dict[str, DeviceRows] = {}
         failed = []
         try:  # every constrained tree's masks in one fill; on failure each request fills its own
-            masks = tree_bitmasks_of([c.request for c in chunks if c.request.request_id in step.verify_logits], trees)
+            masks = tree_bitmasks_of([c.request for c in chunks if c.request.request_id in verify_logits], trees)
         except Exception:  # noqa: BLE001 - the per-request fill below fails only its request
             masks = {}
         for chunk in chunks:
             request = chunk.request
-            logits = step.verify_logits.get(request.request_id)
+            logits = verify_logits.get(request.request_id)
             if logits is None:  # failed in the forward
                 continue
             try:
-                step.verify_rows[request.request_id] = self.verifier.row_outcomes(
+                rows[request.request_id] = self.verifier.row_outcomes(
                     request, trees[request.request_id], logits, proposal_rule(request, self.config),
                     masks.get(request.request_id))
             except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
                 failed.append((request, exc))
-        return failed
+        return rows, failed
 
-    def accept(self, chunks: Sequence[ScheduledChunk], trees: dict[str, TokenTree], step: StepOutput) -> StepResult:
+    def accept(self, chunks: Sequence[ScheduledChunk], trees: dict[str, TokenTree],
+               verified_rows: Mapping[str, HostRows]) -> Verified:
         """Accept a path of every staged tree from its rows read back: the committed
         tokens, accepted node counts and slot moves, and the requests whose walk raised."""
-        out = StepResult()
+        out = Verified()
         for chunk in chunks:
             request = chunk.request
             rid = request.request_id
-            staged = step.verified_rows.get(rid)
+            staged = verified_rows.get(rid)
             if staged is None:  # failed in the forward or in staging
                 continue
             tree = trees[rid]
             try:
                 verified = self.verifier.walk(tree, *staged)
             except Exception as exc:  # noqa: BLE001 - fail this request, not the batch
-                out.fail(request, exc)
+                out.failed.append((request, exc))
                 continue
             out.slot_moves += chunk.accepted_slot_moves(verified.accepted_nodes)
             out.accepted[rid] = verified.num_accepted
@@ -181,6 +184,7 @@ class Speculator:
                  if (c.phase == Phase.DECODE or (c.phase == Phase.DRAFT and c.request.request_id not in result.accepted))
                  and c.request.request_id not in failed]
         self.budget.observe_no_verification(plain)
+        self.budget.observe_confidence({rid: p for rid, p in result.confidence.items() if rid not in failed})
         for chunk in plan.chunks:
             if chunk.request.request_id in result.accepted and chunk.request.status == RequestStatus.RUNNING:
                 self.proposer.cache_blocks(chunk.request)
@@ -204,6 +208,18 @@ class Speculator:
         self.verifier.release(request_id)
         self.budget.release(request_id)
 
+    def request_metrics(self, requests: Sequence[Request]) -> dict[str, float]:
+        """Drafts, draft tokens and accepted tokens over a user request's sequences,
+        and their mean acceptance length (1 + accepted per draft; 0 without a draft)."""
+        drafts = sum(r.spec_num_drafts for r in requests)
+        accepted = sum(r.spec_num_accepted_tokens for r in requests)
+        return {
+            "spec_num_drafts": float(drafts),
+            "spec_num_draft_tokens": float(sum(r.spec_num_draft_tokens for r in requests)),
+            "spec_num_accepted_tokens": float(accepted),
+            "spec_mean_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+        }
+
     def stats(self) -> dict[str, object]:
         """Speculation counters for ``LLM.stats()``."""
         bms = [d.block_manager for d in self.drafts]
@@ -220,4 +236,5 @@ class Speculator:
             "draft_num_total_blocks": sum(bm.num_blocks for bm in bms),
             "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
             "draft_num_cached_blocks": sum(bm.num_cached_blocks for bm in bms),
+            "num_forced_tokens": self.proposer.num_forced_tokens,
         }

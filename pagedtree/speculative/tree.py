@@ -202,7 +202,7 @@ class TreeShape:
         return cls(list(range(-1, depth - 1)), [0] * depth)
 
 
-def expected_accepted(tree: TokenTree, max_nodes: int | None = None) -> float:
+def expected_by_scores(tree: TokenTree, max_nodes: int | None = None) -> float:
     """Expected accepted tokens of a tree by its own scores (cumulative
     log-probabilities), or of its best ``max_nodes`` nodes: a node never scores above
     its parent, so the best nodes form a tree."""

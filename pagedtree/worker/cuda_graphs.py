@@ -19,7 +19,7 @@ shapes every time:
   choice made for the longest sequence and its padding (the kernels read each
   request's real length); the block tables stay on the device in one table as
   wide as that, shared by every shape, and a step sends only the entries that
-  changed (``attention_plan.DeviceBlockTables``), so its host work follows the
+  changed (``kernels.block_tables.DeviceBlockTables``), so its host work follows the
   tables' real lengths, not ``max_model_len``;
 - a decode step's graph (one token a request) ends with the LM head over every
   padded row, so its logits come out of the graph and the head costs no launches
@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedtree.kernels.attention_plan import StaticShape
+from pagedtree.step_data import StaticShape
 from pagedtree.step_data import ScheduledChunk
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.step_inputs import HostStep, InputFeed, host_step, pad_step, upload_step

@@ -12,13 +12,14 @@ import torch
 from pagedtree.attention import make_backend
 from pagedtree.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig
 from pagedtree.sampling import SamplingRow, sample_rows
-from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepOutput, StepPlan
+from pagedtree.step_data import Phase, ScheduledChunk, SlotMove, StepPlan
+from pagedtree.worker.step_output import StepOutput
 from pagedtree.structured.matcher import fill_bitmasks
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.step_inputs import HostStep, InputFeed, TokenSources, host_step, input_feed, query_starts, \
     upload_step
 from pagedtree.worker.cuda_graphs import CaptureReport, StepGraphs
-from pagedtree.worker.host_allocator import lazily_zeroed, tune_host_allocator
+from pagedtree.host_memory import lazily_zeroed, tune_host_allocator
 from pagedtree.worker.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger("pagedtree")
@@ -185,6 +186,9 @@ class ModelRunner:
         # The decoder's residual adds, norms and rotary in numba kernels (fp32/bf16 on
         # CPU; a no-op elsewhere or without numba).
         self.fused_cpu_ops = fused_cpu_ops and model.enable_fused_cpu_ops()
+        # Whether plain draws report their distribution's top probability (an
+        # adaptive speculation budget reads it as a request's drafting outlook).
+        self.report_confidence = False
         self._generators: dict[str, torch.Generator] = {}
         self._upload = StagedUpload(device, torch.long)
         self.graphs: StepGraphs | None = None
@@ -335,7 +339,7 @@ class ModelRunner:
                 masks = fill_bitmasks([g.matcher for g in grammars], grammars[0].width)
                 for k, i in enumerate(constrained):
                     sampling_rows[i].bitmask = masks[k]
-            drawn = sample_rows(logits[: len(sampling)], sampling_rows)
+            drawn = sample_rows(logits[: len(sampling)], sampling_rows, confidence=self.report_confidence)
             out.sample_groups.append(([chunk.request.request_id for chunk in sampling], drawn))
         offset = len(sampling)
         for chunk in verify:

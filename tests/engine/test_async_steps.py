@@ -49,7 +49,7 @@ def test_async_steps_give_the_tokens_of_one_step_at_a_time(tiny_llama):
     assert got[1].outputs[0].logprobs == want[1].outputs[0].logprobs
     assert llm.engine.async_steps.num_steps_ahead > 5
     assert_no_leaks(llm)
-    assert sync.engine.async_steps is None  # off on CPU unless asked for
+    assert not sync.engine.async_steps.enabled  # off on CPU unless asked for
 
 
 def test_requests_that_need_the_newest_token_on_the_host_step_in_order(tiny_llama):
@@ -76,7 +76,7 @@ def test_arrivals_aborts_and_a_tight_cache(tiny_llama):
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         prompts = random_prompts(5, 256, 4, 9, seed=6)
         finished = {}
-        ids = [engine.add_parent(engine.make_requests(f"r{i}", {"prompt_token_ids": p}, params))
+        ids = [engine.add_parent(engine.input_processor.make_requests(f"r{i}", {"prompt_token_ids": p}, params))
                for i, p in enumerate(prompts[:3])]
         steps = 0
         while engine.has_unfinished_requests():
@@ -86,7 +86,7 @@ def test_arrivals_aborts_and_a_tight_cache(tiny_llama):
             steps += 1
             if steps == 3:
                 for i, p in enumerate(prompts[3:], start=3):
-                    ids.append(engine.add_parent(engine.make_requests(f"r{i}", {"prompt_token_ids": p}, params)))
+                    ids.append(engine.add_parent(engine.input_processor.make_requests(f"r{i}", {"prompt_token_ids": p}, params)))
             if steps == 6:
                 aborted = engine.abort_request("r1")
                 finished["r1"] = None if aborted is None else len(aborted.outputs[0].token_ids)
@@ -126,7 +126,7 @@ def test_speculation_switched_on_reads_the_launched_step_back_first(tiny_llama, 
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
     assert llm.engine.async_steps.num_steps_ahead > 0
     engine = llm.engine
-    engine.add_parent(engine.make_requests("x", prompts[0], params))
+    engine.add_parent(engine.input_processor.make_requests("x", prompts[0], params))
     engine.step()
     assert engine.async_steps.pending is not None
     engine.set_speculation(True)
@@ -173,7 +173,7 @@ def test_async_scheduling_switched_off_and_on_in_one_engine(tiny_llama):
     engine.set_async_scheduling(True)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
     assert engine.async_steps.num_steps_ahead > ahead
-    engine.add_parent(engine.make_requests("x", prompts[0], params))
+    engine.add_parent(engine.input_processor.make_requests("x", prompts[0], params))
     engine.step()
     engine.set_async_scheduling(False)
     while engine.has_unfinished_requests():

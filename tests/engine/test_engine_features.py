@@ -60,7 +60,7 @@ def test_eos_stops_unless_ignored(tiny_llama):
     # then check generation stops right after it (and ignore_eos runs past it).
     free = llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
     tok = free.outputs[0].token_ids[3]
-    llm.engine.eos_token_ids = (eos, tok)
+    llm.engine.input_processor.eos_token_ids = (eos, tok)
     out = llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == free.outputs[0].token_ids[: free.outputs[0].token_ids.index(tok) + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None

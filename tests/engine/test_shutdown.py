@@ -21,7 +21,7 @@ def test_shutdown_drops_the_models_caches_and_graphs_of_target_and_drafts(tiny_l
               attention_backend="triton", draft_model=str(tiny_llama.path),
               speculative={"tree": "static", "expansion": [2, 1], "max_nodes": 4, "adaptive": False})
     engine = llm.engine
-    runners = [engine.runner] + [draft.runner for draft in engine.speculator.drafts]
+    runners = [engine.runner] + [draft.runner for draft in engine.speculation.drafts]
     for runner in runners:
         runner.enable_cuda_graphs(2, engine.max_model_len, 5, capture=False)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)

@@ -176,7 +176,7 @@ def _assert_all_free(llm: LLM) -> None:
     stats = llm.stats()
     if "draft_num_free_blocks" in stats:
         assert stats["draft_num_free_blocks"] == stats["draft_num_total_blocks"], stats
-        for draft in llm.engine.speculator.drafts:
+        for draft in llm.engine.speculation.drafts:
             draft.block_manager.check_invariants()
             assert draft.num_requests == 0
 
@@ -211,7 +211,7 @@ def suffix_llm(tiny_text_model):
 
 def use_tree(llm: LLM, tree: str) -> None:
     llm.engine.set_speculation(True)
-    llm.engine.speculator.reconfigure(TREES[tree])
+    llm.engine.speculation.reconfigure(TREES[tree])
 
 
 def _plain(llm: LLM, requests, params):

@@ -309,7 +309,7 @@ def test_the_engine_trims_the_heap_once_idle(chat_model_path):
 
 
 def test_metrics_read_speculative_counters_when_present(server):
-    from pagedtree.entrypoints.metrics import ServerMetrics
+    from pagedtree.entrypoints.prometheus_metrics import ServerMetrics
 
     class FakeEngine:
         num_waiting_requests = 1

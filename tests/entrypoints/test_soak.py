@@ -1,6 +1,6 @@
 """Soak: a real ``pagedtree serve`` process under the soak's client mix, memory watched.
 
-The clients (``pagedtree.bench.soak``) run side by side: completions, chat and TGI,
+The clients (``pagedtree.loadgen.soak``) run side by side: completions, chat and TGI,
 streamed and not, disconnects mid-stream, ``n=8`` logprob chats, hostile bodies
 (huge stop lists, deep JSON, wrong content types, oversized bodies, client
 templates, lone surrogates, extreme floats), distinct long prompts, constrained
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedtree.bench.soak import (
+from pagedtree.loadgen.soak import (
     IdleReading,
     SoakClients,
     SoakCounts,

@@ -23,7 +23,7 @@ def assert_ranks_in_step(llm, num_models: int = 1) -> list[dict]:
     """Every rank ran what rank 0 ran (forwards, block and slot copies) on a cache of
     as many blocks, and rank 0's block pool is whole again: the other ranks' caches
     are addressed by its block ids, so no rank holds a block."""
-    report = llm.engine.tensor_parallel_report()
+    report = (llm.engine.tensor_parallel.report() if llm.engine.tensor_parallel else [])
     assert len(report[0]["models"]) == num_models
     keys = ("forward_passes", "block_copies", "slot_copies", "kv_blocks")  # bytes differ with uneven head splits
 
@@ -35,6 +35,6 @@ def assert_ranks_in_step(llm, num_models: int = 1) -> list[dict]:
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     llm.engine.block_manager.check_invariants()
-    for draft in llm.engine.speculator.drafts if llm.engine.speculator else []:
+    for draft in llm.engine.speculation.drafts:
         assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
     return report

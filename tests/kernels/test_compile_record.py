@@ -92,6 +92,6 @@ def test_a_changed_tile_rule_makes_the_record_stale(tmp_path):
     for name in cuda_compile.SOURCES:
         shutil.copy(folder / name, tmp_path / name)
     assert source_fingerprint(tmp_path) == source_fingerprint()
-    with open(tmp_path / "attention_plan.py", "a") as f:
+    with open(tmp_path / "tiles.py", "a") as f:
         f.write("\n# a changed tile rule\n")
     assert source_fingerprint(tmp_path) != source_fingerprint()

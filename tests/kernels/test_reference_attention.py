@@ -42,7 +42,7 @@ def test_store_kv_and_copy_blocks():
     k_cache = torch.zeros(4, 2, 1, 3)
     v_cache = torch.zeros(4, 2, 1, 3)
     key = torch.arange(6.0).view(2, 1, 3)
-    reference.store_kv(key, -key, k_cache, v_cache, torch.tensor([5, 0]))
+    reference.store_kv_reference(key, -key, k_cache, v_cache, torch.tensor([5, 0]))
     assert torch.equal(k_cache[2, 1, 0], key[0, 0]) and torch.equal(v_cache[0, 0, 0], -key[1, 0])
     reference.copy_blocks([(k_cache, v_cache)], torch.tensor([2]), torch.tensor([3]))
     assert torch.equal(k_cache[3], k_cache[2]) and torch.equal(v_cache[3], v_cache[2])

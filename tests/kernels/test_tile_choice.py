@@ -1,4 +1,4 @@
-"""The launch code's tile and split-KV choices (``attention_plan.choose_tile_shape``),
+"""The launch code's tile and split-KV choices (``tiles.choose_tile_shape``),
 on the shapes of benchmarks/roofline.py: a 32-head, 8-KV-head, head-dim-128 model
 on an H100 (132 SMs)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedtree.kernels.attention_plan import (
+from pagedtree.kernels.tiles import (
     MAX_ROWS,
     SPLIT_CHOICES,
     choose_tile_shape,

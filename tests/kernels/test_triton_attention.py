@@ -17,12 +17,8 @@ pytest.importorskip("triton")
 from pagedtree.attention import torch_backend as reference  # noqa: E402
 from pagedtree.step_data import AttentionMetadata  # noqa: E402
 from pagedtree.kernels import triton_ops  # noqa: E402
-from pagedtree.kernels.attention_plan import (  # noqa: E402
-    PlanBuffers,
-    TileShape,
-    build_kernel_plan,
-    choose_tile_shape,
-)
+from pagedtree.kernels.attention_plan import PlanBuffers, build_kernel_plan  # noqa: E402
+from pagedtree.kernels.tiles import TileShape, choose_tile_shape  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -203,7 +199,7 @@ def test_a_64_node_tree_and_its_root_read_the_prefix_the_fewest_times(arch, head
     hold 64 tokens of G rows of fp32 accumulators (256 rows, 128 without warpgroup
     MMA at head dim 128), the root's G rows aside on sm_90: once at up to 4 query
     heads per KV head there, twice at 5 to 8."""
-    from pagedtree.kernels.attention_plan import MAX_ROWS, MAX_ROWS_SM80_D128
+    from pagedtree.kernels.tiles import MAX_ROWS, MAX_ROWS_SM80_D128
 
     length, queries, kv_heads = 48 + 65, 65, 2
     tree = [("tree", queries, length - queries)] * 2
@@ -260,7 +256,7 @@ def test_store_kv_matches_reference(cache_dtype):
     key, value = kv[:, 0], kv[:, 1]
     slots = torch.tensor([0, 47, 8, 9, 23, 1, 40], device=DEVICE)
     triton_ops.store_kv(key, value, caches[0], caches[1], slots)
-    reference.store_kv(key, value, expected[0], expected[1], slots)
+    reference.store_kv_reference(key, value, expected[0], expected[1], slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 

@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 
 from pagedtree.kernels import triton_ops  # noqa: E402
 from pagedtree.kernels.triton_kernels import INTERPRETED  # noqa: E402
-from pagedtree.kernels.attention_plan import TileShape  # noqa: E402
+from pagedtree.kernels.tiles import TileShape  # noqa: E402
 from tests.kernels.test_triton_attention import Batch, mixed  # noqa: E402
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

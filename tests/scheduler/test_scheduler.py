@@ -67,7 +67,7 @@ def test_tree_slots_are_reserved_attached_committed_and_truncated():
     _finish_step(s, s.schedule())  # prefill; first output token appended
     decoding, other = s.pending_load()
     assert [x.request_id for x in decoding] == ["r"] and other == 0
-    plan = s.schedule(tree_budget=8)
+    plan = s.schedule(node_budgets=8)
     chunk = plan.chunks[0]
     # The budget is capped by max_tokens: 4 - 1 generated - 1 bonus = 2 nodes.
     assert chunk.phase == Phase.DRAFT and chunk.tree_budget == 2
@@ -94,7 +94,7 @@ def test_the_budget_policy_sizes_the_trees():
             return {r.request_id: 3 for r in decoding if r.request_id == "a"}
 
     s = _scheduler()
-    s.tree_budget = Policy()
+    s.budget_policy = Policy()
     a, b = _request("a", 5), _request("b", 5)
     s.add_request(a)
     s.add_request(b)
@@ -109,7 +109,7 @@ def test_an_empty_tree_is_a_plain_decode_and_finish_frees_everything():
     r = _request("r", 5)
     s.add_request(r)
     _finish_step(s, s.schedule())
-    plan = s.schedule(tree_budget=3)
+    plan = s.schedule(node_budgets=3)
     decode = plan.chunks[0].with_tree([], [], [])
     assert decode.phase == Phase.DECODE and decode.token_ids == plan.chunks[0].token_ids
     r.output_token_ids.append(8)

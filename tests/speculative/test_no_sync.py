@@ -2,7 +2,7 @@
 its readback, no pagedtree code syncs; drafting syncs once per draft level.
 
 The engine runs as it would on a GPU (the Triton attention backend, stochastic
-verification deciding every row at once) under ``pagedtree.worker.sync_guard``'s
+verification deciding every row at once) under ``pagedtree.diagnostics.sync_guard``'s
 CPU guard, which records every call that would sync on a GPU (``.item()``,
 ``.tolist()``, moves to the CPU, ``nonzero``, boolean-mask indexing,
 ``multinomial``, copies out of device memory, ...) when pagedtree code makes it.
@@ -32,11 +32,12 @@ from pagedtree.request import Request
 from pagedtree.speculative import SpeculativeConfig
 from pagedtree.speculative.drafting.builders import StagedChildren, read_children, stage_children
 from pagedtree.speculative.drafting.draft_worker import ForwardTimer
-from pagedtree.speculative.step_runner import StepRunner
+from pagedtree.engine.step_runner import StepRunner
 from pagedtree.speculative.tree import ChildDraw
-from pagedtree.step_data import Phase, ScheduledChunk, StepOutput, StepPlan
+from pagedtree.step_data import Phase, ScheduledChunk, StepPlan
+from pagedtree.worker.step_output import StepOutput
 from pagedtree.worker.model_runner import ModelRunner
-from pagedtree.worker.sync_guard import Sync, SyncError, SyncGuard
+from pagedtree.diagnostics.sync_guard import Sync, SyncError, SyncGuard
 
 # The engine tests run the Triton backend on CPU tensors.
 needs_interpreter = pytest.mark.triton_interpreter
@@ -67,12 +68,12 @@ def guarded_engine(tiny_llama, tiny_llama_draft, monkeypatch) -> Iterator[Guarde
               enforce_eager=True, max_num_seqs=8, draft_model=[str(tiny_llama_draft.path)],
               speculative=SpeculativeConfig(adaptive=False, tree="static", expansion=(2, 1),
                                             draft_sampling="without_replacement"))
-    llm.engine.speculator.verifier.decide_all_rows = True  # as on a GPU
+    llm.engine.speculation.verifier.decide_all_rows = True  # as on a GPU
     guard = SyncGuard(torch.device("cpu"), active=False)
     engine = GuardedEngine(llm, guard)
     guard.mark_device(*(t for pair in llm.engine.runner.kv_caches for t in pair))
     execute, read_back, forward = ModelRunner.execute, StepOutput.read_back, ModelRunner.forward
-    worker = llm.engine.speculator.proposer.drafts[0]
+    worker = llm.engine.speculation.proposer.drafts[0]
     propose = type(worker).propose
 
     def guarded_execute(runner, plan, *args):
@@ -80,11 +81,11 @@ def guarded_engine(tiny_llama, tiny_llama_draft, monkeypatch) -> Iterator[Guarde
         guard.active = True
         return execute(runner, plan, *args)
 
-    def guarded_read_back(step):
+    def guarded_read_back(step, *args):
         if guard.active:
             guard.active = False
             engine.step_syncs += guard.syncs
-        return read_back(step)
+        return read_back(step, *args)
 
     def marked_forward(runner, chunks, rows, *args):
         logits = forward(runner, chunks, rows, *args)
@@ -124,7 +125,7 @@ def test_a_speculative_step_syncs_once_and_a_draft_level_once(guarded_engine, mo
     engine = guarded_engine
     target = engine.llm.engine
     target.runner.enable_cuda_graphs(8, target.max_model_len, 7, capture=False)
-    target.speculator.drafts[0].runner.enable_cuda_graphs(16, target.max_model_len, 1, capture=False)
+    target.speculation.drafts[0].runner.enable_cuda_graphs(16, target.max_model_len, 1, capture=False)
     real_rule = proposer_module.proposal_rule
 
     def rule_by_temperature(request, config):
@@ -153,7 +154,7 @@ def test_a_speculative_step_syncs_once_and_a_draft_level_once(guarded_engine, mo
     assert all(len(o.outputs[0].token_ids) == 5 for o in outputs)
     assert {rule for rule, _ in drawn} == {"topk", "coupled", "iid", "without_replacement"}
     assert ("iid", 1) in drawn and ("iid", 2) in drawn  # one draw and several (torch's two paths)
-    assert target.runner.graphs.num_steps > 0 and target.speculator.drafts[0].runner.graphs.num_steps > 0
+    assert target.runner.graphs.num_steps > 0 and target.speculation.drafts[0].runner.graphs.num_steps > 0
     stats = engine.llm.stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
     assert engine.step_syncs == [], sorted({str(s) for s in engine.step_syncs})
@@ -168,7 +169,7 @@ def test_the_guard_sees_the_reads_of_the_cpu_walk(guarded_engine):
     """On a CPU, stochastic verification reads each row's outcome as the walk
     reaches it (free there); the guard must see those reads, or it proves nothing."""
     engine = guarded_engine
-    engine.llm.engine.speculator.verifier.decide_all_rows = False
+    engine.llm.engine.speculation.verifier.decide_all_rows = False
     params = SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True)
     engine.generate([{"prompt_token_ids": [5, 17, 33, 9, 41]}], [params])
     assert any(s.function == "along_walk" for s in engine.step_syncs), [str(s) for s in engine.step_syncs]
@@ -213,9 +214,9 @@ def test_a_planted_sync_fails_the_guard(guarded_engine, monkeypatch, kind):
     engine = guarded_engine
     plant = _pagedtree_function(PLANTS[kind])
 
-    def sample_rows_with_a_sync(logits, rows):
+    def sample_rows_with_a_sync(logits, rows, **options):
         plant(logits)
-        return sample_rows(logits, rows)  # noqa: F821 - pagedtree.sampling's, once moved there
+        return sample_rows(logits, rows, **options)  # noqa: F821 - pagedtree.sampling's, once moved there
 
     monkeypatch.setattr(model_runner_module, "sample_rows", _pagedtree_function(sample_rows_with_a_sync))
     engine.generate([{"prompt_token_ids": [5, 17, 33, 9, 41]}], [SamplingParams(temperature=0.0, max_tokens=2)])
@@ -330,7 +331,7 @@ def test_draft_forwards_are_timed_after_their_level_is_read_back(tiny_llama, tin
     monkeypatch.setattr(draft_worker_module, "read_children", synced_read_children)
     llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", seed=3, draft_model=[str(tiny_llama_draft.path)],
               speculative=SpeculativeConfig(adaptive=False, tree="static", expansion=(2, 1)))
-    worker = llm.engine.speculator.proposer.drafts[0]
+    worker = llm.engine.speculation.proposer.drafts[0]
     observe = worker.on_forward
     seconds: list[float] = []
 

@@ -66,7 +66,7 @@ def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, t
     want = target.get("quantization")
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(m.quantization == want for m in layers)
-    draft_layers = [m for m in llm.engine.speculator.drafts[0].runner.model.modules() if isinstance(m, Linear)]
+    draft_layers = [m for m in llm.engine.speculation.drafts[0].runner.model.modules() if isinstance(m, Linear)]
     assert all(m.quantization == llm.engine.resolved.drafts[0].quantization for m in draft_layers)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]

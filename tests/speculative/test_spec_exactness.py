@@ -38,7 +38,7 @@ def _assert_all_free(llm: LLM) -> None:
     assert_no_leaks(llm)
     stats = llm.stats()
     assert stats["draft_num_free_blocks"] == stats["draft_num_total_blocks"], stats
-    for draft in llm.engine.speculator.drafts:
+    for draft in llm.engine.speculation.drafts:
         draft.block_manager.check_invariants()
         assert draft.num_requests == 0
 
@@ -78,7 +78,7 @@ def test_merged_trees_of_two_drafts(tiny_llama, tiny_llama_draft, tiny_llama_dra
         draft_model=[str(tiny_llama_draft.path), str(tiny_llama_draft2.path)], speculative=TREES["static"],
     )
     assert _generate(llm, prompts) == reference
-    assert len(llm.engine.speculator.drafts) == 2
+    assert len(llm.engine.speculation.drafts) == 2
     _assert_all_free(llm)
 
 

@@ -9,14 +9,14 @@ from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.scheduler.block_manager import BlockManager
-from pagedtree.step_data import Phase, SlotMove
+from pagedtree.step_data import Phase, SlotMove, StepResult
+from pagedtree.worker.step_output import StepOutput
 from pagedtree.config import SchedulerConfig
 from pagedtree.scheduler.scheduler import Scheduler
 from pagedtree.speculative import SpeculativeConfig
 from pagedtree.speculative.drafting.draft_worker import DraftWorker
 from pagedtree.speculative.speculator import Speculator
 from pagedtree.worker.model_runner import ModelRunner
-from pagedtree.step_data import StepOutput
 
 VOCAB = 256
 
@@ -29,7 +29,7 @@ def _setup(draft_path, **spec):
     draft = DraftWorker(ModelRunner(loaded.model, 64, 4, torch.device("cpu"), torch.float32, "torch"), bm)
     config = SpeculativeConfig(adaptive=False, **spec)
     speculator = Speculator(config, [draft], VOCAB)
-    scheduler.tree_budget = speculator.budget
+    scheduler.budget_policy = speculator.budget
     return scheduler, speculator
 
 
@@ -54,11 +54,11 @@ def _propose(spec, plan):
 def _verify(spec, chunks, trees, logits):
     """The step runner's order: stage on the device, one readback, then the walk."""
     step = StepOutput(verify_logits=logits)
-    failed = spec.stage(chunks, trees, step)
-    step.read_back()
-    out = spec.accept(chunks, trees, step)
-    out.failed = failed + out.failed
-    return out
+    rows, failed = spec.stage(chunks, trees, step.verify_logits)
+    host = step.read_back(rows)
+    verified = spec.accept(chunks, trees, host.verified_rows)
+    return StepResult(committed=verified.committed, accepted=verified.accepted, slot_moves=verified.slot_moves,
+                      failed=failed + verified.failed)
 
 def _logits_choosing(tokens: list[int]) -> torch.Tensor:
     logits = torch.zeros(len(tokens), VOCAB)

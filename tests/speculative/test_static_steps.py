@@ -32,7 +32,7 @@ def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama,
         engine = llm.engine
         if static:
             engine.runner.enable_cuda_graphs(4, engine.max_model_len, 7, capture=False)
-            for draft in engine.speculator.drafts:
+            for draft in engine.speculation.drafts:
                 draft.runner.enable_cuda_graphs(16, engine.max_model_len, DRAFT_GRAPH_TOKENS, capture=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
@@ -42,7 +42,7 @@ def test_speculative_greedy_through_padded_static_steps_is_unchanged(tiny_llama,
     eager, _ = run(False)
     static, engine = run(True)
     assert static == eager
-    draft = engine.speculator.drafts[0]
+    draft = engine.speculation.drafts[0]
     assert engine.runner.graphs.num_steps >= 3 and draft.runner.graphs.num_steps >= 3
     # Every draft forward but the prompts' runs padded: the catch-ups of one or two
     # tokens take the graphs' shapes too.

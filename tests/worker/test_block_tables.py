@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from pagedtree import SamplingParams
-from pagedtree.kernels.attention_plan import DeviceBlockTables, PlanBuffers, StaticShape, build_kernel_plan
+from pagedtree.kernels.attention_plan import PlanBuffers, build_kernel_plan
+from pagedtree.kernels.block_tables import DeviceBlockTables
+from pagedtree.step_data import StaticShape
 from pagedtree.loading.loader import load_model
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
@@ -24,7 +26,7 @@ from pagedtree.step_data import AttentionMetadata, Phase, ScheduledChunk
 from pagedtree.uploads import StagedUpload
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import host_step
-from tests.bench.conftest import load_benchmark
+from tests.loadgen.conftest import load_benchmark
 
 CPU = torch.device("cpu")
 

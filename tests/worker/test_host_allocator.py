@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from pagedtree.worker import host_allocator
-from pagedtree.worker.host_allocator import HeapStats, HeapTrimmer
+from pagedtree import host_memory as host_allocator
+from pagedtree.host_memory import HeapStats, HeapTrimmer
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 SNIPPET = """
 import ctypes, sys
-from pagedtree.worker.host_allocator import tune_host_allocator
+from pagedtree.host_memory import tune_host_allocator
 print(tune_host_allocator(), tune_host_allocator())
 """
 
@@ -49,7 +49,7 @@ def test_cpu_runner_tunes_malloc(tiny_llama):
 ONEDNN_SNIPPET = """
 import torch
 import pagedtree  # caps both oneDNN caches unless the environment sets them
-from pagedtree.worker.host_allocator import heap_stats
+from pagedtree.host_memory import heap_stats
 from pagedtree.worker.models.linear import Linear
 layer = Linear(256, 128, bias=False)
 layer.pack_for_cpu()
@@ -89,7 +89,7 @@ def test_the_environment_sets_the_caps_first(monkeypatch):
 # has), freed, then trimmed. In a process of its own so that other tests' heap does
 # not blur the figures.
 TRIM_SNIPPET = """
-from pagedtree.worker.host_allocator import heap_stats, trim_heap, tune_host_allocator
+from pagedtree.host_memory import heap_stats, trim_heap, tune_host_allocator
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 print(tune_host_allocator())

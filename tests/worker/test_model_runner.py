@@ -36,12 +36,12 @@ def test_a_plan_gives_transformers_next_token_and_logits(runner_and_model):
     for r in requests:
         bm.allocate(r.request_id, r.all_token_ids)
     out = runner.execute(StepPlan(chunks=[_chunk(bm, r, 0, r.num_tokens) for r in requests]))
-    out.read_back()
+    host = out.read_back()
     for r, prompt in zip(requests, prompts):
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0, -1]
-        assert out.samples[r.request_id].token_id == int(expected.argmax())
-        assert out.samples[r.request_id].logprob == pytest.approx(float(torch.log_softmax(expected, -1).max()), abs=1e-4)
+        assert host.samples[r.request_id].token_id == int(expected.argmax())
+        assert host.samples[r.request_id].logprob == pytest.approx(float(torch.log_softmax(expected, -1).max()), abs=1e-4)
 
 
 def test_slot_moves_copy_every_layers_kv(runner_and_model):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedtree.worker.sync_guard import SyncError, SyncGuard
+from pagedtree.diagnostics.sync_guard import SyncError, SyncGuard
 
 CPU = torch.device("cpu")
 

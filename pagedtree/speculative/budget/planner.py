@@ -4,7 +4,7 @@ Speculation pays when the extra tokens it commits outweigh what drafting, the wi
 verify pass and the extra host work cost. The pieces:
 
 - ``CostModel``: seconds of one forward against the tokens in it, per model. Seeded
-  at load from a calibration (``worker.calibration``: measured once per model,
+  at load from a calibration (``budget.calibration``: measured once per model,
   device and dtype, cached on disk), refined by the run's own timings. On a CPU the
   curve is flat while the weights' memory traffic dominates and linear once the
   matmuls are compute bound, which is why trees must shrink as the batch grows.

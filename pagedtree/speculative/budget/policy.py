@@ -31,7 +31,7 @@ from pagedtree.speculative.budget.planner import (
 )
 from pagedtree.speculative.budget.priors import AcceptancePrior
 from pagedtree.speculative.budget.sequoia import optimal_shape
-from pagedtree.speculative.tree import TokenTree, TreeShape, expected_accepted
+from pagedtree.speculative.tree import TokenTree, TreeShape, expected_by_scores
 
 # Weight of each speculative step in the measured/predicted correction.
 _FACTOR_EMA = 0.1
@@ -50,14 +50,6 @@ SuffixTreeOf = Callable[[Request, int], TokenTree | None]
 # With static budgets (no cost model), a suffix tree expected by its own counts to
 # get this many tokens accepted is verified alone.
 ALONE_MIN_EXPECTED = 2.0
-# A step whose requests have no acceptance of their own on record speculates where
-# predicted at least this fraction of plain decoding's rate (instead of the usual
-# margin above it): a request's acceptance can sit far from its class's prior (the
-# Qwen pair accepted 5.6 tokens a step on code where the prior expects 3.3), and one
-# that never speculates never shows it. A request probes until its first verification,
-# which then speaks for it (re-tries after that follow its fading evidence at the
-# usual margin: probing again each time it faded cost prose requests 5-8%).
-PROBE_MARGIN = 0.85
 
 
 def _accepted_path(trials: Sequence[tuple[int, int, bool]]) -> int:
@@ -142,7 +134,7 @@ class BudgetPolicy:
                     suffix_trees[r.request_id] = tree
         if not cfg.adaptive:
             self.last_budget = cfg.max_nodes
-            self.draft_free = {rid for rid, t in suffix_trees.items() if expected_accepted(t) >= ALONE_MIN_EXPECTED}
+            self.draft_free = {rid for rid, t in suffix_trees.items() if expected_by_scores(t) >= ALONE_MIN_EXPECTED}
             return {r.request_id: cfg.max_nodes for r in requests}
         candidates = self.candidate_budgets()
         expected = {r.request_id: self._expected(r, candidates) for r in requests}
@@ -151,25 +143,24 @@ class BudgetPolicy:
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
             if self.draft_backlog is not None else None
         costs = StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels, self.speculation_factor)
-        margin = PROBE_MARGIN if all(self._unproven(r) for r in requests) else SPECULATE_MARGIN
-        plan, free = plan_budgets(expected, other_tokens, costs, margin=margin, catch_up=catch_up), set()
+        plan, free = plan_budgets(expected, other_tokens, costs, catch_up=catch_up), set()
         if suffix_trees:
             # A request with a suffix tree may go draft-free: its own tree, priced by its
             # counts, at no draft cost. Where that tree is expected to get at least what
             # the drafts would, it dominates; whether the others should too (less
             # gained, no draft levels) is the plans' call.
             scales = {r.request_id: self._evidence_scale(r) for r in requests}
-            by_suffix = {rid: {b: scales[rid] * self.suffix_factor * expected_accepted(t, b) for b in candidates}
+            by_suffix = {rid: {b: scales[rid] * self.suffix_factor * expected_by_scores(t, b) for b in candidates}
                          for rid, t in suffix_trees.items()}
             dominant = {rid for rid, e in by_suffix.items() if e[cfg.max_nodes] >= expected[rid][cfg.max_nodes]}
             for option in (dominant, set(suffix_trees)):
                 mixed = {rid: by_suffix[rid] if rid in option else e for rid, e in expected.items()}
-                other = plan_budgets(mixed, other_tokens, costs, margin=margin, catch_up=catch_up, draft_free=option)
+                other = plan_budgets(mixed, other_tokens, costs, catch_up=catch_up, draft_free=option)
                 if other.best_rate > plan.best_rate:
                     plan, free = other, option
         self.last_plan = plan
         self.draft_free = {rid for rid in free if plan.budgets.get(rid, 0) > 0}
-        self._free_predicted = {rid: expected_accepted(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
+        self._free_predicted = {rid: expected_by_scores(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
         self._add_forced_spans(requests, plan.budgets)
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
@@ -218,13 +209,15 @@ class BudgetPolicy:
         steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))
         return whole + spread / steps
 
-    def _unproven(self, request: Request) -> bool:
-        """Whether ``request`` has no acceptance of its own on record (never verified)."""
-        return request.request_id not in self.evidence
-
     def _evidence_scale(self, request: Request) -> float:
+        """How the request's acceptance compares with its class's: its verified trials
+        over what the target's confidence at its plain draws predicts (1 with
+        neither: a request that never speculated and was never drawn plainly)."""
         evidence = self.evidence.get(request.request_id)
-        return evidence.factor if evidence is not None else 1.0
+        if evidence is None:
+            return 1.0
+        table = self.tables[request_class(request.params)]
+        return evidence.factor(table.first_choice_rate(self.config.depth))
 
     def _expected(self, request: Request, candidates: Sequence[int]) -> dict[int, float]:
         """Expected accepted tokens of the request's tree at every candidate budget."""
@@ -264,6 +257,14 @@ class BudgetPolicy:
             if self._verifications_since_refresh >= _SEQUOIA_REFRESH:
                 self._verifications_since_refresh = 0
                 self._shapes.clear()
+
+    def observe_confidence(self, confidence: Mapping[str, float]) -> None:
+        """The target's top probability at each request's plain draw this step."""
+        for rid, probability in confidence.items():
+            evidence = self.evidence.get(rid)
+            if evidence is None:
+                evidence = self.evidence[rid] = RequestEvidence()
+            evidence.observe_confidence(probability)
 
     def observe_no_verification(self, request_ids: Sequence[str]) -> None:
         """Requests that decoded without a tree this step: their old evidence fades,

@@ -29,7 +29,7 @@ def marginal_rank_rates(acceptance_rates: Sequence[float]) -> list[float]:
     return out
 
 
-def expected_accepted(shape: TreeShape, acceptance_rates: Sequence[float]) -> float:
+def expected_under_rates(shape: TreeShape, acceptance_rates: Sequence[float]) -> float:
     """Expected accepted draft tokens of ``shape`` (not counting the bonus token)."""
     marginal = marginal_rank_rates(acceptance_rates)
     reach = [0.0] * shape.num_nodes
@@ -41,7 +41,7 @@ def expected_accepted(shape: TreeShape, acceptance_rates: Sequence[float]) -> fl
 
 def optimal_shape(acceptance_rates: Sequence[float], max_nodes: int, max_depth: int) -> TreeShape:
     """The shape of at most ``max_nodes`` nodes and ``max_depth`` levels maximising
-    ``expected_accepted`` (ties go to the smaller tree)."""
+    ``expected_under_rates`` (ties go to the smaller tree)."""
     marginal = np.asarray(marginal_rank_rates(acceptance_rates), dtype=np.float64)
     num_ranks = len(marginal)
     if max_nodes < 1 or max_depth < 1 or num_ranks == 0:

@@ -27,7 +27,8 @@ import torch
 from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import BlockCopy, Phase, ScheduledChunk
-from pagedtree.speculative.drafting.builders import ShapeTreeBuilder, StagedChildren, TreeBuilder, read_children
+from pagedtree.speculative.drafting.builders import ShapeTreeBuilder, StagedChildren, read_children
+from pagedtree.speculative.drafting.drafter import DraftJob
 from pagedtree.speculative.tree import ROOT, TokenTree
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts
@@ -79,14 +80,6 @@ class ForwardTimer:
 
 
 @dataclass(slots=True)
-class DraftJob:
-    """One request to draft for this step, with the builder that shapes its tree."""
-
-    request: Request
-    builder: TreeBuilder
-
-
-@dataclass(slots=True)
 class _Branches:
     """The forked sequences of one request's tree, kept until ``commit``."""
 
@@ -103,7 +96,10 @@ def _chain_length(job: DraftJob) -> int | None:
 
 
 class DraftWorker:
-    """Owns one draft model, its KV cache and block manager (see module docstring)."""
+    """Owns one draft model, its KV cache and block manager (see module docstring); a
+    ``Drafter`` whose jobs carry their tree builders."""
+
+    needs_builder = True
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, name: str = "draft", index: int = 0,
                  model_path: str | None = None):

@@ -18,7 +18,8 @@ from pagedtree.request import Request
 from pagedtree.speculative.budget.policy import BudgetPolicy
 from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
 from pagedtree.config import SpeculativeConfig
-from pagedtree.speculative.drafting.draft_worker import DraftJob, DraftWorker
+from pagedtree.speculative.drafting.draft_worker import DraftWorker
+from pagedtree.speculative.drafting.drafter import DraftJob, Drafter
 from pagedtree.speculative.drafting.grammar_spans import forced_chain, prune_to_grammar
 from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.noise import NoiseCache
@@ -55,6 +56,8 @@ class TreeProposer:
             raise ValueError("speculation needs a draft model or the suffix drafter")
         self.drafts = list(drafts)
         self.suffix = suffix
+        # Every source of trees, the draft models first (``shares`` follows this order).
+        self.sources: list[Drafter] = [*self.drafts, *([suffix] if suffix is not None else [])]
         self.budget = budget
         self.noise = noise
         for draft in self.drafts:
@@ -96,7 +99,6 @@ class TreeProposer:
         self.last_draft_seconds = 0.0
         self.forced = set()
         shares = {r.request_id: self.shares(r, budget) for r, budget in requests_and_budgets}
-        suffix_trees: dict[str, TokenTree] = {}
         # The requests the budget made draft-free get the suffix tree (or the tokens
         # their grammar forces) alone, at the whole budget (drafting them costs
         # nothing); the others get it within its share, merged with the draft
@@ -106,17 +108,14 @@ class TreeProposer:
                 if request.request_id in self.budget.draft_free:
                     shares[request.request_id] = [0] * len(self.drafts) + ([budget] if self.suffix else [])
                     self.num_suffix_alone += self.suffix is not None
-        if self.suffix is not None:
-            suffix_trees = self._propose_suffix([(r, shares[r.request_id][-1]) for r, _ in requests_and_budgets])
-        per_draft: list[dict[str, TokenTree]] = []
-        for index, draft in enumerate(self.drafts):
+        per_source: list[dict[str, TokenTree]] = []
+        for index, source in enumerate(self.sources):
             wanted = [(r, shares[r.request_id][index]) for r, _ in requests_and_budgets]
-            per_draft.append(self._propose_isolated(draft, [(r, s) for r, s in wanted if s > 0]))
-        per_draft.append({rid: t for rid, t in suffix_trees.items() if t.num_nodes})
+            per_source.append(self._propose_isolated(source, [(r, n) for r, n in wanted if n > 0]))
         trees: dict[str, TokenTree] = {}
         for request, budget in requests_and_budgets:
             rid = request.request_id
-            found = [d[rid] for d in per_draft if rid in d]
+            found = [d[rid] for d in per_source if rid in d]
             try:
                 if request.grammar is not None:
                     found = self._under_grammar(request, found, budget)
@@ -151,49 +150,41 @@ class TreeProposer:
         self.budget.draft_cost.observe(num_tokens, seconds)
         self.last_draft_seconds += seconds
 
-    def _propose_isolated(self, draft: DraftWorker, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
-        """``draft.propose`` for all of ``wanted`` at once; if that fails, for each
+    def _propose_isolated(self, source: Drafter, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
+        """``source.propose`` for all of ``wanted`` at once; if that fails, for each
         request alone, so that a failure costs only the requests that fail."""
         if not wanted:
             return {}
         try:
-            return draft.propose([DraftJob(r, self._builder(r, share, draft)) for r, share in wanted])
+            return source.propose([self._job(r, share, source) for r, share in wanted])
         except TensorParallelError:
             raise  # a sharded draft's rank is gone: fatal, not one request's failure
         except Exception as exc:  # noqa: BLE001
             if len(wanted) > 1:
                 logger.warning("%s failed on a batch of %d requests (%s: %s); drafting them one by one",
-                               draft.name, len(wanted), type(exc).__name__, exc)
+                               source.name, len(wanted), type(exc).__name__, exc)
             else:
-                _log_draft_failure(draft, wanted[0][0], exc)
+                _log_draft_failure(source, wanted[0][0], exc)
             for request, _ in wanted:
-                draft.release(request.request_id)
+                source.release(request.request_id)
             if len(wanted) == 1:
                 return {}
         trees: dict[str, TokenTree] = {}
         for request, share in wanted:
             try:
-                trees.update(draft.propose([DraftJob(request, self._builder(request, share, draft))]))
+                trees.update(source.propose([self._job(request, share, source)]))
             except TensorParallelError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                _log_draft_failure(draft, request, exc)
-                draft.release(request.request_id)
+                _log_draft_failure(source, request, exc)
+                source.release(request.request_id)
         return trees
 
-    def _propose_suffix(self, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
-        """The suffix drafter's trees; a failure costs only the request it hits."""
-        trees: dict[str, TokenTree] = {}
-        for request, share in wanted:
-            try:
-                trees.update(self.suffix.propose([(request, share)]))
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("the suffix drafter failed for request %s (%s: %s); it decodes without its "
-                               "proposals this step", request.request_id, type(exc).__name__, exc)
-                self.suffix.release(request.request_id)
-        return trees
+    def _job(self, request: Request, budget: int, source: Drafter) -> DraftJob:
+        """A request's job for ``source``: with a tree builder if it needs one."""
+        return DraftJob(request, self._builder(request, budget, source) if source.needs_builder else None, budget)
 
-    def _builder(self, request: Request, budget: int, draft: DraftWorker) -> TreeBuilder:
+    def _builder(self, request: Request, budget: int, draft: Drafter) -> TreeBuilder:
         cfg = self.config
         params = request.params
         rule = proposal_rule(request, cfg)
@@ -231,6 +222,6 @@ class TreeProposer:
             self.suffix.release(request_id)
 
 
-def _log_draft_failure(draft: DraftWorker, request: Request, exc: Exception) -> None:
-    logger.warning("%s failed for request %s (%s: %s); it decodes without speculation this step",
-                   draft.name, request.request_id, type(exc).__name__, exc)
+def _log_draft_failure(source: Drafter, request: Request, exc: Exception) -> None:
+    logger.warning("%s failed for request %s (%s: %s); it decodes without its proposals this step",
+                   source.name, request.request_id, type(exc).__name__, exc)

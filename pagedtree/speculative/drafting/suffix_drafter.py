@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedtree.request import Request
+from pagedtree.speculative.drafting.drafter import DraftJob
 from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.drafting.suffix_tree import ROOT as TRIE_ROOT
 from pagedtree.speculative.drafting.suffix_tree import SuffixTree
@@ -76,7 +77,11 @@ class GlobalSuffixCache:
 
 
 class SuffixDrafter:
-    """Proposes token trees from suffix matches (see module docstring)."""
+    """Proposes token trees from suffix matches (see module docstring); a ``Drafter``
+    that shapes its own trees."""
+
+    name = "the suffix drafter"
+    needs_builder = False
 
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
@@ -151,15 +156,15 @@ class SuffixDrafter:
         self._planned[request.request_id] = (*key, tree)
         return tree
 
-    def propose(self, requests_and_budgets: Sequence[tuple[Request, int]]) -> dict[str, TokenTree]:
-        """Trees for every request with a match (the others get none)."""
+    def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
+        """Trees for every job whose request has a match (the others get none)."""
         out = {}
-        for request, budget in requests_and_budgets:
-            if budget <= 0:
+        for job in jobs:
+            if job.budget <= 0:
                 continue
-            tree = self.propose_one(request, budget)
+            tree = self.propose_one(job.request, job.budget)
             if tree is not None:
-                out[request.request_id] = tree
+                out[job.request.request_id] = tree
         return out
 
     def remember(self, request: Request) -> None:

@@ -1,0 +1,46 @@
+"""The GPU benchmark and the product kernel's tile sweep as CI can take them: their
+``--device cpu --tiny`` dry runs, every section end to end on tiny random-weight
+models with the Triton kernels in the interpreter (the figures mean nothing here; the
+code paths a GPU run takes are the same)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.loadgen.conftest import load_benchmark
+
+pytestmark = pytest.mark.triton_interpreter
+
+
+def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
+    bench = load_benchmark("gpu_bench")
+    out = tmp_path / "bench.json"
+    code = bench.main(["--device", "cpu", "--tiny", "--no-progress", "--json", str(out),
+                       "--sections", "plain,speculation,suffix,llama8b,transformers"])
+    report = json.loads(out.read_text())
+    assert code == 0, report
+    sections = {f["section"] for f in report["figures"]}
+    assert sections == {"plain", "speculation", "suffix", "llama8b", "transformers"}
+    spec = [f for f in report["figures"] if f["section"] == "speculation"]
+    # Each speculative step's cost is against the plain step of its batch, with the
+    # speed-up at the acceptance lengths measured on CPU.
+    assert len(spec) == 2 and all(f["detail"]["vs_plain"] > 0 and "CPU's acceptance" in f["versus"] for f in spec)
+
+
+def test_a_bad_section_or_acceptance_is_refused(capsys):
+    bench = load_benchmark("gpu_bench")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "plain,nope"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--acceptance", "chain-4"])
+    assert "unknown sections" in capsys.readouterr().err
+
+
+def test_the_tile_sweep_dry_run(tmp_path):
+    sweep = load_benchmark("dense_sweep")
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results and all(r["seconds"] and r["error"] is None for r in results)
