@@ -41,7 +41,10 @@ import json, sys, time
 case = json.loads(sys.argv[1]); output_len = int(sys.argv[2])
 import pagedtree
 from pagedtree import LLM, SamplingParams
-from pagedtree.loadgen.datasets import PROMPT_SETS, chat_token_ids
+try:  # commits from before the load-generation package was named loadgen
+    from pagedtree.bench.datasets import PROMPT_SETS, chat_token_ids
+except ImportError:
+    from pagedtree.loadgen.datasets import PROMPT_SETS, chat_token_ids
 kwargs = {k: case[k] for k in ("dtype", "draft_model", "speculative") if k in case}
 llm = LLM(case["model"], max_model_len=2048, **kwargs)
 tok = llm.engine.tokenizer

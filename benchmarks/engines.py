@@ -104,9 +104,9 @@ def clear_suffix_cache(llm) -> None:
     """Forget what the suffix drafter learnt from earlier requests' outputs (its global
     tree). Benchmarks repeat the same prompts: a tree that remembered the last timing's
     outputs would predict this one's whole output."""
-    spec = llm.engine.speculation
-    if spec is not None and spec.proposer.suffix is not None:
-        spec.proposer.suffix.clear_global()
+    proposer = getattr(llm.engine.speculation, "proposer", None)  # plain decoding has none
+    if proposer is not None and proposer.suffix is not None:
+        proposer.suffix.clear_global()
 
 
 class PagedtreeBatch:

@@ -119,11 +119,14 @@ def test_peak_rss_counts_child_processes():
     runner = load_benchmark("engine_runner")
     with runner.PeakRss(interval=0.02) as alone:
         time.sleep(0.1)
-    # A child that holds 200 MiB for a moment.
-    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 * 2**20); time.sleep(1.5)"])
+    # A child that holds 200 MiB for a moment: measured once it says it holds them
+    # (a loaded machine may take a while to start it).
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 * 2**20); print('held', "
+                              "flush=True); time.sleep(1.0)"], stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline().strip() == "held"
         with runner.PeakRss(interval=0.02) as with_child:
-            time.sleep(1.0)
+            time.sleep(0.5)
     finally:
         child.wait()
     assert alone.peak_bytes > 0

@@ -315,7 +315,7 @@ def test_the_forward_timer_on_a_cpu_is_the_clock_around_the_call(fake_cuda_event
 def test_draft_forwards_are_timed_after_their_level_is_read_back(tiny_llama, tiny_llama_draft, fake_cuda_events,
                                                                    monkeypatch):
     """The draft worker's CUDA timing, on a CPU engine with stand-in events that the
-    level's readback completes: every forward is reported, with the events' time,
+    level's readback completes: every forward's timer is read, with the events' time,
     after its level's one readback."""
     real_init = ForwardTimer.__init__
     monkeypatch.setattr(ForwardTimer, "__init__", lambda timer, device: real_init(timer, torch.device("cuda")))
@@ -329,23 +329,25 @@ def test_draft_forwards_are_timed_after_their_level_is_read_back(tiny_llama, tin
         return real_read_children(staged)
 
     monkeypatch.setattr(draft_worker_module, "read_children", synced_read_children)
+    real_seconds = ForwardTimer.seconds
+    seconds: list[float] = []
+
+    def timed(timer):
+        events.append("timed")
+        took = real_seconds(timer)
+        seconds.append(took)
+        return took
+
+    monkeypatch.setattr(ForwardTimer, "seconds", timed)
     llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", seed=3, draft_model=[str(tiny_llama_draft.path)],
               speculative=SpeculativeConfig(adaptive=False, tree="static", expansion=(2, 1)))
     worker = llm.engine.speculation.proposer.drafts[0]
-    observe = worker.on_forward
-    seconds: list[float] = []
-
-    def on_forward(tokens, took):
-        events.append("timed")
-        seconds.append(took)
-        observe(tokens, took)
-
-    worker.on_forward = on_forward
     llm.generate([{"prompt_token_ids": [5, 17, 33, 9, 41]}], [SamplingParams(temperature=0.0, max_tokens=5)],
                  use_tqdm=False)
     assert worker.num_forward_passes > 1
     assert events == ["readback", "timed"] * worker.num_forward_passes
     assert seconds == [0.25] * worker.num_forward_passes
+    assert llm.engine.speculation.budget.draft_cost.has_data  # the times reach the cost model
 
 
 class _QueuedRunner:

@@ -21,7 +21,6 @@ from pagedtree.speculative.budget.acceptance import (
     request_class,
 )
 from pagedtree.speculative.budget.planner import (
-    SPECULATE_MARGIN,
     BudgetPlan,
     CostModel,
     HostOverhead,

@@ -8,8 +8,8 @@ copy-on-write and decodes its own token. All requests' nodes of a level go into 
 batched draft forward, and all their children are drawn on the device and read back
 in one copy (one sync per level).
 
-Each draft forward is timed for the cost model (``on_forward``) without a sync of
-its own (``ForwardTimer``).
+Each draft forward is timed for the cost model without a sync of its own
+(``ForwardTimer``) and returned with the trees (``Drafted.forwards``).
 
 After verification, ``commit`` keeps the one branch that holds the longest accepted
 path (its KV is already in sequence order) and frees every other branch at once.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,7 @@ from pagedtree.request import Request
 from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import BlockCopy, Phase, ScheduledChunk
 from pagedtree.speculative.drafting.builders import ShapeTreeBuilder, StagedChildren, read_children
-from pagedtree.speculative.drafting.drafter import DraftJob
+from pagedtree.speculative.drafting.drafter import Drafted, DraftJob
 from pagedtree.speculative.tree import ROOT, TokenTree
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts
@@ -111,7 +111,6 @@ class DraftWorker:
         self._computed: dict[str, int] = {}
         self._branches: dict[str, _Branches] = {}
         self.num_forward_passes = 0
-        self.on_forward: Callable[[int, float], None] | None = None  # (tokens, seconds) hook
         # Chains are fed level after level with each child's token taken on the device
         # and every level read back at once (``_propose_chains``): on a GPU a level's
         # readback is a sync and the host's next level waits for it; on a CPU there is
@@ -128,8 +127,9 @@ class DraftWorker:
         return self.runner.generator_for(request.request_id, seed)
 
     # --------------------------------------------------------------- propose
-    def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
-        """Grow every job's tree; returns trees by request id (jobs without room get none)."""
+    def propose(self, jobs: Sequence[DraftJob]) -> Drafted:
+        """Grow every job's tree: trees by request id (jobs without room get none) and
+        the timed forwards."""
         if self.device_chains and jobs and all(_chain_length(job) is not None for job in jobs):
             return self._propose_chains(jobs)
         copies: list[BlockCopy] = []
@@ -138,7 +138,7 @@ class DraftWorker:
             chunk = self._catch_up_chunk(job.request, copies)
             if chunk is not None:
                 level.append((job, ROOT, chunk))
-        trees: dict[str, TokenTree] = {}
+        out = Drafted()
         while level:
             chunks = [chunk for _, _, chunk in level]
             logits, timer = self._forward(copies, chunks)
@@ -153,18 +153,18 @@ class DraftWorker:
             # After the readback: on CUDA the forward has run (a level whose
             # readback copied nothing leaves it unmeasured rather than sync for it).
             seconds = timer.seconds()
-            if self.on_forward is not None and seconds is not None:
-                self.on_forward(sum(c.num_tokens for c in chunks), seconds)
+            if seconds is not None:
+                out.forwards.append((sum(c.num_tokens for c in chunks), seconds))
             level = []
             for job, picks in staged:
                 level.extend(self._branch_chunks(job, job.builder.grow(picks), copies))
         for job in jobs:
             rid = job.request.request_id
             if rid in self._branches:
-                trees[rid] = job.builder.finish()
-        return trees
+                out.trees[rid] = job.builder.finish()
+        return out
 
-    def _propose_chains(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
+    def _propose_chains(self, jobs: Sequence[DraftJob]) -> Drafted:
         """Chains (``ShapeTreeBuilder.chain_length``): each level's child is drawn on the
         device and fed to the next level as its input token from there (the draft's
         step inputs take it: ``pending_tokens``), so the levels queue one after another
@@ -197,11 +197,11 @@ class DraftWorker:
                     sources[rid] = (staged[id(job)].tokens, 0)
             level = next_level
         read_children([child for staged in levels for child in staged.values()])
+        out = Drafted()
         for timer, tokens in timers:  # after the readback: on CUDA every level has run
             seconds = timer.seconds()
-            if self.on_forward is not None and seconds is not None:
-                self.on_forward(tokens, seconds)
-        trees: dict[str, TokenTree] = {}
+            if seconds is not None:
+                out.forwards.append((tokens, seconds))
         for job in jobs:
             rid = job.request.request_id
             branches = self._branches.get(rid)
@@ -219,8 +219,8 @@ class DraftWorker:
                 node = grown[0]
                 branches.seq_of[node] = rid  # a chain's child continues its parent's sequence
             branches.tree = job.builder.tree
-            trees[rid] = job.builder.finish()
-        return trees
+            out.trees[rid] = job.builder.finish()
+        return out
 
     def _chain_chunk(self, job: DraftJob, depth: int, copies: list[BlockCopy]) -> ScheduledChunk:
         """The chunk feeding a chain's child at ``depth`` (its token still on the

@@ -11,12 +11,22 @@ whole batch, then each request alone if that call fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedtree.request import Request
 from pagedtree.speculative.drafting.builders import TreeBuilder
 from pagedtree.speculative.tree import TokenTree
+
+
+@dataclass(slots=True)
+class Drafted:
+    """What one ``propose`` call grew: a tree per request that got one, and each
+    draft forward it ran as ``(tokens, seconds)`` for the cost model (measured
+    without a sync of its own; a forward left unmeasured is not listed)."""
+
+    trees: dict[str, TokenTree] = field(default_factory=dict)
+    forwards: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -35,8 +45,8 @@ class Drafter(Protocol):
     name: str
     needs_builder: bool  # whether each job must carry a TreeBuilder
 
-    def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
-        """A tree for each job that gets one, by request id."""
+    def propose(self, jobs: Sequence[DraftJob]) -> Drafted:
+        """A tree for each job that gets one, by request id, and the forwards run."""
 
     def release(self, request_id: str) -> None:
         """Forget what is held for a request (finished, preempted, failed)."""

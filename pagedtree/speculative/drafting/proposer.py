@@ -19,7 +19,7 @@ from pagedtree.speculative.budget.policy import BudgetPolicy
 from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder, TreeBuilder
 from pagedtree.config import SpeculativeConfig
 from pagedtree.speculative.drafting.draft_worker import DraftWorker
-from pagedtree.speculative.drafting.drafter import DraftJob, Drafter
+from pagedtree.speculative.drafting.drafter import Drafted, DraftJob, Drafter
 from pagedtree.speculative.drafting.grammar_spans import forced_chain, prune_to_grammar
 from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.noise import NoiseCache
@@ -60,8 +60,6 @@ class TreeProposer:
         self.sources: list[Drafter] = [*self.drafts, *([suffix] if suffix is not None else [])]
         self.budget = budget
         self.noise = noise
-        for draft in self.drafts:
-            draft.on_forward = self._observe_draft_forward
         self.last_draft_seconds = 0.0  # time they took
         self.num_suffix_alone = 0  # trees the suffix drafter proposed without the draft models
         self.num_forced_tokens = 0  # proposals a grammar forced (no draft pass)
@@ -146,9 +144,12 @@ class TreeProposer:
         found = [prune_to_grammar(tree, grammar) for tree in found]
         return ([forced] if forced is not None else []) + [t for t in found if t.num_nodes]
 
-    def _observe_draft_forward(self, num_tokens: int, seconds: float) -> None:
-        self.budget.draft_cost.observe(num_tokens, seconds)
-        self.last_draft_seconds += seconds
+    def _observed(self, drafted: Drafted) -> dict[str, TokenTree]:
+        """A source's trees, its forwards taken into the draft cost model."""
+        for num_tokens, seconds in drafted.forwards:
+            self.budget.draft_cost.observe(num_tokens, seconds)
+            self.last_draft_seconds += seconds
+        return drafted.trees
 
     def _propose_isolated(self, source: Drafter, wanted: list[tuple[Request, int]]) -> dict[str, TokenTree]:
         """``source.propose`` for all of ``wanted`` at once; if that fails, for each
@@ -156,7 +157,7 @@ class TreeProposer:
         if not wanted:
             return {}
         try:
-            return source.propose([self._job(r, share, source) for r, share in wanted])
+            return self._observed(source.propose([self._job(r, share, source) for r, share in wanted]))
         except TensorParallelError:
             raise  # a sharded draft's rank is gone: fatal, not one request's failure
         except Exception as exc:  # noqa: BLE001
@@ -172,7 +173,7 @@ class TreeProposer:
         trees: dict[str, TokenTree] = {}
         for request, share in wanted:
             try:
-                trees.update(source.propose([self._job(request, share, source)]))
+                trees.update(self._observed(source.propose([self._job(request, share, source)])))
             except TensorParallelError:
                 raise
             except Exception as exc:  # noqa: BLE001

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedtree.request import Request
-from pagedtree.speculative.drafting.drafter import DraftJob
+from pagedtree.speculative.drafting.drafter import Drafted, DraftJob
 from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.drafting.suffix_tree import ROOT as TRIE_ROOT
 from pagedtree.speculative.drafting.suffix_tree import SuffixTree
@@ -156,15 +156,16 @@ class SuffixDrafter:
         self._planned[request.request_id] = (*key, tree)
         return tree
 
-    def propose(self, jobs: Sequence[DraftJob]) -> dict[str, TokenTree]:
-        """Trees for every job whose request has a match (the others get none)."""
-        out = {}
+    def propose(self, jobs: Sequence[DraftJob]) -> Drafted:
+        """Trees for every job whose request has a match (the others get none); no
+        forwards."""
+        out = Drafted()
         for job in jobs:
             if job.budget <= 0:
                 continue
             tree = self.propose_one(job.request, job.budget)
             if tree is not None:
-                out[job.request.request_id] = tree
+                out.trees[job.request.request_id] = tree
         return out
 
     def remember(self, request: Request) -> None:

@@ -88,7 +88,7 @@ def test_tree_branches_never_leak_and_rejected_blocks_free_at_once(scenario):
             else:
                 builder = DynamicTreeBuilder(2, 4, budget, root, r.params)
             jobs.append((r, rounds[round_index], DraftJob(r, builder)))
-        trees = worker.propose([job for _, _, job in jobs])
+        trees = worker.propose([job for _, _, job in jobs]).trees
         bm.check_invariants()
         for r, want_accepted, job in jobs:
             tree = trees[r.request_id]
