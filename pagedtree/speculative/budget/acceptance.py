@@ -43,10 +43,12 @@ class AcceptanceTable:
         if not prior or not all(prior):
             raise ValueError("an acceptance prior needs at least one depth with one rank")
         self._tried = [[strength] * len(row) for row in prior]
+        self.num_verifications = 0  # verified trees observed (0: the prior alone speaks)
         self._accepted = [[strength * min(max(a, 0.0), 1.0) for a in row] for row in prior]
 
     def observe(self, trials: Sequence[tuple[int, int, bool]]) -> None:
         """Record ``(depth, rank, accepted)`` of every proposal one verification tested."""
+        self.num_verifications += 1
         for depth, rank, hit in trials:
             d = depth - 1
             while d >= len(self._tried):  # deeper than seen: start from the deepest row

@@ -403,3 +403,33 @@ def test_suffix_trees_that_beat_their_counts_are_trusted_more():
     cheap.suffix_factor = costly.suffix_factor
     cheap.choose(requests, 0)
     assert cheap.draft_free == {requests[0].request_id}
+
+
+def test_a_class_never_verified_probes_a_tree_just_short_of_plain_once():
+    """Until a tree of its class was verified, a request speculates where the prior
+    predicts a little less than plain decoding (the class's rates are the prior's
+    alone, and a class that never speculates never learns them); once one was, the
+    usual margin holds for every request of the class, the new ones too."""
+    from pagedtree.speculative.budget.policy import PROBE_MARGIN
+
+    config = SpeculativeConfig(tree="chain", depth=5, max_nodes=5)
+    for percent in range(20, 100):
+        policy = BudgetPolicy(config, DEFAULT_PRIORS["model"])
+        policy.target_cost, policy.draft_cost = cpu_like_costs(percent / 100)
+        policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+        first, second = _requests(2)
+        budget = policy.choose([first], 0)[first.request_id]
+        plan = policy.last_plan
+        if budget > 0 and plan.best_rate < 1.05 * plan.plain_rate:
+            break
+    else:
+        pytest.fail("no draft cost left the prior's tree between the probe's margin and the usual one")
+    assert PROBE_MARGIN * plan.plain_rate <= plan.best_rate
+    # Once a tree of the class was verified (counted here with the rates left as they
+    # are), a new request of it is held to the usual margin.
+    policy.tables["greedy"].num_verifications = 1
+    assert policy.choose([second], 0)[second.request_id] == 0
+    # A request of the other class has not been tried: with the same rates, it probes.
+    sampling = _requests(1, temperature=0.8)[0]
+    policy.tables["sampling"] = AcceptanceTable(DEFAULT_PRIORS["model"]["greedy"])
+    assert policy.choose([sampling], 0)[sampling.request_id] > 0
