@@ -163,9 +163,6 @@ class SampleResult:
     logprob: float
     top_logprobs: dict[int, float] | None
     valid: bool = True
-    # The model's probability of its most likely token (raw logits), where the
-    # caller asked for it (``sample_rows(confidence=True)``); None otherwise.
-    confidence: float | None = None
 
 
 # Penalised logits are kept within +-1e30: divided by the smallest temperature (1e-5)
@@ -297,7 +294,6 @@ class DeviceRows:
     top_values: torch.Tensor | None = None  # [N, k_max]
     accepted: torch.Tensor | None = None  # [N] bool
     valid: torch.Tensor | None = None  # [N] bool: a token from a finite distribution
-    confidence: torch.Tensor | None = None  # [N] the raw distribution's top probability
 
     @property
     def num_rows(self) -> int:
@@ -313,8 +309,6 @@ class DeviceRows:
             out.append(self.accepted.to(torch.float64))
         if self.valid is not None:
             out.append(self.valid.to(torch.float64))
-        if self.confidence is not None:
-            out.append(self.confidence.to(torch.float64))
         return out
 
     def unpack(self, host: Sequence[float]) -> tuple[list[SampleResult], list[bool] | None]:
@@ -323,7 +317,6 @@ class DeviceRows:
         k_max = 0 if self.top_ids is None else self.top_ids.shape[1]
         flags_at = 2 * n + 2 * n * k_max
         valid_at = flags_at + (n if self.accepted is not None else 0)
-        confidence_at = valid_at + (n if self.valid is not None else 0)
         results = []
         for i, k in enumerate(self.ks):
             token, logprob = int(host[i]), host[n + i]
@@ -335,8 +328,7 @@ class DeviceRows:
                     top = {int(t): v for t, v in zip(host[ids_at:ids_at + k], host[values_at:values_at + k])}
                 top[token] = logprob
             valid = self.valid is None or bool(host[valid_at + i])
-            confidence = host[confidence_at + i] if self.confidence is not None else None
-            results.append(SampleResult(token, logprob, top, valid, confidence))
+            results.append(SampleResult(token, logprob, top, valid))
         flags = None
         if self.accepted is not None:
             flags = [bool(x) for x in host[flags_at:flags_at + n]]
@@ -421,16 +413,14 @@ def read_back(groups: Sequence[DeviceRows]) -> list[tuple[list[SampleResult], li
     return queue_read_back(groups).read_back()
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], confidence: bool = False) -> DeviceRows:
+def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceRows:
     """Draw one token per row of ``logits [N, V]``, on the logits' device.
 
     Greedy rows share one argmax; sampling rows with the same parameters share one
     distribution and one batched draw (3x faster than row by row at 32 x 49k, once
     the host allocator keeps the buffers mapped); the logits are copied only when a
     row has penalties to apply. Nothing is read back: the tokens, their logprobs and
-    any top logprobs asked for stay on the device until ``read_back``. With
-    ``confidence``, each row also reports its raw distribution's top probability
-    (``top_probability``), which predicts how often a draft agrees with the model.
+    any top logprobs asked for stay on the device until ``read_back``.
     """
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
@@ -468,18 +458,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], confidence: b
         if drawn:
             probs = target_probs(_rows_of(processed, drawn), params)
             _put(tokens, drawn, draw_token_tensor(probs, [rows[i].generator for i in drawn]))
-    drawn = row_results(tokens, raw_logprobs, [r.params.logprobs for r in rows], logits=logits)
-    if confidence:
-        drawn.confidence = top_probability(logits, raw_logprobs)
-    return drawn
-
-
-def top_probability(logits: torch.Tensor, raw_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's probability of its most likely token, ``[N]`` (from the rows'
-    logprobs where they were computed anyway, else one max and one logsumexp)."""
-    if raw_logprobs is not None:
-        return raw_logprobs.amax(dim=-1).exp()
-    return (logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)).exp()
+    return row_results(tokens, raw_logprobs, [r.params.logprobs for r in rows], logits=logits)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:

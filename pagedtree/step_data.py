@@ -191,9 +191,6 @@ class StepResult:
     accepted: dict[str, int] = field(default_factory=dict)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     slot_moves: list[SlotMove] = field(default_factory=list)
-    # The model's top probability at each plain draw that reported one (request id ->
-    # probability; ``ModelRunner.report_confidence``).
-    confidence: dict[str, float] = field(default_factory=dict)
     num_tree_nodes: int = 0  # tree nodes verified in the step
     forward_seconds: float = 0.0  # the target's forward, up to its one readback
     draft_seconds: float = 0.0  # the draft models' forwards

@@ -139,7 +139,6 @@ def _load(config: EngineConfig, resolved: ResolvedConfig,
         tensor_parallel.runners = [target.runner] + [draft.runner for draft in sharded_drafts]
     if speculator is not None and resolved.speculative.adaptive:
         calibrate_speculation(speculator, resolved, target.runner, loaded.path)
-        target.runner.report_confidence = True  # the budget's outlook of requests it keeps plain
     # Compiled on first use (a worker process, started then).
     grammars = Grammars(tokenizer, vocab_size, eos_token_ids, config.structured_output_limits,
                         compile_config=config.grammar_compile)

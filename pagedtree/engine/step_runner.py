@@ -80,14 +80,14 @@ class StepRunner:
         # which the cost model skips) rather than synced for.
         synced = bool(output.sample_groups or rows) or self.runner.device.type != "cuda"
         forward_seconds = time.perf_counter() - started if synced else 0.0
-        committed, confidence = _committed_samples(chunks, host, failed)
+        committed = _committed_samples(chunks, host, failed)
         verified = spec.accept([c for c in verify if not _failed(failed, c)], trees, host.verified_rows) \
             if verify else Verified()
         if verified.slot_moves:
             self.runner.apply_slot_moves(verified.slot_moves)
         return StepResult(
             committed=committed | verified.committed, accepted=verified.accepted, failed=failed + verified.failed,
-            slot_moves=verified.slot_moves, confidence=confidence,
+            slot_moves=verified.slot_moves,
             num_tree_nodes=sum(c.tree_budget for c in chunks if c.phase == Phase.VERIFY),
             forward_seconds=forward_seconds, draft_seconds=draft_seconds,
         )
@@ -116,8 +116,8 @@ class StepRunner:
         """Wait for a launched step's readback (its one sync) and return its result."""
         host = launched.queued.wait() if launched.queued is not None else HostStep()
         failed = list(launched.failed)
-        committed, confidence = _committed_samples(launched.plan.chunks, host, failed)
-        return StepResult(committed=committed, failed=failed, confidence=confidence,
+        committed = _committed_samples(launched.plan.chunks, host, failed)
+        return StepResult(committed=committed, failed=failed,
                           forward_seconds=time.perf_counter() - launched.started)
 
     def _forward(self, plan: StepPlan, token_sources: TokenSources | None = None,
@@ -147,12 +147,10 @@ class StepRunner:
 
 
 def _committed_samples(chunks: list[ScheduledChunk], host: HostStep, failed: list[tuple[Request, Exception]],
-                       ) -> tuple[dict[str, list[Committed]], dict[str, float]]:
-    """Each plain chunk's draw, read back, as its committed token, and the model's
-    confidence at it where reported; a draw from a distribution that was not finite
-    fails its request (appended to ``failed``)."""
+                       ) -> dict[str, list[Committed]]:
+    """Each plain chunk's draw, read back, as its committed token; a draw from a
+    distribution that was not finite fails its request (appended to ``failed``)."""
     committed: dict[str, list[Committed]] = {}
-    confidence: dict[str, float] = {}
     for chunk in chunks:
         rid = chunk.request.request_id
         sample = host.samples.get(rid)
@@ -160,11 +158,9 @@ def _committed_samples(chunks: list[ScheduledChunk], host: HostStep, failed: lis
             continue
         if sample.valid:
             committed[rid] = [(sample.token_id, sample.logprob, sample.top_logprobs)]
-            if sample.confidence is not None:
-                confidence[rid] = sample.confidence
         else:
             failed.append((chunk.request, NonFiniteDistributionError()))
-    return committed, confidence
+    return committed
 
 
 def _with_tree(chunk: ScheduledChunk, tree: TokenTree | None) -> ScheduledChunk:

@@ -184,7 +184,6 @@ class Speculator:
                  if (c.phase == Phase.DECODE or (c.phase == Phase.DRAFT and c.request.request_id not in result.accepted))
                  and c.request.request_id not in failed]
         self.budget.observe_no_verification(plain)
-        self.budget.observe_confidence({rid: p for rid, p in result.confidence.items() if rid not in failed})
         for chunk in plan.chunks:
             if chunk.request.request_id in result.accepted and chunk.request.status == RequestStatus.RUNNING:
                 self.proposer.cache_blocks(chunk.request)

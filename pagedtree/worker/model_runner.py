@@ -186,9 +186,6 @@ class ModelRunner:
         # The decoder's residual adds, norms and rotary in numba kernels (fp32/bf16 on
         # CPU; a no-op elsewhere or without numba).
         self.fused_cpu_ops = fused_cpu_ops and model.enable_fused_cpu_ops()
-        # Whether plain draws report their distribution's top probability (an
-        # adaptive speculation budget reads it as a request's drafting outlook).
-        self.report_confidence = False
         self._generators: dict[str, torch.Generator] = {}
         self._upload = StagedUpload(device, torch.long)
         self.graphs: StepGraphs | None = None
@@ -339,7 +336,7 @@ class ModelRunner:
                 masks = fill_bitmasks([g.matcher for g in grammars], grammars[0].width)
                 for k, i in enumerate(constrained):
                     sampling_rows[i].bitmask = masks[k]
-            drawn = sample_rows(logits[: len(sampling)], sampling_rows, confidence=self.report_confidence)
+            drawn = sample_rows(logits[: len(sampling)], sampling_rows)
             out.sample_groups.append(([chunk.request.request_id for chunk in sampling], drawn))
         offset = len(sampling)
         for chunk in verify:

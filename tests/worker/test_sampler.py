@@ -131,21 +131,3 @@ def test_rows_without_logprobs_write_no_log_softmax_and_still_fail_non_finite_ro
     results = sample(logits, rows)
     assert calls and results[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
 
-
-@pytest.mark.parametrize("logprobs", [None, 2])
-def test_draws_report_the_raw_distributions_top_probability_when_asked(logprobs):
-    """Each row's confidence is the top probability of its raw logits (penalties,
-    temperature and logprobs asked for or not change nothing), read back with the
-    draw; without the request, no row carries one."""
-    from pagedtree.sampling import read_back, sample_rows
-
-    logits = torch.stack([LOGITS, torch.log(torch.tensor([0.1, 0.1, 0.7, 0.05, 0.05])), torch.zeros(5)])
-    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=logprobs), (), 0, None),
-            SamplingRow(SamplingParams(temperature=0.7, repetition_penalty=1.5, logprobs=logprobs), (2, 3), 1,
-                        torch.Generator().manual_seed(0)),
-            SamplingRow(SamplingParams(temperature=1.0, logprobs=logprobs), (), 0, torch.Generator().manual_seed(1))]
-    results, _ = read_back([sample_rows(logits, rows, confidence=True)])[0]
-    assert [r.confidence for r in results] == pytest.approx([0.5, 0.7, 0.2], abs=1e-6)
-    assert results[0].token_id == 0 and all(r.valid for r in results)
-    plain, _ = read_back([sample_rows(logits, rows)])[0]
-    assert all(r.confidence is None for r in plain)

@@ -8,13 +8,11 @@ and per request.
   counts of the run move it. Greedy and sampling requests keep separate tables
   (sampling accepts less).
 - ``RequestEvidence``: how one request's trials compare with its class's rates (a
-  discounted hits / expected-hits ratio), starting from what the target's own
-  confidence at its plain draws predicts. A request that drafts badly, or whose
-  text the target itself finds hard to predict, gets smaller trees or none; because
-  the evidence is discounted every step, including steps it does not speculate, a
-  request that stopped speculating is re-tried once its bad evidence has faded (if
-  its confidence says so), and at once when a zero-cost drafter (the suffix tree)
-  finds a match for it.
+  discounted hits / expected-hits ratio). A request that drafts badly gets smaller
+  trees or none; because the evidence is discounted every step, including steps it
+  does not speculate, a request that stopped speculating is re-tried once its bad
+  evidence has faded, and at once when a zero-cost drafter (the suffix tree) finds a
+  match for it.
 - ``RankAcceptance``: per-rank acceptance pooled over depths (it sizes Sequoia shapes).
 """
 
@@ -43,12 +41,10 @@ class AcceptanceTable:
         if not prior or not all(prior):
             raise ValueError("an acceptance prior needs at least one depth with one rank")
         self._tried = [[strength] * len(row) for row in prior]
-        self.num_verifications = 0  # verified trees observed (0: the prior alone speaks)
         self._accepted = [[strength * min(max(a, 0.0), 1.0) for a in row] for row in prior]
 
     def observe(self, trials: Sequence[tuple[int, int, bool]]) -> None:
         """Record ``(depth, rank, accepted)`` of every proposal one verification tested."""
-        self.num_verifications += 1
         for depth, rank, hit in trials:
             d = depth - 1
             while d >= len(self._tried):  # deeper than seen: start from the deepest row
@@ -66,11 +62,6 @@ class AcceptanceTable:
         d = min(depth, len(self._tried)) - 1
         tried, accepted = self._tried[d], self._accepted[d]
         return accepted[rank] / tried[rank] if rank < len(tried) else 0.0
-
-    def first_choice_rate(self, depth: int) -> float:
-        """The mean acceptance of first choices over depths ``1..depth``."""
-        depth = max(1, depth)
-        return sum(self.rate(d, 0) for d in range(1, depth + 1)) / depth
 
     def rows(self) -> list[list[float]]:
         """The rates, one row per depth."""
@@ -94,22 +85,10 @@ class AcceptanceTable:
 
 @dataclass(slots=True)
 class RequestEvidence:
-    """What one request shows of its drafting outlook: its verified trials against
-    its class's rates (discounted hits and expected hits), and, before and between
-    verifications, the target's own confidence at its plain draws.
-
-    A draft agrees with the target about as often as the target's most likely token
-    carries its probability mass: on the Qwen pair, each request's mean top
-    probability over 48 greedy tokens came within 0.1 of its per-token acceptance by
-    a chain of 5 (code 0.77-0.95, prose 0.52-0.78; benchmarks/RESULTS.md). So the
-    confidence sets where the factor starts (its mean over the class's first-choice
-    rate) and the verified trials move it from there.
-    """
+    """One request's discounted accepted and expected-accepted counts."""
 
     hits: float = 0.0
     expected: float = 0.0
-    confidence: float = 0.0  # discounted sum of top probabilities at plain draws
-    confidence_weight: float = 0.0  # ... and of their count
 
     # A pseudo-count that keeps one trial from moving the factor far; the weight of
     # each older verification; and of the evidence at each step without one (slower,
@@ -117,11 +96,6 @@ class RequestEvidence:
     STRENGTH = 1.0
     DISCOUNT = 0.85
     FADE = 0.93
-    # Draws of confidence the class's rate counts as (the first draws of an answer are
-    # its most predictable, so a few must agree before the outlook moves), and the
-    # weight of each older draw (the outlook follows the text: code, then prose).
-    CONFIDENCE_PRIOR = 2.0
-    CONFIDENCE_DISCOUNT = 0.9
 
     def observe(self, hits: int, expected: float) -> None:
         """Fold in one verification: accepted proposals against the class's expectation."""
@@ -133,25 +107,10 @@ class RequestEvidence:
         self.hits *= self.FADE
         self.expected *= self.FADE
 
-    def observe_confidence(self, probability: float) -> None:
-        """One plain draw's top probability."""
-        if 0.0 <= probability <= 1.0:  # NaN and out-of-range values say nothing
-            self.confidence = self.confidence * self.CONFIDENCE_DISCOUNT + probability
-            self.confidence_weight = self.confidence_weight * self.CONFIDENCE_DISCOUNT + 1.0
-
-    def outlook(self, class_rate: float) -> float:
-        """The confidence's estimate of acceptance over the class's first-choice rate
-        (1 before any draw)."""
-        if class_rate <= 0.0:
-            return 1.0
-        mean = (self.CONFIDENCE_PRIOR * class_rate + self.confidence) / (self.CONFIDENCE_PRIOR + self.confidence_weight)
-        return mean / class_rate
-
-    def factor(self, class_rate: float) -> float:
-        """How this request's acceptance compares with its class's (1 = the same):
-        its verified trials over a start set by its confidence."""
-        start = self.outlook(class_rate)
-        return (self.STRENGTH * start + self.hits) / (self.STRENGTH + self.expected)
+    @property
+    def factor(self) -> float:
+        """How this request's acceptance compares with its class's (1 = the same)."""
+        return (self.STRENGTH + self.hits) / (self.STRENGTH + self.expected)
 
 
 @dataclass(slots=True)
