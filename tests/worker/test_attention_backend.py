@@ -99,3 +99,33 @@ def test_missing_numba_falls_back_to_torch_and_names_the_package():
     assert result.returncode == 0, result.stderr
     assert "AUTO torch" in result.stdout
     assert "ERR" in result.stdout and "pip install numba" in result.stdout
+
+
+def test_auto_on_a_cpu_imports_no_gpu_backend():
+    """"auto" asks only the backends that may run on the device by default: a CPU
+    engine never imports the Triton backend (nor Triton through it)."""
+    code = (
+        "import sys, torch\n"
+        "from pagedtree.attention import resolve_backend_name\n"
+        "print(resolve_backend_name('auto', torch.device('cpu')), "
+        "'pagedtree.attention.triton_backend' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = _run(code, env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "False"
+
+
+def test_every_backend_says_where_it_cannot_run():
+    """A named backend that cannot hold the cache says why, with the backend named."""
+    from pagedtree.attention import backend_class
+
+    cpu_backend = backend_class("cpu")
+    if cpu_backend is None:
+        pytest.skip("numba is not installed")
+    assert cpu_backend.unavailable(torch.device("cpu"), torch.float32) is None
+    assert "fp32 or bf16" in cpu_backend.unavailable(torch.device("cpu"), torch.float16)
+    assert "CPU only" in cpu_backend.unavailable(torch.device("cuda"), torch.float32)
+    assert backend_class("torch").unavailable(torch.device("cpu"), torch.float16) is None
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here"):
+        resolve_backend_name("cpu", torch.device("cpu"), torch.float16)
