@@ -25,6 +25,7 @@ import torch
 from pagedtree.attention.backend import AttentionBackend
 from pagedtree.attention.torch_backend import TorchPagedAttention
 
+
 @dataclass(frozen=True, slots=True)
 class BackendEntry:
     """Where a backend's class is, imported when first asked about (Triton and numba
