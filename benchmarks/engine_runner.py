@@ -112,26 +112,26 @@ class PeakRss:
         self.peak_bytes = max(self.peak_bytes, total)
 
 
-def _rss_bytes(pid: int) -> int:
+def _proc_kib_field(path: str, field: str) -> int | None:
+    """Bytes of a ``field: N kB`` line of a /proc file (0 without it; None when the
+    file cannot be read)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
-    except OSError:  # gone, or no /proc
-        pass
+    except OSError:
+        return None
     return 0
+
+
+def _rss_bytes(pid: int) -> int:
+    return _proc_kib_field(f"/proc/{pid}/status", "VmRSS:") or 0  # gone, or no /proc: 0
 
 
 def _pss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # gone, or no smaps_rollup (Linux < 4.14)
-        return _rss_bytes(pid)
-    return 0
+    found = _proc_kib_field(f"/proc/{pid}/smaps_rollup", "Pss:")
+    return _rss_bytes(pid) if found is None else found  # gone, or no smaps_rollup (Linux < 4.14)
 
 
 def _children(pid: int) -> list[int]:

@@ -373,16 +373,8 @@ def section_transformers(run: Runner) -> list[Figure]:
         ids = torch.randint(10, config.vocab_size - 10, (batch, run.prompt_len), device=device)
         times = {}
         for length in (run.short_len, run.output_len):
-            kwargs = dict(max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
-            with torch.no_grad():
-                model.generate(ids, **kwargs)  # warm-up of this length
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                model.generate(ids, **kwargs)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times[length] = time.perf_counter() - started
+            generate_seconds(model, ids, length, device)  # warm-up of this length
+            times[length] = generate_seconds(model, ids, length, device)
         step = (times[run.output_len] - times[run.short_len]) / (run.output_len - run.short_len)
         figures.append(Figure("transformers", f"generate, 1.5B shape, batch {batch}", f"{batch / step:.0f} tokens/s",
                               f"{step * 1e3:.2f} ms a step", dict(step_seconds=step)))
@@ -391,6 +383,22 @@ def section_transformers(run: Runner) -> list[Figure]:
     if device == "cuda":
         torch.cuda.empty_cache()
     return figures
+
+
+def generate_seconds(model, ids, length: int, device: str) -> float:
+    """Seconds of one greedy transformers ``generate`` of exactly ``length`` new tokens
+    from ``ids`` (synchronised around it on CUDA)."""
+    import torch
+
+    kwargs = dict(max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return time.perf_counter() - started
 
 
 def table(figures: list[Figure], header: str) -> str:

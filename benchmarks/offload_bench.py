@@ -49,6 +49,7 @@ from benchmarks.gpu_bench import (  # noqa: E402
     Figure,
     bench_device,
     bench_parser,
+    generate_seconds,
     chosen_sections,
     free,
     report,
@@ -238,19 +239,8 @@ def section_peer(bench: Bench, state: dict) -> list[Figure]:
             param.normal_(0.0, 0.02)
     cpu_offload(model, execution_device=torch.device(device))
     ids = torch.randint(10, bench.vocab - 10, (1, bench.prompt_len), device=device)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
-    times = {}
-    for length in bench.lengths:
-        kwargs = dict(max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
-        with torch.no_grad():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            model.generate(ids, **kwargs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[length] = time.perf_counter() - started
+    generate_seconds(model, ids, 2, device)  # warm-up
+    times = {length: generate_seconds(model, ids, length, device) for length in bench.lengths}
     step = (times[bench.lengths[1]] - times[bench.lengths[0]]) / (bench.lengths[1] - bench.lengths[0])
     plain = state.get(("offloaded", 1))
     del model

@@ -241,14 +241,14 @@ def test_a_non_finite_distribution_fails_its_request_alone(tiny_llama, monkeypat
     poison = 250
     real_sample_rows = model_runner.sample_rows
 
-    def poisoned_sample_rows(logits, rows, **options):
+    def poisoned_sample_rows(logits, rows):
         # The poisoned prompt's rows get NaN logits (its history starts [8, 250, 9]:
         # a repetition penalty keeps the history in the sampling rows).
         logits = logits.clone()
         for i, row in enumerate(rows):
             if poison in row.history[:3]:
                 logits[i] = float("nan")
-        return real_sample_rows(logits, rows, **options)
+        return real_sample_rows(logits, rows)
 
     monkeypatch.setattr("pagedtree.worker.model_runner.sample_rows", poisoned_sample_rows)
     prompts = [[5, 6, 7], [8, poison, 9], [10, 11]]

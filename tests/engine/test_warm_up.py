@@ -43,13 +43,13 @@ def test_the_warm_up_takes_every_path_and_fits_short_contexts(tiny_text_model, m
     seen = {"seeded": 0, "unseeded": 0, "greedy": 0, "logprobs": 0, "penalty": 0}
     real = model_runner.sample_rows
 
-    def spy(logits, rows, **options):
+    def spy(logits, rows):
         for row in rows:
             kind = "greedy" if row.params.greedy else "seeded" if row.coupling_seed is not None else "unseeded"
             seen[kind] += 1
             seen["logprobs"] += row.params.logprobs is not None
             seen["penalty"] += row.params.repetition_penalty != 1.0
-        return real(logits, rows, **options)
+        return real(logits, rows)
 
     monkeypatch.setattr(model_runner, "sample_rows", spy)
     widths = []

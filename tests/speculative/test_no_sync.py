@@ -214,9 +214,9 @@ def test_a_planted_sync_fails_the_guard(guarded_engine, monkeypatch, kind):
     engine = guarded_engine
     plant = _pagedtree_function(PLANTS[kind])
 
-    def sample_rows_with_a_sync(logits, rows, **options):
+    def sample_rows_with_a_sync(logits, rows):
         plant(logits)
-        return sample_rows(logits, rows, **options)  # noqa: F821 - pagedtree.sampling's, once moved there
+        return sample_rows(logits, rows)  # noqa: F821 - pagedtree.sampling's, once moved there
 
     monkeypatch.setattr(model_runner_module, "sample_rows", _pagedtree_function(sample_rows_with_a_sync))
     engine.generate([{"prompt_token_ids": [5, 17, 33, 9, 41]}], [SamplingParams(temperature=0.0, max_tokens=2)])
