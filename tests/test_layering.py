@@ -1,7 +1,7 @@
 """The packages depend on each other one way only, and no two files import each other.
 
 entrypoints -> loadgen/diagnostics -> engine -> executor -> speculative/loading -> worker ->
-scheduler/attention/distributed -> kernels -> step_data -> plain data (config,
+scheduler/attention/distributed -> kernels/draft_sampling -> step_data -> plain data (config,
 sampling_params, request, outputs, uploads, sampling) -> text_checks, numba_cache, devices,
 host_memory. Every import
 (at module level, inside a function, or under ``TYPE_CHECKING``) must point to a
@@ -26,7 +26,7 @@ LAYERS = {
     "structured": 3,
     "request": 4, "sampling": 4,
     "step_data": 5,
-    "kernels": 6,
+    "kernels": 6, "draft_sampling": 6,
     "attention": 7, "scheduler": 7, "distributed": 7,
     "worker": 8,
     "loading": 9, "speculative": 9,

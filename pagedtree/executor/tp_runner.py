@@ -32,6 +32,8 @@ T = TypeVar("T")
 class TensorParallelRunner(ModelRunner):
     """A ``ModelRunner`` over rank 0's shard that drives the other ranks (module docstring)."""
 
+    takes_device_inputs = False  # the other ranks take each step's tokens from the host
+
     def __init__(self, *args, channel: CommandChannel, model_index: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.channel = channel

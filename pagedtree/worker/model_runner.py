@@ -157,6 +157,10 @@ def tree_branch_blocks(max_num_seqs: int, max_tree_nodes: int) -> int:
 class ModelRunner:
     """Owns a model's KV cache and executes step plans against it."""
 
+    # Whether a step may take input tokens from the device (``forward``'s sources and
+    # feeds): every rank must see a step's tokens, and other ranks get them from the host.
+    takes_device_inputs = True
+
     def __init__(
         self,
         model: DecoderForCausalLM,
@@ -235,18 +239,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ execute
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk], logit_rows: Sequence[int],
-                token_sources: TokenSources | None = None) -> torch.Tensor:
+                token_sources: TokenSources | None = None, feed: InputFeed | None = None) -> torch.Tensor:
         """One forward over the chunks' new tokens; the logits ``[len(logit_rows), V]``
         of the given rows of the step's flat run of tokens (``query_starts``).
 
         ``token_sources`` (request id -> a device tensor and a row of it) give the
         input token of each chunk scheduled ahead, drawn by a step not read back yet:
-        copied into the step's uploaded inputs on the device, no host read.
+        copied into the step's uploaded inputs on the device, no host read; ``feed``
+        gives them by chunk instead (a whole draft's levels: ``draft_levels.py``).
 
         Decode and verify steps go through the CUDA graphs when they are on (a
         replay that fails raises, as an eager step would)."""
         self.num_forward_passes += 1
-        feed = input_feed(chunks, token_sources)
+        if feed is None:
+            feed = input_feed(chunks, token_sources)
         graphs = self.graphs
         shape = graphs.shape_for(chunks) if graphs is not None else None
         if shape is not None:

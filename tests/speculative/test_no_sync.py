@@ -24,14 +24,16 @@ import pytest
 import torch
 
 import pagedtree.sampling
-import pagedtree.speculative.drafting.draft_worker as draft_worker_module
+import pagedtree.worker.draft_levels as draft_levels_module
+import pagedtree.draft_sampling as draft_sampling_module
+import pagedtree.speculative.drafting.builders as builders_module
 import pagedtree.speculative.drafting.proposer as proposer_module
 import pagedtree.worker.model_runner as model_runner_module
 from pagedtree import LLM, SamplingParams
 from pagedtree.request import Request
 from pagedtree.speculative import SpeculativeConfig
 from pagedtree.speculative.drafting.builders import StagedChildren, read_children, stage_children
-from pagedtree.speculative.drafting.draft_worker import ForwardTimer
+from pagedtree.worker.draft_levels import ForwardTimer
 from pagedtree.engine.step_runner import StepRunner
 from pagedtree.speculative.tree import ChildDraw
 from pagedtree.step_data import Phase, ScheduledChunk, StepPlan
@@ -87,8 +89,8 @@ def guarded_engine(tiny_llama, tiny_llama_draft, monkeypatch) -> Iterator[Guarde
             engine.step_syncs += guard.syncs
         return read_back(step, *args)
 
-    def marked_forward(runner, chunks, rows, *args):
-        logits = forward(runner, chunks, rows, *args)
+    def marked_forward(runner, chunks, rows, *args, **kwargs):
+        logits = forward(runner, chunks, rows, *args, **kwargs)
         guard.mark_device(logits)
         return logits
 
@@ -161,7 +163,7 @@ def test_a_speculative_step_syncs_once_and_a_draft_level_once(guarded_engine, mo
     assert engine.draft_levels and any(jobs > 1 for _, _, jobs in engine.draft_levels)
     for forwards, syncs, _ in engine.draft_levels:
         assert 1 <= len(syncs) <= forwards, [str(s) for s in syncs]
-        assert all(s.function == "read_children" for s in syncs), [str(s) for s in syncs]
+        assert all(s.function == "read_drawn" for s in syncs), [str(s) for s in syncs]
 
 
 @needs_interpreter
@@ -292,7 +294,7 @@ def test_the_forward_timer_reads_cuda_events_only_after_a_sync(fake_cuda_events,
     def no_clock():
         raise AssertionError("on CUDA the host clock times the queueing")
 
-    monkeypatch.setattr(draft_worker_module, "time", types.SimpleNamespace(perf_counter=no_clock))
+    monkeypatch.setattr(draft_levels_module, "time", types.SimpleNamespace(perf_counter=no_clock))
     timer = ForwardTimer(torch.device("cuda"))
     timer.start()
     timer.stop()
@@ -305,30 +307,33 @@ def test_the_forward_timer_reads_cuda_events_only_after_a_sync(fake_cuda_events,
 
 def test_the_forward_timer_on_a_cpu_is_the_clock_around_the_call(fake_cuda_events, monkeypatch):
     clock = iter([10.0, 10.5])
-    monkeypatch.setattr(draft_worker_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(draft_levels_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     timer = ForwardTimer(torch.device("cpu"))
     timer.start()
     timer.stop()
     assert timer.seconds() == 0.5 and fake_cuda_events == []
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["level_by_level", "whole"])
 def test_draft_forwards_are_timed_after_their_level_is_read_back(tiny_llama, tiny_llama_draft, fake_cuda_events,
-                                                                   monkeypatch):
+                                                                   monkeypatch, whole):
     """The draft worker's CUDA timing, on a CPU engine with stand-in events that the
-    level's readback completes: every forward's timer is read, with the events' time,
-    after its level's one readback."""
+    readback completes: every forward's timer is read, with the events' time, after
+    the readback of its level (level by level) or of the whole draft."""
     real_init = ForwardTimer.__init__
     monkeypatch.setattr(ForwardTimer, "__init__", lambda timer, device: real_init(timer, torch.device("cuda")))
     events: list[str] = []
-    real_read_children = draft_worker_module.read_children
+    real_read_drawn = draft_sampling_module.read_drawn
 
-    def synced_read_children(staged):
+    def synced_read_drawn(drawn):
         events.append("readback")
         for event in fake_cuda_events:  # the readback waits for everything queued before it
             event.done = True
-        return real_read_children(staged)
+        return real_read_drawn(drawn)
 
-    monkeypatch.setattr(draft_worker_module, "read_children", synced_read_children)
+    # The one readback of a level (builders.read_children) or of a whole draft (draft_levels).
+    monkeypatch.setattr(builders_module, "read_drawn", synced_read_drawn)
+    monkeypatch.setattr(draft_levels_module, "read_drawn", synced_read_drawn)
     real_seconds = ForwardTimer.seconds
     seconds: list[float] = []
 
@@ -342,10 +347,14 @@ def test_draft_forwards_are_timed_after_their_level_is_read_back(tiny_llama, tin
     llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", seed=3, draft_model=[str(tiny_llama_draft.path)],
               speculative=SpeculativeConfig(adaptive=False, tree="static", expansion=(2, 1)))
     worker = llm.engine.speculation.proposer.drafts[0]
+    worker.whole_drafts = whole
     llm.generate([{"prompt_token_ids": [5, 17, 33, 9, 41]}], [SamplingParams(temperature=0.0, max_tokens=5)],
                  use_tqdm=False)
     assert worker.num_forward_passes > 1
-    assert events == ["readback", "timed"] * worker.num_forward_passes
+    if whole:  # the root's forward and its two children's (leaves are not fed): two forwards a readback
+        assert events == ["readback", "timed", "timed"] * (worker.num_forward_passes // 2)
+    else:
+        assert events == ["readback", "timed"] * worker.num_forward_passes
     assert seconds == [0.25] * worker.num_forward_passes
     assert llm.engine.speculation.budget.draft_cost.has_data  # the times reach the cost model
 

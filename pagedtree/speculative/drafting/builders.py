@@ -8,30 +8,19 @@ KV blocks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, TreeShape
-from pagedtree.sampling import target_probs
+from pagedtree.speculative.tree import DETERMINISTIC_RULES, ROOT, ChildDraw, TokenTree, TreeShape
+from pagedtree.draft_sampling import ChildRule, DrawnChildren, draft_distribution, draw_children, read_drawn
 from pagedtree.structured.matcher import RequestGrammar, apply_bitmasks
 
 # depth of the children to propose (1 = the root's) -> the request's Gumbel noise
 # for that output position (coupled proposals of seeded requests).
 NoiseForDepth = Callable[[int], torch.Tensor]
-
-
-def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probabilities the draft proposes from: the raw distribution for greedy
-    requests, the request's processed distribution (temperature, top-k/p, min-p)
-    for sampling ones, so that it resembles what the target will sample from."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.log_softmax(logits, dim=-1)
-    return torch.log(target_probs(logits, params))
 
 
 @dataclass(slots=True)
@@ -62,67 +51,20 @@ def stage_children(
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, ChildDraw]:
     """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``, on the
-    device: the tokens in drawing order, their score increments, and the draw (its
-    ``parent`` still to be set). Nothing is read back.
-
-    Without replacement, the ``k`` tokens are the top ``k`` of the log-probabilities
-    plus Gumbel noise (the Gumbel-top-k trick: the same distribution, drawing order
-    included, as ``k`` successive draws each renormalised over what is left).
-    """
-    k = min(k, logprobs.shape[-1])
-    if rule in ("topk", "coupled"):
-        scores = logprobs if rule == "topk" else logprobs + noise
-        tokens = torch.topk(scores, k).indices
-        ranked = logprobs if rule == "topk" else torch.log_softmax(scores, dim=-1)
-        return tokens, ranked[tokens], ChildDraw(rule, ROOT)
-    probs = logprobs.exp()
-    if rule == "iid":
-        tokens = _iid_draws(probs, k, generator)
-    elif rule == "without_replacement":
-        u = torch.rand(logprobs.shape, generator=generator, device=logprobs.device, dtype=torch.float64)
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        tokens = torch.topk(logprobs.double() + gumbel, k).indices
-    else:
-        raise ValueError(f"unknown draft sampling rule {rule!r}")
-    return tokens, logprobs[tokens], ChildDraw(rule, ROOT, probs=probs)
-
-
-def _iid_draws(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
-    """``k`` independent draws from ``probs [V]`` on the device, the tokens
-    ``torch.multinomial(probs, k, replacement=True)`` draws, without a host sync.
-
-    For one sample, torch's own algorithm (argmax of ``probs / E``, ``E ~ Exp(1)``)
-    without torch's checks of the distribution, which are host reads in older torch
-    releases (newer ones assert on the device): the same token and the same
-    generator state. Several samples with replacement are kernels only in every
-    release. A distribution without mass gives a token of log-probability
-    ``-inf`` (dropped on reading back), a NaN one a NaN increment (refused there).
-    """
-    if k == 1:
-        race = torch.empty_like(probs).exponential_(1, generator=generator)
-        return torch.argmax(probs / race, dim=-1, keepdim=True)
-    return torch.multinomial(probs, k, replacement=True, generator=generator)
+    device (``draft_sampling.draw_children``): the tokens in drawing order, their
+    score increments, and the draw (its ``parent`` still to be set). Nothing is read
+    back."""
+    drawn = draw_children(logprobs, k, rule, generator, noise)
+    return drawn.tokens, drawn.increments, ChildDraw(rule, ROOT, probs=drawn.probs)
 
 
 def read_children(staged: Sequence[StagedChildren]) -> None:
     """Fill every staged node's host tokens and increments in one device-to-host
-    copy (one sync per draft level, not two per fed node), dropping the tokens the
-    rule could not have drawn. A NaN increment (a draft distribution that is not a
-    distribution) raises ``ValueError``: the request then drafts nothing this step."""
-    if not staged:
-        return
-    flat = torch.cat([t for s in staged for t in (s.tokens.to(torch.float64), s.increments.to(torch.float64))])
-    host = flat.tolist()
-    if any(value != value for value in host):
-        raise ValueError("the draft's distribution has NaN entries")
-    offset = 0
-    for s in staged:
-        k = s.tokens.numel()
-        tokens, increments = host[offset:offset + k], host[offset + k:offset + 2 * k]
-        offset += 2 * k
-        keep = [i for i, inc in enumerate(increments) if inc != -math.inf]
-        s.host_tokens = [int(tokens[i]) for i in keep]
-        s.host_increments = [increments[i] for i in keep]
+    copy (``draft_sampling.read_drawn``: one sync per draft level), without the
+    tokens the rule could not have drawn; a NaN increment raises ``ValueError``."""
+    read = read_drawn([DrawnChildren(s.tokens, s.increments) for s in staged])
+    for s, (tokens, increments) in zip(staged, read):
+        s.host_tokens, s.host_increments = tokens, increments
 
 
 class TreeBuilder:
@@ -238,23 +180,44 @@ class ShapeTreeBuilder(TreeBuilder):
                 staged.append(self._stage_children(node, logits, len(shape_kids)))
         return staged
 
-    def chain_length(self) -> int | None:
-        """The nodes of this builder's tree when it is a chain without a grammar (every
-        node at most one child), which the draft worker can feed level after level
-        without reading the children back between levels; None otherwise."""
-        if self.grammar is not None or any(len(kids) > 1 for kids in self._children.values()):
-            return None
-        return len(self.shape.parents)
+    def drafts_whole(self) -> bool:
+        """Whether the draft worker may run this tree's levels back to back without
+        reading children back between them (``DraftWorker.whole_drafts``): every node
+        with children in the shape is fed whatever was drawn above it, so the host's
+        tree must not depend on the draws (no grammar, whose mask follows each path,
+        and no random rule that may repeat or skip a token, except in a chain)."""
+        if self.grammar is not None:
+            return False
+        return self.rule in DETERMINISTIC_RULES or all(len(kids) <= 1 for kids in self._children.values())
 
-    def stage_chain(self, depth: int, logits: torch.Tensor) -> StagedChildren:
-        """The chain's child at ``depth`` (1: the root's), drawn on the device from its
-        parent's draft ``logits`` before the parent is read back: the draw
-        ``stage_level`` makes there (one child, the same rule, noise and generator).
-        Its node is set when the chain is grown after the readback."""
-        logprobs = draft_distribution(logits, self.params)
-        noise = self.noise(depth) if self.rule == "coupled" else None
-        tokens, increments, draw = stage_children(logprobs, 1, self.rule, self.generator, noise)
-        return StagedChildren(ROOT, tokens, increments, draw)
+    def shape_children(self, shape_node: int) -> list[int]:
+        """The shape's children of ``shape_node`` (``ROOT`` included), in drawing order."""
+        return self._children[shape_node]
+
+    def child_rule(self, shape_node: int, depth: int) -> ChildRule:
+        """How the children of ``shape_node`` (at ``depth``, the root's 0) are drawn:
+        what ``stage_level`` draws there."""
+        noise = self.noise(depth + 1) if self.rule == "coupled" else None
+        return ChildRule(len(self._children[shape_node]), self.rule, self.params, self.generator, noise)
+
+    def grow_drawn(self, drawn: dict[int, StagedChildren]) -> dict[int, int]:
+        """Grow the tree from children drawn below shape nodes (read back, ``node``
+        not set yet) as ``grow`` would have grown it level by level; returns the tree
+        node of every shape node that made it into the tree (``ROOT`` included)."""
+        tree_of = {ROOT: ROOT}
+        level = [ROOT]
+        while level:
+            staged = []
+            for shape_node in level:
+                children = drawn.get(shape_node)
+                if children is not None:
+                    children.node = tree_of[shape_node]
+                    staged.append(children)
+            fed = self.grow(staged)
+            for tree_node, shape_node in self._shape_node.items():
+                tree_of.setdefault(shape_node, tree_node)
+            level = [self._shape_node[node] for node in fed]
+        return tree_of
 
     def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
         to_feed = []

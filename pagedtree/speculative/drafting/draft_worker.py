@@ -6,7 +6,10 @@ request's newest token is the tree's root), then one tree level per forward: eve
 node to expand becomes a forked sequence that shares its parent's blocks
 copy-on-write and decodes its own token. All requests' nodes of a level go into one
 batched draft forward, and all their children are drawn on the device and read back
-in one copy (one sync per level).
+in one copy (one sync per level). Static trees that need no readback between levels
+are drafted whole on a GPU: every node's slot reserved first, every level queued on
+the worker with its input tokens taken on the device, one readback a draft
+(``_propose_whole``, ``worker/draft_levels.py``).
 
 Each draft forward is timed for the cost model without a sync of its own
 (``ForwardTimer``) and returned with the trees (``Drafted.forwards``).
@@ -18,7 +21,6 @@ path (its KV is already in sequence order) and frees every other branch at once.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,54 +31,14 @@ from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import BlockCopy, Phase, ScheduledChunk
 from pagedtree.speculative.drafting.builders import ShapeTreeBuilder, StagedChildren, read_children
 from pagedtree.speculative.drafting.drafter import Drafted, DraftJob
-from pagedtree.speculative.tree import ROOT, TokenTree
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
+from pagedtree.draft_sampling import DraftLevel
+from pagedtree.worker.draft_levels import ForwardTimer, run_draft_levels
 from pagedtree.worker.model_runner import ModelRunner
 from pagedtree.worker.step_inputs import query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")
-
-
-class ForwardTimer:
-    """The seconds one forward took, measured without a sync of its own.
-
-    On a CPU the forward has run when the call returns: the clock around the call.
-    On CUDA the call only queues the forward, and the clock would time the queueing:
-    a pair of CUDA events around the call instead, read once the draft level's one
-    readback (``read_children``) has waited for everything queued before it. An
-    explicit synchronize would give each level a second sync.
-    """
-
-    def __init__(self, device: torch.device | None):
-        self.cuda = device is not None and device.type == "cuda"
-        self._started = 0.0
-        self._seconds = 0.0
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-
-    def start(self) -> None:
-        if self.cuda:
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        else:
-            self._started = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.cuda:
-            assert self._events is not None
-            self._events[1].record()
-        else:
-            self._seconds = time.perf_counter() - self._started
-
-    def seconds(self) -> float | None:
-        """The forward's seconds; on CUDA, None while the end event has not been
-        reached (read it after a sync)."""
-        if not self.cuda:
-            return self._seconds
-        assert self._events is not None
-        start, end = self._events
-        if not end.query():
-            return None
-        return start.elapsed_time(end) / 1000.0
 
 
 @dataclass(slots=True)
@@ -89,10 +51,10 @@ class _Branches:
     seqs: list[str] = field(default_factory=list)
 
 
-def _chain_length(job: DraftJob) -> int | None:
-    """The job's chain length when its builder grows a chain (``ShapeTreeBuilder``)."""
+def _drafts_whole(job: DraftJob) -> bool:
+    """Whether the job's tree can be drafted whole (``ShapeTreeBuilder.drafts_whole``)."""
     builder = job.builder
-    return builder.chain_length() if isinstance(builder, ShapeTreeBuilder) else None
+    return isinstance(builder, ShapeTreeBuilder) and builder.drafts_whole()
 
 
 class DraftWorker:
@@ -111,11 +73,11 @@ class DraftWorker:
         self._computed: dict[str, int] = {}
         self._branches: dict[str, _Branches] = {}
         self.num_forward_passes = 0
-        # Chains are fed level after level with each child's token taken on the device
-        # and every level read back at once (``_propose_chains``): on a GPU a level's
-        # readback is a sync and the host's next level waits for it; on a CPU there is
-        # nothing to overlap, and the level-by-level path is the measured one.
-        self.device_chains = getattr(runner, "device", torch.device("cpu")).type == "cuda"
+        # Whole drafts (``_propose_whole``): every node's slot reserved first, then all
+        # levels queued on the worker, each level's input tokens taken on the device,
+        # every level read back at once. On a GPU a level's readback is a sync the
+        # host's next level waits for.
+        self.whole_drafts = getattr(runner, "takes_device_inputs", False)
 
     def generator_for(self, request: Request) -> torch.Generator:
         """The request's random stream for drawing this draft's children.
@@ -130,8 +92,8 @@ class DraftWorker:
     def propose(self, jobs: Sequence[DraftJob]) -> Drafted:
         """Grow every job's tree: trees by request id (jobs without room get none) and
         the timed forwards."""
-        if self.device_chains and jobs and all(_chain_length(job) is not None for job in jobs):
-            return self._propose_chains(jobs)
+        if self.whole_drafts and jobs and all(_drafts_whole(job) for job in jobs):
+            return self._propose_whole(jobs)
         copies: list[BlockCopy] = []
         level: list[tuple[DraftJob, int, ScheduledChunk]] = []
         for job in jobs:
@@ -164,76 +126,102 @@ class DraftWorker:
                 out.trees[rid] = job.builder.finish()
         return out
 
-    def _propose_chains(self, jobs: Sequence[DraftJob]) -> Drafted:
-        """Chains (``ShapeTreeBuilder.chain_length``): each level's child is drawn on the
-        device and fed to the next level as its input token from there (the draft's
-        step inputs take it: ``pending_tokens``), so the levels queue one after another
-        without a readback between them; the children of every level come back in one
-        copy, and each chain is then grown on the host as ``propose`` would have grown
-        it. The same trees, draws and KV as level by level."""
-        copies: list[BlockCopy] = []
-        lengths = {id(job): _chain_length(job) for job in jobs}
-        level = [(job, chunk) for job in jobs if (chunk := self._catch_up_chunk(job.request, copies)) is not None]
-        levels: list[dict[int, StagedChildren]] = []  # per depth - 1: each job's staged child
-        timers: list[tuple[ForwardTimer, int]] = []
-        sources: dict[str, tuple[torch.Tensor, int]] = {}
-        depth = 0
-        while level:
-            chunks = [chunk for _, chunk in level]
-            logits, timer = self._forward(copies, chunks, sources)
-            timers.append((timer, sum(c.num_tokens for c in chunks)))
-            copies, sources, depth = [], {}, depth + 1
-            staged = {id(job): job.builder.stage_chain(depth, row) for (job, _), row in zip(level, logits)
-                      if depth <= lengths[id(job)]}
-            levels.append(staged)
-            bm = self.block_manager
-            next_level = []
-            for job, _ in level:
-                rid = job.request.request_id
-                # Its child at this depth is fed next when the chain goes deeper and a
-                # block is free for its slot (a leaf otherwise, as level by level).
-                if depth < lengths[id(job)] and bm.can_append_slots(rid, 1):
-                    next_level.append((job, self._chain_chunk(job, depth, copies)))
-                    sources[rid] = (staged[id(job)].tokens, 0)
-            level = next_level
-        read_children([child for staged in levels for child in staged.values()])
-        out = Drafted()
-        for timer, tokens in timers:  # after the readback: on CUDA every level has run
-            seconds = timer.seconds()
-            if seconds is not None:
-                out.forwards.append((tokens, seconds))
-        for job in jobs:
+    def _propose_whole(self, jobs: Sequence[DraftJob]) -> Drafted:
+        """Static trees whose levels need no readback between them
+        (``ShapeTreeBuilder.drafts_whole``): every node's sequence and slot reserved
+        at once (``_reserve_levels``), every level run on the worker back to back
+        (``run_draft_levels``: each level's input tokens are the children drawn the
+        level before, on the device), every level's children read back in one copy,
+        then each tree grown on the host as ``propose`` grows it level by level. The
+        same trees, draws and KV slots as level by level (a node whose token the rule
+        could not draw is fed all the same, and its KV dropped at ``commit``)."""
+        levels, placed = self._reserve_levels(jobs)
+        run = run_draft_levels(self.runner, levels)
+        self.num_forward_passes += len(levels)
+        staged: list[dict[int, StagedChildren]] = [{} for _ in jobs]
+        for level, level_children in zip(placed, run.children):
+            for (job_index, shape_node, _), children in zip(level, level_children):
+                draw = ChildDraw(jobs[job_index].builder.rule, ROOT, probs=children.probs)
+                staged[job_index][shape_node] = StagedChildren(
+                    ROOT, None, None, draw, host_tokens=children.tokens, host_increments=children.increments)
+        out = Drafted(forwards=run.forwards)
+        seq_of_shape: list[dict[int, str]] = [{} for _ in jobs]
+        for level in placed:
+            for job_index, shape_node, seq in level:
+                seq_of_shape[job_index][shape_node] = seq
+        for job_index, job in enumerate(jobs):
             rid = job.request.request_id
             branches = self._branches.get(rid)
             if branches is None:
                 continue  # no room for its catch-up
-            node = ROOT
-            for index, staged in enumerate(levels):
-                child = staged.get(id(job))
-                if child is None:
-                    break
-                child.node = node
-                grown = job.builder.grow([child])
-                if not grown or index + 1 >= len(levels) or id(job) not in levels[index + 1]:
-                    break  # a leaf, a token the rule could not draw, or not fed
-                node = grown[0]
-                branches.seq_of[node] = rid  # a chain's child continues its parent's sequence
+            tree_of = job.builder.grow_drawn(staged[job_index])
+            for shape_node, seq in seq_of_shape[job_index].items():
+                if shape_node in tree_of:
+                    branches.seq_of[tree_of[shape_node]] = seq
             branches.tree = job.builder.tree
             out.trees[rid] = job.builder.finish()
         return out
 
-    def _chain_chunk(self, job: DraftJob, depth: int, copies: list[BlockCopy]) -> ScheduledChunk:
-        """The chunk feeding a chain's child at ``depth`` (its token still on the
-        device), one slot further in the request's own sequence."""
+    def _reserve_levels(self, jobs: Sequence[DraftJob]) -> tuple[list[DraftLevel], list[list[tuple[int, int, str]]]]:
+        """Every level of a whole draft with its slots reserved, before any forward:
+        the catch-up chunks, then per level each job's shape nodes that have children
+        (a node's first fed child takes its sequence over, the others fork it), in the
+        order and with the blocks that drafting level by level takes; and per level,
+        which (job, shape node, sequence) each chunk feeds."""
         bm = self.block_manager
-        rid = job.request.request_id
-        position = self._branches[rid].root_len - 1 + depth
-        copies.extend(bm.append_slots(rid, 1))
-        return ScheduledChunk(
-            request=job.request, phase=Phase.DRAFT, token_ids=[0], positions=[position],
-            slot_mapping=[bm.slot(rid, position)], block_table=bm.block_table(rid), context_len=position + 1,
-            logits_from=0, pending_tokens=1,
-        )
+        copies: list[BlockCopy] = []
+        chunks, rules, where = [], [], []
+        fed: list[tuple[int, int, int, str]] = []  # this level's (job, shape node, chunk, sequence)
+        for job_index, job in enumerate(jobs):
+            chunk = self._catch_up_chunk(job.request, copies)
+            if chunk is not None:
+                chunks.append(chunk)
+                rules.append(job.builder.child_rule(ROOT, 0))
+                where.append((job_index, ROOT, job.request.request_id))
+                fed.append((job_index, ROOT, len(chunks) - 1, job.request.request_id))
+        levels = [DraftLevel(chunks, rules, [None] * len(chunks), copies)]
+        placed = [where]
+        depth = 0
+        while fed:
+            depth += 1
+            copies, chunks, rules, feeds, where, next_fed = [], [], [], [], [], []
+            for job_index in dict.fromkeys(j for j, _, _, _ in fed):
+                job = jobs[job_index]
+                rid = job.request.request_id
+                builder = job.builder
+                nodes = [(kid, rank, parent_chunk, seq) for j, parent, parent_chunk, seq in fed if j == job_index
+                         for rank, kid in enumerate(builder.shape_children(parent)) if builder.shape_children(kid)]
+                # Each node costs at most one block (a copy-on-write copy or a fresh block).
+                nodes = nodes[: bm.num_free_blocks]
+                claimed: set[str] = set()
+                assigned = []
+                for kid, rank, parent_chunk, parent_seq in nodes:
+                    if parent_seq not in claimed:
+                        claimed.add(parent_seq)
+                        assigned.append((kid, rank, parent_chunk, parent_seq))
+                    else:
+                        child_seq = f"{rid}\x00{self.name}\x00s{kid}"
+                        bm.fork(parent_seq, child_seq)
+                        self._branches[rid].seqs.append(child_seq)
+                        assigned.append((kid, rank, parent_chunk, child_seq))
+                position = self._branches[rid].root_len - 1 + depth
+                for kid, rank, parent_chunk, seq in assigned:
+                    # Forks first, then appends: every sibling sees the parent's blocks unchanged.
+                    copies.extend(bm.append_slots(seq, 1))
+                    chunks.append(ScheduledChunk(
+                        request=job.request, phase=Phase.DRAFT, token_ids=[0], positions=[position],
+                        slot_mapping=[bm.slot(seq, position)], block_table=bm.block_table(seq),
+                        context_len=position + 1, logits_from=0, pending_tokens=1,
+                    ))
+                    rules.append(builder.child_rule(kid, depth))
+                    feeds.append((parent_chunk, rank))
+                    where.append((job_index, kid, seq))
+                    next_fed.append((job_index, kid, len(chunks) - 1, seq))
+            if chunks:
+                levels.append(DraftLevel(chunks, rules, feeds, copies))
+                placed.append(where)
+            fed = next_fed
+        return levels, placed
 
     def _catch_up_chunk(self, request: Request, copies: list[BlockCopy]) -> ScheduledChunk | None:
         """Feed the tokens the draft has not seen, ending with the root; None if no room."""

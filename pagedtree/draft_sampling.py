@@ -1,0 +1,143 @@
+"""How a draft model proposes the children of its tree nodes, on the device.
+
+The draft worker grows trees from these draws level by level on the host, or hands
+a whole draft's levels (``DraftLevel``: plain data, every slot reserved) to the
+worker, which runs them without a readback between levels (``worker/draft_levels.py``);
+both draw with these functions, so both propose the same children. Nothing here
+reads a tensor on the host but ``read_drawn``, the one readback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedtree.sampling import target_probs
+from pagedtree.sampling_params import SamplingParams
+from pagedtree.step_data import BlockCopy, ScheduledChunk
+
+
+def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities the draft proposes from: the raw distribution for greedy
+    requests, the request's processed distribution (temperature, top-k/p, min-p)
+    for sampling ones, so that it resembles what the target will sample from."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log(target_probs(logits, params))
+
+
+@dataclass(slots=True)
+class ChildRule:
+    """How one fed node's children are drawn: up to ``k`` tokens by ``rule``
+    (``"topk"``, ``"coupled"`` with the request's ``noise`` at the children's
+    position, ``"iid"`` or ``"without_replacement"`` from ``generator``), from the
+    draft distribution under ``params``."""
+
+    k: int
+    rule: str
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    noise: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DrawnChildren:
+    """One node's children, on the device: the tokens in drawing order, each one's
+    score increment (its draft log-probability, or for coupled proposals its
+    log-probability of being the noisy argmax; ``-inf`` for a token the rule could
+    not have drawn), and for the random rules the distribution drawn from."""
+
+    tokens: torch.Tensor  # [k] int64
+    increments: torch.Tensor  # [k] float
+    probs: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DraftLevel:
+    """One level of a whole draft: a forward over ``chunks``, after ``copies``.
+
+    ``rules[j]``: how the children below chunk ``j``'s last token are drawn (None: it
+    draws none, a node fed for its KV alone). ``feeds[j]``: for a chunk scheduled
+    with a pending token, ``(i, rank)``, the child of rank ``rank`` drawn below chunk
+    ``i`` of the level before, which becomes its input token on the device.
+    """
+
+    chunks: list[ScheduledChunk]
+    rules: list[ChildRule | None]
+    feeds: list[tuple[int, int] | None]
+    copies: list[BlockCopy] = field(default_factory=list)
+
+
+
+def draw_children(logprobs: torch.Tensor, k: int, rule: str, generator: torch.Generator | None,
+                  noise: torch.Tensor | None = None) -> DrawnChildren:
+    """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``, on the device.
+
+    Without replacement, the ``k`` tokens are the top ``k`` of the log-probabilities
+    plus Gumbel noise (the Gumbel-top-k trick: the same distribution, drawing order
+    included, as ``k`` successive draws each renormalised over what is left).
+    """
+    k = min(k, logprobs.shape[-1])
+    if rule in ("topk", "coupled"):
+        scores = logprobs if rule == "topk" else logprobs + noise
+        tokens = torch.topk(scores, k).indices
+        ranked = logprobs if rule == "topk" else torch.log_softmax(scores, dim=-1)
+        return DrawnChildren(tokens, ranked[tokens])
+    probs = logprobs.exp()
+    if rule == "iid":
+        tokens = _iid_draws(probs, k, generator)
+    elif rule == "without_replacement":
+        u = torch.rand(logprobs.shape, generator=generator, device=logprobs.device, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        tokens = torch.topk(logprobs.double() + gumbel, k).indices
+    else:
+        raise ValueError(f"unknown draft sampling rule {rule!r}")
+    return DrawnChildren(tokens, logprobs[tokens], probs)
+
+
+def draw_by_rule(logits: torch.Tensor, how: ChildRule) -> DrawnChildren:
+    """The children of a node whose draft logits are ``logits [V]``, drawn as ``how`` says."""
+    return draw_children(draft_distribution(logits, how.params), how.k, how.rule, how.generator, how.noise)
+
+
+def _iid_draws(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``k`` independent draws from ``probs [V]`` on the device, the tokens
+    ``torch.multinomial(probs, k, replacement=True)`` draws, without a host sync.
+
+    For one sample, torch's own algorithm (argmax of ``probs / E``, ``E ~ Exp(1)``)
+    without torch's checks of the distribution, which are host reads in older torch
+    releases (newer ones assert on the device): the same token and the same
+    generator state. Several samples with replacement are kernels only in every
+    release. A distribution without mass gives a token of log-probability
+    ``-inf`` (dropped on reading back), a NaN one a NaN increment (refused there).
+    """
+    if k == 1:
+        race = torch.empty_like(probs).exponential_(1, generator=generator)
+        return torch.argmax(probs / race, dim=-1, keepdim=True)
+    return torch.multinomial(probs, k, replacement=True, generator=generator)
+
+
+def read_drawn(drawn: Sequence[DrawnChildren]) -> list[tuple[list[int], list[float]]]:
+    """Every node's children on the host, in one device-to-host copy (one sync for
+    a whole draft level, or a whole draft, not two per node): per node its tokens and
+    score increments, without the tokens the rule could not have drawn (``-inf``). A
+    NaN increment (a draft distribution that is not a distribution) raises
+    ``ValueError``: the requests then draft nothing this step."""
+    if not drawn:
+        return []
+    flat = torch.cat([t for d in drawn for t in (d.tokens.to(torch.float64), d.increments.to(torch.float64))])
+    host = flat.tolist()
+    if any(value != value for value in host):
+        raise ValueError("the draft's distribution has NaN entries")
+    out, offset = [], 0
+    for d in drawn:
+        k = d.tokens.numel()
+        tokens, increments = host[offset:offset + k], host[offset + k:offset + 2 * k]
+        offset += 2 * k
+        keep = [i for i, inc in enumerate(increments) if inc != -math.inf]
+        out.append(([int(tokens[i]) for i in keep], [increments[i] for i in keep]))
+    return out

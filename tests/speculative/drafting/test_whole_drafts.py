@@ -1,0 +1,126 @@
+"""Whole drafts (``DraftWorker.whole_drafts``, what a GPU does): every node's slot
+reserved first, every level queued on the worker with its input tokens taken from the
+children drawn on the device, every level read back at once. They propose the same
+trees, give the same tokens and acceptance as drafting level by level, and leave no
+KV block behind: chains (greedy, seeded, unseeded requests) and static trees
+(greedy and seeded), in eager steps and in the padded static steps CUDA graphs replay."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedtree import LLM, SamplingParams
+from pagedtree.speculative import SpeculativeConfig
+from pagedtree.speculative.drafting.proposer import TreeProposer
+from tests.conftest import assert_no_leaks, random_prompts
+
+CHAIN = SpeculativeConfig(tree="chain", depth=4, max_nodes=4, adaptive=False)
+TREE = SpeculativeConfig(tree="static", expansion=(3, 2, 1), max_nodes=16, adaptive=False)
+
+
+def _run(model, draft, whole: bool, params, prompts, static: bool = False, **kwargs):
+    """Outputs, stats, the jobs of each whole draft, and every proposed tree."""
+    llm = LLM(str(model.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=4, seed=3,
+              draft_model=[str(draft.path)], speculative=kwargs.pop("speculative", CHAIN), **kwargs)
+    engine = llm.engine
+    worker = engine.speculation.drafts[0]
+    worker.whole_drafts = whole
+    if static:
+        from pagedtree.executor.shards import DRAFT_GRAPH_TOKENS
+
+        engine.runner.enable_cuda_graphs(4, engine.max_model_len, 17, capture=False)
+        worker.runner.enable_cuda_graphs(16, engine.max_model_len, DRAFT_GRAPH_TOKENS, capture=False)
+    whole_jobs, trees = [], []
+    drafted_whole = type(worker)._propose_whole
+
+    def counted(self, jobs):
+        branching = [any(len(job.builder.shape_children(n)) > 1 for n in [-1, *range(len(job.builder.shape.parents))])
+                     for job in jobs]
+        whole_jobs.append([(job.builder.rule, b) for job, b in zip(jobs, branching)])
+        return drafted_whole(self, jobs)
+
+    worker._propose_whole = counted.__get__(worker)
+    proposer = engine.speculation.proposer
+    propose = TreeProposer.propose
+
+    def recorded(requests_and_budgets):
+        found = propose(proposer, requests_and_budgets)
+        trees.append(sorted((rid, tuple(t.tokens), tuple(t.parents)) for rid, t in found.items()))
+        return found
+
+    proposer.propose = recorded
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    worker.block_manager.check_invariants()
+    assert_no_leaks(llm)
+    return [[c.token_ids for c in o.outputs] for o in outs], stats, whole_jobs, trees
+
+
+@pytest.fixture
+def prompts():
+    return [{"prompt_token_ids": p} for p in random_prompts(3, 256, 3, 8, seed=11)]
+
+
+def _same(got, want):
+    (got_outs, got_stats, _, got_trees), (want_outs, want_stats, _, want_trees) = got, want
+    assert got_outs == want_outs
+    assert got_trees == want_trees
+    for key in ("num_draft_tokens", "num_accepted_tokens", "num_target_forward_passes"):
+        assert got_stats[key] == want_stats[key], key
+    assert got_stats["num_draft_tokens"] > 0
+
+
+def test_whole_chains_draft_what_level_by_level_drafts(tiny_llama, tiny_llama_draft, prompts):
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)]
+    want = _run(tiny_llama, tiny_llama_draft, False, params, prompts)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts)
+    assert want[2] == [] and got[2]  # the whole path ran, and only where asked
+    _same(got, want)
+
+
+def test_whole_trees_draft_what_level_by_level_drafts(tiny_llama, tiny_llama_draft, prompts):
+    """A static tree of 3 x 2 x 1 below the root: forks, copy-on-write copies of
+    shared partial blocks (4-token blocks), the same trees and acceptance."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    want = _run(tiny_llama, tiny_llama_draft, False, params, prompts, speculative=TREE)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts, speculative=TREE)
+    assert got[2]
+    _same(got, want)
+
+
+def test_whole_trees_when_blocks_run_short(tiny_llama, tiny_llama_draft, prompts):
+    """A draft cache too small for every node: the nodes without a block stay
+    leaves, as level by level, and every block comes back."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kwargs = dict(speculative=TREE, num_draft_kv_blocks=12)
+    want = _run(tiny_llama, tiny_llama_draft, False, params, prompts, **kwargs)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts, **kwargs)
+    assert got[0] == want[0] and got[2]
+
+
+@pytest.mark.triton_interpreter
+def test_whole_drafts_through_padded_static_steps(tiny_llama, tiny_llama_draft, prompts):
+    """The fed tokens reach the static input buffers of the draft's padded steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = _run(tiny_llama, tiny_llama_draft, False, params, prompts[:2], attention_backend="triton",
+                speculative=TREE)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], static=True, attention_backend="triton",
+               speculative=TREE)
+    # Verification keeps the tokens exact whatever is drafted: the drafts' acceptance
+    # shows the fed tokens were the drawn ones.
+    assert got[0] == want[0] and got[2] and got[1]["num_draft_tokens"] > 0
+    assert got[1]["num_accepted_tokens"] == want[1]["num_accepted_tokens"] > 0
+
+
+def test_random_draws_in_trees_draft_level_by_level(tiny_llama, tiny_llama_draft, prompts):
+    """Unseeded sampling in a tree (i.i.d. draws may repeat a token, whose subtree is
+    then not grown): level by level, even where whole drafts are on."""
+    params = SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], speculative=TREE)
+    assert got[1]["num_draft_tokens"] > 0
+    # Only chains (a budget cut to a node or two near a request's end) went whole.
+    assert all(not branching for jobs in got[2] for _, branching in jobs)
