@@ -104,6 +104,30 @@ def draw_by_rule(logits: torch.Tensor, how: ChildRule) -> DrawnChildren:
     return draw_children(draft_distribution(logits, how.params), how.k, how.rule, how.generator, how.noise)
 
 
+def draw_level(logits: torch.Tensor, rules: Sequence[ChildRule | None]) -> list[DrawnChildren | None]:
+    """The children below every row of a level's draft ``logits [n, V]`` (None where
+    its rule is None). Greedy top-k rows with one ``k`` are drawn together, one
+    log-softmax and one top-k for the group (a level of a batch of greedy chains is
+    two ops, not two a row); every other row by ``draw_by_rule``. Either way a row
+    gets what ``draw_by_rule`` gives it alone: both ops work row by row."""
+    out: list[DrawnChildren | None] = [None] * len(rules)
+    groups: dict[int, list[int]] = {}
+    for i, rule in enumerate(rules):
+        if rule is None:
+            continue
+        if rule.rule == "topk" and rule.params.greedy:
+            groups.setdefault(rule.k, []).append(i)
+        else:
+            out[i] = draw_by_rule(logits[i], rule)
+    for k, rows in groups.items():
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        logprobs = torch.log_softmax(picked.float(), dim=-1)
+        top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        for j, i in enumerate(rows):
+            out[i] = DrawnChildren(top.indices[j], top.values[j])
+    return out
+
+
 def _iid_draws(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
     """``k`` independent draws from ``probs [V]`` on the device, the tokens
     ``torch.multinomial(probs, k, replacement=True)`` draws, without a host sync.

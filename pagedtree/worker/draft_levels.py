@@ -4,9 +4,10 @@ The draft worker reserves every node's KV slot on the host first, then hands the
 levels here as plain data: each level's chunks (its fed nodes), the block copies due
 before it, how each fed node draws its children, and which child of the level
 before gives each fed node its input token. Each level's children are drawn on the
-device (``draft_sampling``) and the next level takes its input tokens from there
-(an ``InputFeed``), so the levels queue one after another, and every level's
-children come back in one copy: one sync a draft, not one a level.
+device (``draft_sampling.draw_level``: a level's greedy rows in one batched op) and
+the next level takes its input tokens from there (an ``InputFeed``), so the levels
+queue one after another, and every level's children come back in one copy: one sync
+a draft, not one a level.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedtree.draft_sampling import DraftLevel, DrawnChildren, draw_by_rule, read_drawn
+from pagedtree.draft_sampling import DraftLevel, DrawnChildren, draw_level, read_drawn
 from pagedtree.worker.step_inputs import InputFeed, query_starts
 
 
@@ -129,7 +130,7 @@ def queue_draft_levels(runner, levels: Sequence[DraftLevel]) -> list[DrawnLevel]
         rows = [s + c.num_tokens - 1 for c, s in zip(level.chunks, query_starts(level.chunks))]
         logits = runner.forward(level.chunks, rows, feed=feed)
         timer.stop()
-        children = [None if rule is None else draw_by_rule(row, rule) for row, rule in zip(logits, level.rules)]
+        children = draw_level(logits, level.rules)
         drawn.append(DrawnLevel(children, timer, sum(c.num_tokens for c in level.chunks)))
     return drawn
 
