@@ -26,7 +26,11 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     spec = [f for f in report["figures"] if f["section"] == "speculation"]
     # Each speculative step's cost is against the plain step of its batch, with the
     # speed-up at the acceptance lengths measured on CPU.
-    assert len(spec) == 2 and all(f["detail"]["vs_plain"] > 0 and "CPU's acceptance" in f["versus"] for f in spec)
+    whole = [f for f in spec if "level by level" not in f["case"]]
+    assert len(whole) == 2 and all(f["detail"]["vs_plain"] > 0 and "CPU's acceptance" in f["versus"] for f in whole)
+    # And each drafted level by level in the same engine, against its whole drafts.
+    by_level = [f for f in spec if "level by level" in f["case"]]
+    assert len(by_level) == 2 and all(f["detail"]["whole_speedup"] > 0 for f in by_level)
 
 
 def test_a_bad_section_or_acceptance_is_refused(capsys):
