@@ -168,7 +168,6 @@ class DraftWorker:
         (a node's first fed child takes its sequence over, the others fork it), in the
         order and with the blocks that drafting level by level takes; and per level,
         which (job, shape node, sequence) each chunk feeds."""
-        bm = self.block_manager
         copies: list[BlockCopy] = []
         chunks, rules, where = [], [], []
         fed: list[tuple[int, int, int, str]] = []  # this level's (job, shape node, chunk, sequence)
@@ -191,28 +190,11 @@ class DraftWorker:
                 builder = job.builder
                 nodes = [(kid, rank, parent_chunk, seq) for j, parent, parent_chunk, seq in fed if j == job_index
                          for rank, kid in enumerate(builder.shape_children(parent)) if builder.shape_children(kid)]
-                # Each node costs at most one block (a copy-on-write copy or a fresh block).
-                nodes = nodes[: bm.num_free_blocks]
-                claimed: set[str] = set()
-                assigned = []
-                for kid, rank, parent_chunk, parent_seq in nodes:
-                    if parent_seq not in claimed:
-                        claimed.add(parent_seq)
-                        assigned.append((kid, rank, parent_chunk, parent_seq))
-                    else:
-                        child_seq = f"{rid}\x00{self.name}\x00s{kid}"
-                        bm.fork(parent_seq, child_seq)
-                        self._branches[rid].seqs.append(child_seq)
-                        assigned.append((kid, rank, parent_chunk, child_seq))
                 position = self._branches[rid].root_len - 1 + depth
-                for kid, rank, parent_chunk, seq in assigned:
-                    # Forks first, then appends: every sibling sees the parent's blocks unchanged.
-                    copies.extend(bm.append_slots(seq, 1))
-                    chunks.append(ScheduledChunk(
-                        request=job.request, phase=Phase.DRAFT, token_ids=[0], positions=[position],
-                        slot_mapping=[bm.slot(seq, position)], block_table=bm.block_table(seq),
-                        context_len=position + 1, logits_from=0, pending_tokens=1,
-                    ))
+                placed_nodes = self._place_nodes(
+                    job.request, [(seq, f"s{kid}", position, None) for kid, _, _, seq in nodes], copies)
+                for (kid, rank, parent_chunk, _), (seq, chunk) in zip(nodes, placed_nodes):
+                    chunks.append(chunk)
                     rules.append(builder.child_rule(kid, depth))
                     feeds.append((parent_chunk, rank))
                     where.append((job_index, kid, seq))
@@ -256,44 +238,50 @@ class DraftWorker:
     def _branch_chunks(
         self, job: DraftJob, nodes: list[int], copies: list[BlockCopy]
     ) -> list[tuple[DraftJob, int, ScheduledChunk]]:
-        """Fork a sequence per node to feed (the first child of a parent takes over the
-        parent's sequence), then reserve each node's slot."""
+        """The chunks feeding a level's nodes of one tree (``_place_nodes``)."""
+        branches = self._branches[job.request.request_id]
+        branches.tree = tree = job.builder.tree
+        placed = self._place_nodes(job.request, [
+            (branches.seq_of[tree.parents[node]], str(node), branches.root_len - 1 + tree.depths[node],
+             tree.tokens[node]) for node in nodes], copies)
+        out = []
+        for node, (seq, chunk) in zip(nodes, placed):
+            branches.seq_of[node] = seq
+            out.append((job, node, chunk))
+        return out
+
+    def _place_nodes(self, request: Request, nodes: list[tuple[str, str, int, int | None]],
+                     copies: list[BlockCopy]) -> list[tuple[str, ScheduledChunk]]:
+        """A sequence and a KV slot for each node to feed, given as (its parent's
+        sequence, a name for a fork of it, its position, its token: None for one the
+        forward takes on the device): the first node below a parent takes the parent's
+        sequence over, the others fork it. Only as many nodes as there are free blocks
+        (each costs at most one: a copy-on-write copy or a fresh block). Returns each
+        placed node's sequence and the chunk feeding it, in order."""
         bm = self.block_manager
-        rid = job.request.request_id
-        branches = self._branches[rid]
-        branches.tree = job.builder.tree
-        tree = branches.tree
-        # Each node costs at most one block (a copy-on-write copy or a fresh block).
+        rid = request.request_id
         nodes = nodes[: bm.num_free_blocks]
         claimed: set[str] = set()
-        assigned: list[tuple[int, str]] = []
-        for node in nodes:
-            parent_seq = branches.seq_of[tree.parents[node]]
+        seqs = []
+        for parent_seq, name, _, _ in nodes:
             if parent_seq not in claimed:
                 claimed.add(parent_seq)
-                assigned.append((node, parent_seq))
+                seqs.append(parent_seq)
             else:
-                child_seq = f"{rid}\x00{self.name}\x00{node}"
+                child_seq = f"{rid}\x00{self.name}\x00{name}"
                 bm.fork(parent_seq, child_seq)
-                branches.seqs.append(child_seq)
-                assigned.append((node, child_seq))
+                self._branches[rid].seqs.append(child_seq)
+                seqs.append(child_seq)
         out = []
-        for node, seq in assigned:
+        for seq, (_, _, position, token) in zip(seqs, nodes):
             # Forks first, then appends: every sibling sees the parent's blocks unchanged.
             copies.extend(bm.append_slots(seq, 1))
-            branches.seq_of[node] = seq
-            position = branches.root_len - 1 + tree.depths[node]
             chunk = ScheduledChunk(
-                request=job.request,
-                phase=Phase.DRAFT,
-                token_ids=[tree.tokens[node]],
-                positions=[position],
-                slot_mapping=[bm.slot(seq, position)],
-                block_table=bm.block_table(seq),
-                context_len=position + 1,
-                logits_from=0,
+                request=request, phase=Phase.DRAFT, token_ids=[0 if token is None else token], positions=[position],
+                slot_mapping=[bm.slot(seq, position)], block_table=bm.block_table(seq), context_len=position + 1,
+                logits_from=0, pending_tokens=1 if token is None else 0,
             )
-            out.append((job, node, chunk))
+            out.append((seq, chunk))
         return out
 
     def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk],
