@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedtree.sampling import target_probs
+from pagedtree.sampling import host_index, target_probs
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.step_data import BlockCopy, ScheduledChunk
 
@@ -120,7 +120,8 @@ def draw_level(logits: torch.Tensor, rules: Sequence[ChildRule | None]) -> list[
         else:
             out[i] = draw_by_rule(logits[i], rule)
     for k, rows in groups.items():
-        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        # (rows ascend: as many as the level's are all of them, in order)
+        picked = logits if len(rows) == logits.shape[0] else logits[host_index(rows, logits.device)]
         logprobs = torch.log_softmax(picked.float(), dim=-1)
         top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         for j, i in enumerate(rows):
