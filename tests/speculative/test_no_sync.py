@@ -113,9 +113,11 @@ def guarded_engine(tiny_llama, tiny_llama_draft, monkeypatch) -> Iterator[Guarde
 
 
 @needs_interpreter
-def test_a_speculative_step_syncs_once_and_a_draft_level_once(guarded_engine, monkeypatch):
-    """No sync between the target's forward and its readback; every draft level
-    reads its children back in one copy (``read_children``) and syncs nowhere else.
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "level_by_level"])
+def test_a_speculative_step_syncs_once_and_a_draft_level_once(guarded_engine, monkeypatch, whole):
+    """No sync between the target's forward and its readback; a draft reads its
+    children back in one copy (``read_drawn``: once a draft when drafted whole, once
+    a level otherwise) and syncs nowhere else.
 
     Every draw rule in one batch: a greedy request (top-k children, verified
     greedily), a seeded one (coupled children, coupled verification) and three
@@ -143,6 +145,14 @@ def test_a_speculative_step_syncs_once_and_a_draft_level_once(guarded_engine, mo
         return real_stage(builder, node, logits, k)
 
     monkeypatch.setattr(proposer_module.ShapeTreeBuilder, "_stage_children", recorded_stage_children)
+    real_draw_level = draft_levels_module.draw_level
+
+    def recorded_draw_level(logits, rules):
+        drawn.extend((rule.rule, rule.k) for rule in rules if rule is not None)
+        return real_draw_level(logits, rules)
+
+    monkeypatch.setattr(draft_levels_module, "draw_level", recorded_draw_level)
+    target.speculation.drafts[0].whole_drafts = whole
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 9 + i, 41]} for i in range(5)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2),

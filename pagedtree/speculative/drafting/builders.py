@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.speculative.tree import DETERMINISTIC_RULES, ROOT, ChildDraw, TokenTree, TreeShape
+from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree, TreeShape
 from pagedtree.draft_sampling import ChildRule, DrawnChildren, draft_distribution, draw_children, read_drawn
 from pagedtree.structured.matcher import RequestGrammar, apply_bitmasks
 
@@ -183,12 +183,16 @@ class ShapeTreeBuilder(TreeBuilder):
     def drafts_whole(self) -> bool:
         """Whether the draft worker may run this tree's levels back to back without
         reading children back between them (``DraftWorker.whole_drafts``): every node
-        with children in the shape is fed whatever was drawn above it, so the host's
-        tree must not depend on the draws (no grammar, whose mask follows each path,
-        and no random rule that may repeat or skip a token, except in a chain)."""
-        if self.grammar is not None:
-            return False
-        return self.rule in DETERMINISTIC_RULES or all(len(kids) <= 1 for kids in self._children.values())
+        the shape would feed is fed whatever was drawn above it, and ``grow_drawn``
+        keeps what level by level would have kept. A grammar's mask follows each
+        path on the host, so a tree under a grammar is grown level by level.
+
+        Fed all the same, a node whose token the rule could not draw (``-inf``) or a
+        repeated i.i.d. draw still draws children, which the tree then drops: for the
+        random rules that moves later draws along the request's random stream, so the
+        tree can differ from level by level's, each of its draws still an independent
+        draw from the draft's distribution (what verification needs)."""
+        return self.grammar is None
 
     def shape_children(self, shape_node: int) -> list[int]:
         """The shape's children of ``shape_node`` (``ROOT`` included), in drawing order."""

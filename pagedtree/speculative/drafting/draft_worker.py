@@ -6,10 +6,10 @@ request's newest token is the tree's root), then one tree level per forward: eve
 node to expand becomes a forked sequence that shares its parent's blocks
 copy-on-write and decodes its own token. All requests' nodes of a level go into one
 batched draft forward, and all their children are drawn on the device and read back
-in one copy (one sync per level). Static trees that need no readback between levels
-are drafted whole on a GPU: every node's slot reserved first, every level queued on
-the worker with its input tokens taken on the device, one readback a draft
-(``_propose_whole``, ``worker/draft_levels.py``).
+in one copy (one sync per level). Static trees without a grammar are drafted whole:
+every node's slot reserved first, every level queued on the worker with its input
+tokens taken on the device, one readback a draft (``_propose_whole``,
+``worker/draft_levels.py``).
 
 Each draft forward is timed for the cost model without a sync of its own
 (``ForwardTimer``) and returned with the trees (``Drafted.forwards``).
@@ -127,14 +127,15 @@ class DraftWorker:
         return out
 
     def _propose_whole(self, jobs: Sequence[DraftJob]) -> Drafted:
-        """Static trees whose levels need no readback between them
-        (``ShapeTreeBuilder.drafts_whole``): every node's sequence and slot reserved
-        at once (``_reserve_levels``), every level run on the worker back to back
-        (``run_draft_levels``: each level's input tokens are the children drawn the
-        level before, on the device), every level's children read back in one copy,
-        then each tree grown on the host as ``propose`` grows it level by level. The
-        same trees, draws and KV slots as level by level (a node whose token the rule
-        could not draw is fed all the same, and its KV dropped at ``commit``)."""
+        """Static trees without a grammar (``ShapeTreeBuilder.drafts_whole``): every
+        node's sequence and slot reserved at once (``_reserve_levels``), every level
+        run on the worker back to back (``run_draft_levels``: each level's input
+        tokens are the children drawn the level before, on the device), every level's
+        children read back in one copy, then each tree grown on the host as
+        ``propose`` grows it level by level. Where no drawn token is dropped, the same
+        trees, draws and KV slots as level by level; a node whose token the rule could
+        not draw, or a repeated i.i.d. draw, is fed all the same, its children then
+        dropped with it and its KV at ``commit``."""
         levels, placed = self._reserve_levels(jobs)
         run = run_draft_levels(self.runner, levels)
         self.num_forward_passes += len(levels)

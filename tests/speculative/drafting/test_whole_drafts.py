@@ -2,8 +2,8 @@
 reserved first, every level queued on the worker with its input tokens taken from the
 children drawn on the device, every level read back at once. They propose the same
 trees, give the same tokens and acceptance as drafting level by level, and leave no
-KV block behind: chains (greedy, seeded, unseeded requests) and static trees
-(greedy and seeded), in eager steps and in the padded static steps CUDA graphs replay."""
+KV block behind: chains and static trees (greedy, seeded and unseeded requests), in
+eager steps and in the padded static steps CUDA graphs replay."""
 
 from __future__ import annotations
 
@@ -116,11 +116,22 @@ def test_whole_drafts_through_padded_static_steps(tiny_llama, tiny_llama_draft, 
     assert got[1]["num_accepted_tokens"] == want[1]["num_accepted_tokens"] > 0
 
 
-def test_random_draws_in_trees_draft_level_by_level(tiny_llama, tiny_llama_draft, prompts):
-    """Unseeded sampling in a tree (i.i.d. draws may repeat a token, whose subtree is
-    then not grown): level by level, even where whole drafts are on."""
-    params = SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True)
-    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], speculative=TREE)
-    assert got[1]["num_draft_tokens"] > 0
-    # Only chains (a budget cut to a node or two near a request's end) went whole.
-    assert all(not branching for jobs in got[2] for _, branching in jobs)
+def test_unseeded_trees_draft_what_level_by_level_drafts(tiny_llama, tiny_llama_draft, prompts):
+    """Unseeded sampling in a tree, children drawn without replacement from the whole
+    distribution (nothing the rule could not draw, nothing repeated): the same
+    draws along each request's random stream, so the same trees and tokens."""
+    params = SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True)
+    want = _run(tiny_llama, tiny_llama_draft, False, params, prompts, speculative=TREE)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts, speculative=TREE)
+    assert any(branching for jobs in got[2] for _, branching in jobs)
+    _same(got, want)
+
+
+def test_iid_trees_draft_whole(tiny_llama, tiny_llama_draft, prompts):
+    """I.i.d. children repeat tokens: the repeats are fed and drawn below all the
+    same, then dropped with their KV (their distribution: test_distribution.py)."""
+    params = SamplingParams(temperature=1.2, max_tokens=10, ignore_eos=True)
+    tree = SpeculativeConfig(tree="static", expansion=(3, 2, 1), max_nodes=16, adaptive=False, draft_sampling="iid")
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts, speculative=tree)
+    assert any(rule == "iid" and branching for jobs in got[2] for rule, branching in jobs)
+    assert got[1]["num_draft_tokens"] > 0 and all(len(o[0]) == 10 for o in got[0])

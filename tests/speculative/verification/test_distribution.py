@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.speculative.drafting import builders
 from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder
+from pagedtree.draft_sampling import draw_by_rule, read_drawn
 from pagedtree.speculative.drafting.merge import merge_trees
 from pagedtree.speculative.budget.sequoia import optimal_shape
 from pagedtree.speculative.tree import ROOT, ChildDraw, TreeShape
@@ -111,6 +112,47 @@ SLOW_CASES = [
 def test_verification_preserves_the_target_distribution(kind, rule, draws):
     counts = _first_two_tokens(kind, rule, seed=3, draws=draws)
     assert _pvalue(counts, _expected(3)) > P_MIN
+
+
+def _grow_whole(builder, q_root: torch.Tensor, q_next: torch.Tensor):
+    """A two-level tree grown as a whole draft grows it (``DraftWorker._propose_whole``):
+    the root's children drawn, then every shape node with children fed the token
+    drawn for it whatever it is (a repeated i.i.d. draw, a token of probability 0)
+    and its children drawn, in the worker's order, all read back at once and grown
+    (``grow_drawn``), which drops what level by level would not have grown."""
+    root = draw_by_rule(q_root.log(), builder.child_rule(ROOT, 0))
+    drawn = {ROOT: root}
+    for rank, kid in enumerate(builder.shape_children(ROOT)):
+        if builder.shape_children(kid):
+            token = int(root.tokens[rank])
+            drawn[kid] = draw_by_rule(q_next[token].log(), builder.child_rule(kid, 1))
+    staged = {node: builders.StagedChildren(ROOT, d.tokens, d.increments, ChildDraw(builder.rule, ROOT, probs=d.probs),
+                                            host_tokens=tokens, host_increments=increments)
+              for (node, d), (tokens, increments) in zip(drawn.items(), read_drawn(list(drawn.values())))}
+    builder.grow_drawn(staged)
+    return builder.finish()
+
+
+@pytest.mark.parametrize("rule", ["iid", "without_replacement"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["full", "sparse"])
+@pytest.mark.parametrize("draws", [SINGLE_TREE_FAST_DRAWS, pytest.param(DRAWS, marks=pytest.mark.slow)])
+def test_trees_drafted_whole_keep_the_distribution(rule, sparse, draws):
+    """Random draws in a tree drafted whole: repeated i.i.d. draws (5 tokens, 3 draws)
+    and, with a sparse draft (2 tokens of 5 possible at the root), children the rule
+    could not draw are fed and drawn below all the same, then dropped; the draws
+    after them come further along the stream. The target's distribution holds."""
+    seed = 3
+    p_root, q_root, p_next, q_next = _tables(seed)
+    if sparse:
+        q_root = q_root.clone()
+        q_root[q_root.argsort()[:3]] = 0.0
+        q_root /= q_root.sum()
+    counts = np.zeros((V, V))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(draws):
+        tree = _grow_whole(_builder("static", rule, gen), q_root, q_next)
+        counts[_first_two_tokens_of(tree, p_root, p_next, gen)] += 1
+    assert _pvalue(counts, _expected(seed)) > P_MIN
 
 
 # The mislabelled top-k moves the chi-square statistic by about 0.84 per draw (4,200
