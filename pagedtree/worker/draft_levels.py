@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedtree.draft_sampling import DraftLevel, DrawnChildren, draw_level, read_drawn
+from pagedtree.step_data import BlockCopy, ScheduledChunk
 from pagedtree.worker.step_inputs import InputFeed, query_starts
 
 
@@ -123,16 +124,24 @@ def queue_draft_levels(runner, levels: Sequence[DraftLevel]) -> list[DrawnLevel]
     the device from the children the level before drew; nothing is read back."""
     drawn: list[DrawnLevel] = []
     for level in levels:
-        feed = _feed(level, drawn[-1] if drawn else None)
-        timer = ForwardTimer(getattr(runner, "device", None))  # none: a host-side stand-in
-        timer.start()
-        runner.copy_blocks([c.src for c in level.copies], [c.dst for c in level.copies])
-        rows = [s + c.num_tokens - 1 for c, s in zip(level.chunks, query_starts(level.chunks))]
-        logits = runner.forward(level.chunks, rows, feed=feed)
-        timer.stop()
+        logits, timer = draft_forward(runner, level.chunks, level.copies, _feed(level, drawn[-1] if drawn else None))
         children = draw_level(logits, level.rules)
         drawn.append(DrawnLevel(children, timer, sum(c.num_tokens for c in level.chunks)))
     return drawn
+
+
+def draft_forward(runner, chunks: Sequence[ScheduledChunk], copies: Sequence[BlockCopy],
+                  feed: InputFeed | None = None) -> tuple[torch.Tensor, ForwardTimer]:
+    """One draft level: the block copies due before it and one forward over ``chunks``
+    (input tokens taken on the device where ``feed`` says); the logits of each chunk's
+    last token, and the forward's timer (read after the readback)."""
+    timer = ForwardTimer(getattr(runner, "device", None))  # none: a host-side stand-in
+    timer.start()
+    runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
+    rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
+    logits = runner.forward(list(chunks), rows) if feed is None else runner.forward(list(chunks), rows, feed=feed)
+    timer.stop()
+    return logits, timer
 
 
 def _feed(level: DraftLevel, before: DrawnLevel | None) -> InputFeed | None:

@@ -32,12 +32,13 @@ class StagedChildren:
     log-probability, or for coupled proposals its log-probability of being the
     noisy argmax. An increment of ``-inf`` marks a token the rule could not have
     drawn (top-k past the finite scores, a token of probability 0 without
-    replacement); reading back drops those.
+    replacement); reading back drops those. A whole draft's children come back
+    read already (``worker/draft_levels.py``): their device tensors are None.
     """
 
     node: int
-    tokens: torch.Tensor  # [k] int64
-    increments: torch.Tensor  # [k] float
+    tokens: torch.Tensor | None  # [k] int64
+    increments: torch.Tensor | None  # [k] float
     draw: ChildDraw
     host_tokens: list[int] = field(default_factory=list)
     host_increments: list[float] = field(default_factory=list)

@@ -33,9 +33,8 @@ from pagedtree.speculative.drafting.builders import ShapeTreeBuilder, StagedChil
 from pagedtree.speculative.drafting.drafter import Drafted, DraftJob
 from pagedtree.speculative.tree import ROOT, ChildDraw, TokenTree
 from pagedtree.draft_sampling import DraftLevel
-from pagedtree.worker.draft_levels import ForwardTimer, run_draft_levels
+from pagedtree.worker.draft_levels import ForwardTimer, draft_forward, run_draft_levels
 from pagedtree.worker.model_runner import ModelRunner
-from pagedtree.worker.step_inputs import query_starts
 from pagedtree.sampling import DRAFT_STREAM, stream_seed
 
 logger = logging.getLogger("pagedtree")
@@ -285,21 +284,10 @@ class DraftWorker:
             out.append((seq, chunk))
         return out
 
-    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk],
-                 token_sources: dict[str, tuple[torch.Tensor, int]] | None = None,
-                 ) -> tuple[torch.Tensor, ForwardTimer]:
-        """The block copies and one draft forward over ``chunks`` (the input tokens of
-        chunks fed from the device from ``token_sources``): the logits of each chunk's
-        last token, and the timer of the forward (read after the readback)."""
-        timer = ForwardTimer(getattr(self.runner, "device", None))  # none: a host-side stand-in
-        timer.start()
-        self.runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
-        rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
-        logits = self.runner.forward(chunks, rows, token_sources) if token_sources else \
-            self.runner.forward(chunks, rows)
-        timer.stop()
+    def _forward(self, copies: list[BlockCopy], chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ForwardTimer]:
+        """One draft level (``draft_levels.draft_forward``), counted."""
         self.num_forward_passes += 1
-        return logits, timer
+        return draft_forward(self.runner, chunks, copies)
 
     # ---------------------------------------------------------------- commit
     def commit(self, request_id: str, accepted_tokens: Sequence[int]) -> None:
