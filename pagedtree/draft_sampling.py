@@ -106,26 +106,39 @@ def draw_by_rule(logits: torch.Tensor, how: ChildRule) -> DrawnChildren:
 
 def draw_level(logits: torch.Tensor, rules: Sequence[ChildRule | None]) -> list[DrawnChildren | None]:
     """The children below every row of a level's draft ``logits [n, V]`` (None where
-    its rule is None). Greedy top-k rows with one ``k`` are drawn together, one
-    log-softmax and one top-k for the group (a level of a batch of greedy chains is
-    two ops, not two a row); every other row by ``draw_by_rule``. Either way a row
-    gets what ``draw_by_rule`` gives it alone: both ops work row by row."""
+    its rule is None). Rows drawn alike go together: greedy top-k rows of one ``k``
+    in one log-softmax and one top-k, coupled rows of one ``k`` and one set of
+    sampling parameters in one processed distribution, one noisy top-k and one
+    log-softmax (a level of a batch of chains is a few ops, not a few a row); random
+    rows one by one (each draws from its own request's stream). Either way a row gets
+    what ``draw_by_rule`` gives it alone: every op works row by row."""
     out: list[DrawnChildren | None] = [None] * len(rules)
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, rule in enumerate(rules):
         if rule is None:
             continue
         if rule.rule == "topk" and rule.params.greedy:
-            groups.setdefault(rule.k, []).append(i)
+            groups.setdefault(("topk", rule.k), []).append(i)
+        elif rule.rule == "coupled" and not rule.params.greedy:
+            p = rule.params
+            groups.setdefault(("coupled", rule.k, p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
         else:
             out[i] = draw_by_rule(logits[i], rule)
-    for k, rows in groups.items():
+    for key, rows in groups.items():
         # (rows ascend: as many as the level's are all of them, in order)
         picked = logits if len(rows) == logits.shape[0] else logits[host_index(rows, logits.device)]
-        logprobs = torch.log_softmax(picked.float(), dim=-1)
-        top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        first = rules[rows[0]]
+        logprobs = draft_distribution(picked, first.params)
+        k = min(first.k, logprobs.shape[-1])
+        if key[0] == "topk":
+            top = torch.topk(logprobs, k, dim=-1)
+            tokens, increments = top.indices, top.values
+        else:
+            scores = logprobs + torch.stack([rules[i].noise for i in rows])
+            tokens = torch.topk(scores, k, dim=-1).indices
+            increments = torch.gather(torch.log_softmax(scores, dim=-1), -1, tokens)
         for j, i in enumerate(rows):
-            out[i] = DrawnChildren(top.indices[j], top.values[j])
+            out[i] = DrawnChildren(tokens[j], increments[j])
     return out
 
 

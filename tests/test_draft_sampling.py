@@ -1,6 +1,7 @@
 """A level's children drawn together (``draw_level``) are each row's children drawn
-alone (``draw_by_rule``): greedy rows of one and of several ``k`` in one batched op,
-coupled and random rows one by one, rows that draw nothing left out."""
+alone (``draw_by_rule``): greedy rows of one and of several ``k``, coupled rows of one
+and of several sampling parameters, each group in one batched op; random rows one by
+one; rows that draw nothing left out."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
 
 def test_a_level_drawn_together_is_each_row_drawn_alone():
     vocab = 1000
-    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(0)) * 4
     noise = -torch.log(-torch.log(torch.rand(vocab, generator=torch.Generator().manual_seed(1))))
+    other_noise = -torch.log(-torch.log(torch.rand(vocab, generator=torch.Generator().manual_seed(2))))
     rules = [ChildRule(2, "topk", GREEDY), ChildRule(1, "topk", GREEDY), None, ChildRule(2, "topk", GREEDY),
              ChildRule(3, "coupled", SEEDED, noise=noise), ChildRule(1, "topk", GREEDY),
-             ChildRule(vocab + 5, "topk", GREEDY)]
+             ChildRule(vocab + 5, "topk", GREEDY), ChildRule(3, "coupled", SEEDED, noise=other_noise),
+             ChildRule(3, "coupled", SamplingParams(temperature=0.5, seed=3), noise=noise)]
     together = draw_level(logits, rules)
     for row, rule, got in zip(logits, rules, together):
         if rule is None:

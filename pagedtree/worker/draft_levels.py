@@ -4,7 +4,7 @@ The draft worker reserves every node's KV slot on the host first, then hands the
 levels here as plain data: each level's chunks (its fed nodes), the block copies due
 before it, how each fed node draws its children, and which child of the level
 before gives each fed node its input token. Each level's children are drawn on the
-device (``draft_sampling.draw_level``: a level's greedy rows in one batched op) and
+device (``draft_sampling.draw_level``: rows drawn alike in one batched op) and
 the next level takes its input tokens from there (an ``InputFeed``), so the levels
 queue one after another, and every level's children come back in one copy: one sync
 a draft, not one a level.
