@@ -72,7 +72,6 @@ class DraftLevel:
     copies: list[BlockCopy] = field(default_factory=list)
 
 
-
 def draw_children(logprobs: torch.Tensor, k: int, rule: str, generator: torch.Generator | None,
                   noise: torch.Tensor | None = None) -> DrawnChildren:
     """Draw up to ``k`` sibling tokens from ``logprobs [V]`` by ``rule``, on the device.

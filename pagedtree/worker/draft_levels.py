@@ -158,6 +158,11 @@ def _feed(level: DraftLevel, before: DrawnLevel | None) -> InputFeed | None:
             starts[i] = offset
             parts.append(children.tokens)
             offset += children.tokens.numel()
+    for _, (i, rank) in fed:
+        drawn = before.children[i]
+        if drawn is None or rank >= drawn.tokens.numel():  # (a shape wider than the vocabulary)
+            raise ValueError(f"a draft node takes child {rank} of a node that drew "
+                             f"{0 if drawn is None else drawn.tokens.numel()}")
     flat = torch.cat(parts)
     return InputFeed(
         chunks=[j for j, _ in fed],
