@@ -138,17 +138,15 @@ class DraftWorker:
         levels, placed = self._reserve_levels(jobs)
         run = run_draft_levels(self.runner, levels)
         self.num_forward_passes += len(levels)
-        staged: list[dict[int, StagedChildren]] = [{} for _ in jobs]
+        staged: list[dict[int, StagedChildren]] = [{} for _ in jobs]  # per job, by shape node
+        seq_of_shape: list[dict[int, str]] = [{} for _ in jobs]
         for level, level_children in zip(placed, run.children):
-            for (job_index, shape_node, _), children in zip(level, level_children):
+            for (job_index, shape_node, seq), children in zip(level, level_children):
+                seq_of_shape[job_index][shape_node] = seq
                 draw = ChildDraw(jobs[job_index].builder.rule, ROOT, probs=children.probs)
                 staged[job_index][shape_node] = StagedChildren(
                     ROOT, None, None, draw, host_tokens=children.tokens, host_increments=children.increments)
         out = Drafted(forwards=run.forwards)
-        seq_of_shape: list[dict[int, str]] = [{} for _ in jobs]
-        for level in placed:
-            for job_index, shape_node, seq in level:
-                seq_of_shape[job_index][shape_node] = seq
         for job_index, job in enumerate(jobs):
             rid = job.request.request_id
             branches = self._branches.get(rid)
