@@ -1,4 +1,5 @@
-"""Quantized weights straight from a GGUF file, without building the dense model.
+"""Weights straight from a GGUF file: quantized without building the dense model, or
+dense without an fp32 copy of it.
 
 llama.cpp files store most weights in 4- to 8-bit blocks. For ``quantization="int4"``
 the 4-bit blocks (Q4_0, Q4_1, Q4_K: an affine grid per 32 weights) become torch's
@@ -19,7 +20,11 @@ where ggml is not installed (with it, the table stays in the file's blocks and e
 step looks up its rows through ggml, ``ggml_rows``).
 
 Only the tensors being converted are ever dense, one at a time: the 1.5B model needs
-its quantized weights plus the embedding table, not its 6 GB of fp32.
+its quantized weights plus the embedding table, not its 6 GB of fp32. Dense weights
+(``quantization=None``, the dense formats on CPU) are dequantized a chunk of rows at
+a time straight into the model's dtype and each layer is prepacked as it is built: a
+bf16 load peaks near the bf16 weights, where going through a converted fp32
+checkpoint held the 7 GB file's pages beside them.
 
 Names follow llama.cpp's (``blk.N.attn_q.weight``, ...); llama-architecture files
 store the Q and K projections with rows permuted for llama.cpp's rotary layout, which
@@ -202,9 +207,13 @@ def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(heads, half, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
 
 
-def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: str, dtype: torch.dtype) -> None:
+def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: str | None, dtype: torch.dtype,
+                      pack_weights: bool = True) -> None:
     """Fill ``net`` (built on the meta device) from ``gguf_file``: linear layers
-    quantized (see module docstring), everything else dense in ``dtype``."""
+    quantized (see module docstring), everything else dense in ``dtype``.
+    ``quantization=None``: every weight dense in ``dtype`` (the values a dequantizing
+    conversion gives), each linear layer prepacked for oneDNN as it is built when
+    ``pack_weights``."""
     from pagedtree.loading import gguf_reader  # gguf is imported on use
 
     reader = gguf_reader.open_gguf(gguf_file)
@@ -232,7 +241,8 @@ def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: st
         if target in linears:
             parts.setdefault(target, []).append((rows, tensor, unpermute))
             continue
-        if target == "model.embed_tokens.weight" and (quantization == "ggml" or ggml_available()):
+        if target == "model.embed_tokens.weight" and (quantization == "ggml"
+                                                      or (quantization is not None and ggml_available())):
             # The table stays in the file's blocks, a view of the mapping; each step
             # looks up its rows (the same values as the dense table: 131 MB for the
             # 1.5B's instead of 467 in bf16), and only the pages of rows looked up
@@ -250,7 +260,11 @@ def load_gguf_weights(net: DecoderForCausalLM, gguf_file: Path, quantization: st
     for target in order:
         pieces = parts[target]
         keep = net.head_rows if target == "lm_head.weight" else None  # a draft's cut vocabulary
-        _set_linear(net.get_submodule(target.rsplit(".", 1)[0]), pieces, quantization, keep)
+        layer = net.get_submodule(target.rsplit(".", 1)[0])
+        if quantization is None:
+            _set_dense_linear(layer, pieces, dtype, keep, pack_weights)
+        else:
+            _set_linear(layer, pieces, quantization, keep)
         # Each layer's file pages leave the process once its weights are built: the
         # whole file would otherwise be resident beside them at the end of the load.
         gguf_reader.release_pages(reader)
@@ -271,6 +285,28 @@ def _set_dense(net: nn.Module, target: str, rows: slice | None, value: torch.Ten
     destination = param if rows is None else param[rows]
     with torch.no_grad():
         destination.copy_(value.reshape(destination.shape))
+
+
+def _set_dense_linear(layer: Linear, pieces: list, dtype: torch.dtype, keep_rows: torch.Tensor | None,
+                      pack: bool) -> None:
+    """A linear layer's dense ``dtype`` weight from its checkpoint tensors (each
+    dequantized a chunk of rows at a time, never whole in fp32), packed for oneDNN
+    when ``pack``."""
+    pieces = sorted(pieces, key=lambda p: 0 if p[0] is None else p[0].start)
+    parts = []
+    for _, tensor, heads in pieces:
+        part = _dense(tensor, dtype)
+        parts.append(_unpermute_rows(part, heads) if heads is not None else part)
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+    del parts
+    if keep_rows is not None:
+        weight = weight[keep_rows]
+    if weight.shape != (layer.out_features, layer.in_features):
+        raise ValueError(f"GGUF weights of shape {tuple(weight.shape)} for a layer of "
+                         f"{(layer.out_features, layer.in_features)}")
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if pack:
+        layer.pack_for_cpu()
 
 
 def _set_linear(layer: Linear, pieces: list, quantization: str, keep_rows: torch.Tensor | None = None) -> None:

@@ -132,16 +132,18 @@ def load_model(
         raise ValueError("a draft vocabulary cut needs an unsharded draft")
     sharded = group is not None and group.size > 1
     dummy = load_format == "dummy"
-    gguf_file = gguf_source(model) if quantization is not None and not sharded and not dummy else None
+    # Quantized weights, and dense ones on CPU, straight from a GGUF file's blocks: no
+    # converted fp32 checkpoint is read (a GPU's dense weights come from that one).
+    from_gguf = quantization is not None or torch.device(device).type == "cpu"
+    gguf_file = gguf_source(model) if from_gguf and not sharded and not dummy else None
     if gguf_file is not None:
-        # Straight from the GGUF's quantized blocks: the dense model is never built.
         folder = gguf_config_folder(model, gguf_file)
         config = AutoConfig.from_pretrained(str(folder))
         net = build_on_meta(model_class_for(config), config, dtype)
         tokenizer = load_tokenizer(folder)
         if head_vocab is not None:
             net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
-        load_gguf_weights(net, gguf_file, quantization, dtype)
+        load_gguf_weights(net, gguf_file, quantization, dtype, pack_weights=pack_weights)
         # The conversion's transients (block decoding, ONNX graphs) leave hundreds of
         # MB of free heap behind: handed back now rather than at the first idle moment.
         trim_heap()

@@ -231,3 +231,27 @@ def test_ggml_engines_hold_the_files_bytes_and_decode_like_fp32(tensors_of):
     agreed = sum(next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q),
                       12) for x, y in zip(a, b))
     assert agreed >= 0.75 * 12 * len(prompts), agreed
+
+
+def test_dense_weights_come_straight_from_the_file_as_a_converted_checkpoint_gives_them(tensors_of):
+    """Run dense on a CPU, a GGUF model's weights are dequantized from the file a chunk
+    of rows at a time into the model's dtype (no fp32 checkpoint is written or read):
+    the same values as loading its converted checkpoint, SmolLM2's permuted Q/K rows
+    and tied head included; each linear layer is prepacked as it is built."""
+    from pagedtree.loading.loader import load_model
+    from pagedtree.worker.models.linear import onednn_packs
+
+    tensors_of(pm.SMOLLM2_135M)
+    direct = load_model(pm.SMOLLM2_135M.name, dtype=torch.bfloat16, device="cpu", pack_weights=False).model
+    converted = load_model(pm.converted_folder(pm.SMOLLM2_135M), dtype=torch.bfloat16, device="cpu",
+                           pack_weights=False).model
+    a, b = direct.state_dict(), converted.state_dict()
+    assert set(a) == set(b)
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+    packed = load_model(pm.SMOLLM2_135M.name, dtype=torch.bfloat16, device="cpu").model
+    layers = [m for m in packed.modules() if isinstance(m, Linear)]
+    if onednn_packs(torch.bfloat16):
+        assert all(m.weight is None and m.packed_weight is not None for m in layers)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(packed.model.embed_tokens(ids), converted.model.embed_tokens(ids))
