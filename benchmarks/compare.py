@@ -6,6 +6,9 @@ the same token-id prompts and exactly ``--output-len`` new tokens per request (E
 ignored). Engines:
 
 - ``pagedtree``               plain decoding
+- ``pagedtree-batch``         plain decoding built for batches (``workload="batch"``, what
+                              ``pagedtree serve`` builds: a GGUF's weights in the format this
+                              CPU runs batches fastest in)
 - ``pagedtree-eager``         plain decoding with every op eager (``enforce_eager``: no
                               fused CPU element-wise kernels), for the A/B
 - ``pagedtree-spec:PRESET``   tree speculation with a preset of
@@ -90,6 +93,7 @@ class EngineSpec:
     model: str | None = None  # the runner's --model when not the HF folder (llamacpp: the GGUF file)
     threads: int | None = None  # llamacpp's n_threads (None: every core)
     eager: bool = False  # pagedtree with enforce_eager (no fused CPU kernels)
+    engine_workload: str | None = None  # pagedtree's workload (the format a GGUF runs in by default)
 
 
 @dataclass
@@ -148,6 +152,9 @@ def engine_specs(args: argparse.Namespace) -> tuple[list[EngineSpec], list[str]]
         at = f"@{quant}" if quant else ""
         if name == "pagedtree":
             specs.append(EngineSpec(f"pagedtree{at}", "pagedtree", own, quantization=quant))
+        elif name == "pagedtree-batch":
+            # What a server builds: the GGUF by name, its format chosen for batches.
+            specs.append(EngineSpec(name, "pagedtree", own, model=str(args.model), engine_workload="batch"))
         elif name == "pagedtree-eager":
             specs.append(EngineSpec(name, "pagedtree", own, eager=True))
         elif name in ("pagedtree-int8", "pagedtree-int4", "pagedtree-q8", "pagedtree-q4", "pagedtree-ggml"):
@@ -308,10 +315,12 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--threads", str(spec.threads)]
     if spec.eager:
         cmd.append("--enforce-eager")
+    if spec.engine_workload is not None:
+        cmd += ["--engine-workload", spec.engine_workload]
     if getattr(args, "keep_suffix_cache", False) and spec.engine == "pagedtree":
         cmd.append("--keep-suffix-cache")
     env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
-    if spec.quantization in ("q4", "q8", "ggml"):
+    if spec.quantization in ("q4", "q8", "ggml") or spec.engine_workload is not None:  # may run q4
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see pagedtree/worker/models/block_quant.py, "Threads"
     started = time.perf_counter()
     run = EngineRun(spec)
@@ -640,7 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated, from pagedtree, pagedtree-int8, pagedtree-int4 (weight-only "
                              "quantized, straight from a packaged model's GGUF), pagedtree-q8, pagedtree-q4 (blocks of "
                              "32 with int8 activations, ONNX Runtime's kernels), pagedtree-ggml (the GGUF's own "
-                             "blocks through ggml's kernels), pagedtree-spec, transformers, "
+                             "blocks through ggml's kernels), pagedtree-batch (built for batches, as a server is), "
+                             "pagedtree-spec, transformers, "
                              "transformers-assisted, vllm, vllm-spec, vllm-ngram, llamacpp (llama.cpp on the model's GGUF, "
                              "batch 1 only; from --llamacpp-python's venv), llamacpp-lookup (the same with "
                              "prompt-lookup speculation)")

@@ -225,7 +225,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          spec=json.loads(args.spec) if args.spec else None, dtype=args.dtype, seed=args.seed,
                          quantization=args.quantization, prefix_caching=args.prefix_caching,
                          enforce_eager=args.enforce_eager, keep_suffix_cache=args.keep_suffix_cache,
-                         threads=args.threads)
+                         threads=args.threads, engine_workload=args.engine_workload)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -250,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="keep pagedtree's and vLLM's prefix cache on (off: every cell prefills its prompts, "
                              "as transformers does, although the cells repeat the same prompts)")
     parser.add_argument("--workload", required=True, help="workload JSON (see above)")
+    parser.add_argument("--engine-workload", default=None, choices=["stream", "batch"],
+                        help="pagedtree: the load its weights' format is chosen for (default: LLM's, stream)")
     parser.add_argument("--out", required=True, help="result JSON")
     args = parser.parse_args(argv)
     args.label = args.label or args.engine

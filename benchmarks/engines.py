@@ -48,6 +48,7 @@ class EngineOptions:
     enforce_eager: bool = False  # pagedtree
     keep_suffix_cache: bool = False  # pagedtree: see clear_suffix_cache
     threads: int | None = None  # llamacpp (None: every core)
+    engine_workload: str | None = None  # pagedtree's EngineConfig.workload (None: LLM's, "stream")
 
 
 @dataclass
@@ -148,7 +149,7 @@ def load_pagedtree(options: EngineOptions, max_batch: int | None, max_len: int) 
 
     kwargs: dict[str, Any] = dict(dtype=options.dtype, max_model_len=max_len, seed=options.seed,
                                   enable_prefix_caching=options.prefix_caching, quantization=options.quantization,
-                                  enforce_eager=options.enforce_eager)
+                                  enforce_eager=options.enforce_eager, workload=options.engine_workload)
     if max_batch is not None:
         kwargs["max_num_seqs"] = max_batch
     speculating = bool(options.draft_model) or options.spec is not None

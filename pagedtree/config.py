@@ -32,6 +32,8 @@ DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+# The loads an engine can be built for (``EngineConfig.workload``).
+WORKLOADS = ("stream", "batch")
 QUANTIZATIONS = ("int8", "int4", "q4", "q8", "ggml")  # see pagedtree.worker.models.linear
 LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint, or random weights (benchmarks)
 OFFLOAD_ALL = "all"  # offload_weights_gb: stream every decoder layer from host memory
@@ -223,6 +225,14 @@ class EngineConfig:
     CUDA engines on one process, where the host would otherwise leave the GPU idle
     between steps.
 
+    ``workload`` is the load the engine is built for, where it picks the weights'
+    format (a GGUF model on CPU with ``quantization`` unset): "stream" (one request or a
+    few at a time: the GGUF's 4-bit blocks, whose steps read the fewest bytes) or
+    "batch" (many concurrent requests: dense weights where this CPU runs a batch's
+    products in them clearly faster than in 4-bit blocks and the memory is there,
+    ``loading/batch_format.py``). None takes the entry point's: "stream" for ``LLM``,
+    "batch" for ``AsyncEngine`` and ``pagedtree serve``.
+
     ``load_format="dummy"`` (vLLM's option of that name) fills every weight with
     random values instead of reading them: a folder with only a ``config.json``
     then loads, for benchmarks of real shapes where the weights cannot travel;
@@ -261,9 +271,12 @@ class EngineConfig:
     load_format: str = "auto"
     async_scheduling: bool | None = None
     offload_weights_gb: float | str | None = None
+    workload: str | None = None
 
     def __post_init__(self) -> None:
         self.offload_weights_gb = validate_offload(self.offload_weights_gb)
+        if self.workload not in WORKLOADS + (None,):
+            raise ValueError(f"workload must be None or one of {WORKLOADS}, got {self.workload!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_constrained_tokens is not None and (not isinstance(self.max_constrained_tokens, int)

@@ -139,3 +139,12 @@ def test_scripts_have_help(script, help_answers):
     assert "usage" in out.lower()
     for expected in EXPECTED.get(script, []):
         assert expected in out
+
+
+def test_the_workload_maps_to_the_engine():
+    parse = cli.build_parser().parse_args
+    assert cli.engine_kwargs(parse(["serve"]))["workload"] is None  # the entry point's: batch for serve
+    assert cli.engine_kwargs(parse(["serve", "--workload", "stream"]))["workload"] == "stream"
+    assert cli.engine_kwargs(parse(["generate", "hi", "--workload", "batch"]))["workload"] == "batch"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--workload", "fast"])

@@ -20,7 +20,9 @@ class LLM:
     """Load a model once, then generate for batches of prompts.
 
     ``LLM()`` with no model loads the embedded default (Qwen2.5-Coder-1.5B-Instruct
-    from its PyPI packages). Keyword arguments are those of ``EngineConfig``.
+    from its PyPI packages). Keyword arguments are those of ``EngineConfig``;
+    ``workload`` defaults to "stream" (a GGUF model on CPU in its 4-bit blocks):
+    ``workload="batch"`` builds it for batches of 16 or more prompts.
 
     With ``tensor_parallel_size=N`` the ranks are spawned processes (spawn start
     method): a script that creates the ``LLM`` at import time must do so under
@@ -28,6 +30,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
+        # One user's prompts, or an offline batch run: built for the single stream
+        # unless told otherwise (``workload="batch"``).
+        kwargs.setdefault("workload", None)
+        if kwargs["workload"] is None:
+            kwargs["workload"] = "stream"
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     def shutdown(self) -> None:

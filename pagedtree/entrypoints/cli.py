@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from pagedtree.config import QUANTIZATIONS
+from pagedtree.config import QUANTIZATIONS, WORKLOADS
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
 from pagedtree.speculative.presets import TREE_PRESETS, tree_preset
@@ -42,6 +42,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(a GGUF's own blocks through llama.cpp's kernels, about the file's memory) or none "
                              "(dense); default: a GGUF model on CPU runs in q4 (its own blocks, exactly; ggml where "
                              "memory is short), anything else dense")
+    parser.add_argument("--workload", default=None, choices=list(WORKLOADS),
+                        help="the load the weights' format is chosen for (a GGUF model on CPU without "
+                             "--quantization): stream (one request at a time: its 4-bit blocks) or batch (many "
+                             "concurrent requests: dense weights where this CPU runs batches faster in them); "
+                             "default: batch for serve, stream otherwise")
     parallel = parser.add_argument_group(
         "tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA; other machines join with "
         "`pagedtree worker` and MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or all run under torchrun)")
@@ -100,6 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         draft_tensor_parallel_size=args.draft_tensor_parallel_size,
         distributed_timeout=args.distributed_timeout,
         offload_weights_gb=args.offload_weights_gb,
+        workload=args.workload,
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)

@@ -18,6 +18,14 @@ and batches need: on the AVX-512 machine ggml decoded one stream at 17.4 tokens/
 against q4's 16.0, but batches of 16 at 0.61x q4's, and with the draft its budget
 never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third run").
 
+A server is built for another load (``workload="batch"``): steps of 16 or more
+requests, which are compute bound, where q4's int8-activation products grow with rows
+and a CPU with native bf16 runs dense bf16 products about twice as fast. For that
+load the default is dense weights (``"none"``) where a measured product of the model's
+shape at the batch's rows says they win clearly and the memory for them is there
+(``batch_format``); q4 otherwise (a CPU without native bf16, a machine short of
+memory).
+
 ``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"ggml"``,
 ``"int4"``, ``"int8"`` force those formats (``EngineConfig``; resolved in
 ``resolve.py``).
@@ -25,9 +33,13 @@ never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedtree.loading.loader import gguf_source
+
+logger = logging.getLogger("pagedtree")
 
 
 def block_quant_available() -> bool:
@@ -59,14 +71,21 @@ def available_memory() -> int | None:
     return None
 
 
-def default_quantization(model: str | None, dtype: object, device: torch.device, tensor_parallel_size: int) -> str:
-    """The format a target runs in when ``quantization`` is unset (``"none"``: dense)."""
+def default_quantization(model: str | None, dtype: object, device: torch.device, tensor_parallel_size: int,
+                         workload: str = "stream", max_num_seqs: int = 64,
+                         dense_dtype: torch.dtype = torch.bfloat16) -> str:
+    """The format a target runs in when ``quantization`` is unset (``"none"``: dense).
+    ``workload="batch"`` weighs dense ``dense_dtype`` weights against q4 at
+    ``min(max_num_seqs, BATCH_ROWS)`` rows (measured once per CPU, cached)."""
     if not (dtype == "auto" and tensor_parallel_size == 1 and device.type == "cpu"):
         return "none"
     gguf_file = gguf_source(model)
     if gguf_file is None:
         return "none"
     from pagedtree.worker.models.ggml_matmul import ggml_available
+
+    if workload == "batch" and block_quant_available() and _dense_serves_batches(gguf_file, max_num_seqs, dense_dtype):
+        return "none"
 
     try:
         size = gguf_file.stat().st_size
@@ -78,3 +97,23 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
         return "q4"
     return "ggml" if ggml_available() else "none"
 
+
+
+def _dense_serves_batches(gguf_file, max_num_seqs: int, dense_dtype: torch.dtype) -> bool:
+    """Whether dense ``dense_dtype`` weights fit in memory and run a batch's products
+    clearly faster than q4 on this CPU (``batch_format``); logged either way."""
+    from pagedtree.loading import batch_format
+
+    try:
+        shape = batch_format.gguf_shape(gguf_file)
+    except (OSError, ValueError):  # a file the load will report on
+        return False
+    if not batch_format.dense_fits(shape, dense_dtype, available_memory()):
+        logger.info("workload 'batch': q4 weights (dense %s weights would need more memory than is available)",
+                    str(dense_dtype).removeprefix("torch."))
+        return False
+    timing = batch_format.batch_format_timing(shape, min(max_num_seqs, batch_format.BATCH_ROWS), dense_dtype)
+    logger.info("workload 'batch': %s weights (a %d-row product of this model's MLP: %.2f ms dense %s, %.2f ms q4)",
+                "dense" if timing.dense_wins else "q4", timing.rows, timing.dense_seconds * 1e3,
+                timing.dense_dtype, timing.q4_seconds * 1e3)
+    return timing.dense_wins

@@ -78,7 +78,8 @@ def with_default_quantization(config: EngineConfig) -> EngineConfig:
         return dataclasses.replace(config, quantization="none")
     device = resolve_device(config.device)
     return dataclasses.replace(config, quantization=default_quantization(
-        config.model, config.dtype, device, config.tensor_parallel_size))
+        config.model, config.dtype, device, config.tensor_parallel_size, workload=config.workload or "stream",
+        max_num_seqs=config.max_num_seqs, dense_dtype=resolve_dtype(config.dtype, None, device)))
 
 
 def _target_offload(config: EngineConfig, device: torch.device, dtype: torch.dtype,

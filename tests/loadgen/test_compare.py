@@ -85,13 +85,13 @@ def test_a_small_comparison_writes_its_table_and_json(tiny_text_model, tmp_path)
     matrix with peers, repeats, plots and serving runs under -m slow)."""
     compare = load_benchmark("compare")
     folder = str(tiny_text_model.path)
-    rc = compare.main(["--model", folder, "--draft-model", folder, "--engines", "pagedtree,pagedtree-spec",
+    rc = compare.main(["--model", folder, "--draft-model", folder, "--engines", "pagedtree,pagedtree-batch,pagedtree-spec",
                        "--spec-presets", "chain-3", "--batch-sizes", "1", "--temperatures", "0", "--output-len", "4",
                        "--rounds-batch1", "1", "--repeats", "1", "--serve-rates", "", "--input-len", "8",
                        "--out-dir", str(tmp_path), "--tag", "s"])
     assert rc == 0
     data = json.loads((tmp_path / "s.json").read_text())
-    assert [r["label"] for r in data["runs"]] == ["pagedtree", "pagedtree-spec:chain-3"]
+    assert [r["label"] for r in data["runs"]] == ["pagedtree", "pagedtree-batch", "pagedtree-spec:chain-3"]
     for run in data["runs"]:
         (cell,) = run["result"]["cells"]
         assert run["error"] is None and cell["output_tokens"] == 4 and cell["tokens_per_s"] > 0
@@ -108,6 +108,8 @@ def test_acceptance_length_and_missing_draft_error():
         compare.parse_args(["--repeats", "0"])
     specs, _ = compare.engine_specs(compare.parse_args(["--engines", "pagedtree,pagedtree-eager", "--draft-model", ""]))
     assert [(s.label, s.eager) for s in specs] == [("pagedtree", False), ("pagedtree-eager", True)]
+    (batch,), _ = compare.engine_specs(compare.parse_args(["--engines", "pagedtree-batch", "--model", "m.gguf"]))
+    assert (batch.engine_workload, batch.model, batch.quantization) == ("batch", "m.gguf", None)
 
 
 def test_peak_rss_counts_child_processes():

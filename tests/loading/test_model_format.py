@@ -1,5 +1,7 @@
 """The format a model runs in when the caller does not say (GGUF: its own blocks)."""
 
+import asyncio
+
 import pytest
 
 from pagedtree import LLM, SamplingParams
@@ -67,3 +69,53 @@ def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
     assert default_quantization(llm.engine.config) == "q4" == llm.engine.resolved.target.quantization
     assert resolve_config(llm.engine.config).target.quantization == "q4"
 
+
+
+@needs_gguf
+def test_a_server_runs_a_gguf_dense_where_this_cpu_serves_batches_faster_in_it(monkeypatch):
+    """``workload="batch"``: dense weights where the probe finds a batch's products
+    clearly faster in them and the memory is there; q4 where they lose, where memory is
+    short, and for a single stream whatever the probe would say."""
+    pytest.importorskip("onnxruntime")
+    from pagedtree.loading import batch_format, model_format
+
+    name = pm.SMOLLM2_135M.name
+    asked = []
+
+    def probe(shape, rows, dtype):
+        asked.append((rows, dtype))
+        return batch_format.FormatTiming(rows, q4_seconds=2e-3, dense_seconds=dense_seconds, dense_dtype="bfloat16")
+
+    monkeypatch.setattr(batch_format, "batch_format_timing", probe)
+    monkeypatch.setattr(model_format, "available_memory", lambda: 2**40)
+    dense_seconds = 1e-3
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch")) == "none"
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch", max_num_seqs=4)) == "none"
+    assert [rows for rows, _ in asked] == [batch_format.BATCH_ROWS, 4]  # a batch's rows, at most max_num_seqs
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="stream")) == "q4"
+    assert default_quantization(EngineConfig(model=name, device="cpu")) == "q4"  # unset: one stream
+    # explicit choices stand
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch", quantization="q4")) == "q4"
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch", dtype="float32")) == "none"
+    dense_seconds = 1.9e-3  # faster, but not by the margin
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch")) == "q4"
+    dense_seconds = 1e-3
+    monkeypatch.setattr(model_format, "available_memory", lambda: 100 * 2**20)  # 100 MiB
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch")) in ("q4", "ggml")
+
+
+def test_the_workload_is_checked_and_follows_the_entry_point(tiny_text_model):
+    with pytest.raises(ValueError, match="workload"):
+        EngineConfig(workload="throughput")
+    llm = LLM(str(tiny_text_model.path), device="cpu", max_model_len=64, kv_cache_memory=2**22)
+    assert llm.engine.config.workload == "stream"
+    llm = LLM(str(tiny_text_model.path), device="cpu", max_model_len=64, kv_cache_memory=2**22, workload="batch")
+    assert llm.engine.config.workload == "batch"
+    from pagedtree.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(str(tiny_text_model.path), device="cpu", max_model_len=64, kv_cache_memory=2**22,
+                         warm_up=False)
+    try:
+        assert engine.config.workload == "batch"
+    finally:
+        asyncio.run(engine.shutdown())

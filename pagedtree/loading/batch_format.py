@@ -1,0 +1,187 @@
+"""Which weight format serves a batch fastest on this CPU: a GGUF's 4-bit blocks or
+dense weights.
+
+A GGUF model runs by default in ``"q4"`` (its own 4-bit blocks through ONNX
+Runtime's MLAS kernels): a step that streams the weights (one request, or one
+request's tree of a few tokens) reads about a quarter of bf16's bytes. But q4's
+products quantize every row to int8 and grow with rows, and a step of 16 or 32
+requests is compute bound: on a CPU that computes bf16 natively (AVX512-BF16, AMX)
+oneDNN's dense bf16 products run such a batch about twice as fast
+(benchmarks/RESULTS.md, "The format that fits the work"), while on a CPU without it
+dense weights lose at every row count. Which one wins at a batch's row count is a
+property of the CPU, so it is measured, not guessed from flags: one MLP product of
+the model's own shape (hidden -> 2 x intermediate, the largest of a layer) in each
+format, at the batch's row count, timed alternately, once per CPU, thread count,
+library versions and shape, and cached beside the speculation budget's cost curves.
+
+A server (``workload="batch"``) takes dense weights where they win by at least
+``DENSE_MARGIN`` and the memory for them is there (they hold about four times the
+file's bytes in bf16); a single stream (``workload="stream"``) keeps q4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedtree.loading import packaged_models as pm
+
+logger = logging.getLogger("pagedtree")
+
+FORMAT_PROBE_VERSION = 1
+# Rows a batch workload's products are timed at (at most ``max_num_seqs``): a step of
+# 16 decodes, where the servers' batches sit on two to a few dozen cores.
+BATCH_ROWS = 16
+# Dense weights cost a single stream about half its speed and two to four times the
+# memory: they are chosen only where a batch's product runs in this share of q4's time.
+DENSE_MARGIN = 0.85
+# A dense load from a GGUF file peaks at about the dense weights plus one layer's
+# conversion; the rest (KV cache pages, a draft, activations) asks for this much more.
+DENSE_MEMORY_FACTOR = 1.5
+
+
+def calibration_dir() -> Path:
+    """Where measured costs are cached (``$PAGEDTREE_CALIBRATION_DIR``, else
+    ``calibration/`` in the model cache)."""
+    return Path(os.environ.get("PAGEDTREE_CALIBRATION_DIR", pm.cache_dir() / "calibration"))
+
+
+@dataclass(frozen=True, slots=True)
+class FormatTiming:
+    """One product of ``rows`` rows, in seconds, in each format (medians)."""
+
+    rows: int
+    q4_seconds: float
+    dense_seconds: float
+    dense_dtype: str  # "bfloat16" or "float32"
+
+    @property
+    def dense_wins(self) -> bool:
+        """Whether dense weights run the batch's product in ``DENSE_MARGIN`` of q4's time."""
+        return self.dense_seconds <= DENSE_MARGIN * self.q4_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the probe and the memory check need of a GGUF model."""
+
+    hidden: int
+    intermediate: int
+    parameters: int  # elements of every tensor in the file
+
+
+def gguf_shape(gguf_file: str | os.PathLike) -> ModelShape:
+    """The hidden and MLP sizes and the parameter count of ``gguf_file``'s model, from
+    its tensor table (no tensor data is read)."""
+    from pagedtree.loading import gguf_reader
+
+    reader = gguf_reader.open_gguf(gguf_file)
+    up = next((t for t in reader.tensors if t.name == "blk.0.ffn_up.weight"), None)
+    if up is None:
+        raise ValueError(f"{Path(gguf_file).name} has no blk.0.ffn_up.weight: not a decoder this engine runs")
+    parameters = sum(int(np.prod([int(s) for s in t.shape])) for t in reader.tensors)
+    # GGUF lists dimensions innermost first: [in_features, out_features].
+    return ModelShape(hidden=int(up.shape[0]), intermediate=int(up.shape[1]), parameters=parameters)
+
+
+def _library(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def probe_key(shape: ModelShape, rows: int, dtype: torch.dtype) -> dict:
+    """Everything a probe's result depends on."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"probe": "batch_format", "version": FORMAT_PROBE_VERSION, "hidden": shape.hidden,
+            "intermediate": shape.intermediate, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__, "onnxruntime": _library("onnxruntime"), "cpu": cpu,
+            "machine": platform.machine(), "threads": torch.get_num_threads()}
+
+
+def measure_formats(hidden: int, intermediate: int, rows: int, dtype: torch.dtype,
+                    repeats: int = 7) -> FormatTiming:
+    """Time ``rows`` x ``hidden`` -> ``2 x intermediate`` products with random weights in
+    q4 blocks (MLAS) and dense ``dtype`` (oneDNN-packed where it packs), alternately, and
+    return each format's median over ``repeats`` rounds of three products."""
+    from pagedtree.worker.models.linear import Linear
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * intermediate, hidden, generator=generator) * 0.02
+    q4 = Linear(hidden, 2 * intermediate, bias=False)
+    q4.weight = torch.nn.Parameter(weight, requires_grad=False)
+    q4.quantize("q4")
+    dense = Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
+    dense.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+    dense.pack_for_cpu()
+    del weight
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    times: dict[str, list[float]] = {"q4": [], "dense": []}
+    with torch.inference_mode():
+        for layer in (q4, dense):  # warm-up: first calls allocate and pick kernels
+            layer(x)
+            layer(x)
+        for _ in range(repeats):
+            for name, layer in (("q4", q4), ("dense", dense)):
+                started = time.perf_counter()
+                for _ in range(3):
+                    layer(x)
+                times[name].append((time.perf_counter() - started) / 3)
+    return FormatTiming(rows=rows, q4_seconds=statistics.median(times["q4"]),
+                        dense_seconds=statistics.median(times["dense"]),
+                        dense_dtype=str(dtype).removeprefix("torch."))
+
+
+def _cache_file(folder: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return folder / f"format_{digest}.json"
+
+
+def batch_format_timing(shape: ModelShape, rows: int, dtype: torch.dtype,
+                        folder: Path | None = None) -> FormatTiming:
+    """The probe's result for ``shape`` at ``rows`` rows with dense ``dtype``: from the
+    cache under ``folder`` (default ``calibration_dir()``) when stored for the same
+    key, else measured (about a second) and stored. A cache that cannot be read or
+    written is ignored (a warning says so)."""
+    folder = calibration_dir() if folder is None else folder
+    key = probe_key(shape, rows, dtype)
+    path = _cache_file(folder, key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return FormatTiming(**data["timing"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    timing = measure_formats(shape.hidden, shape.intermediate, rows, dtype)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "timing": asdict(timing)}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the weight-format probe in %s: %s", folder, exc)
+    return timing
+
+
+def dense_fits(shape: ModelShape, dtype: torch.dtype, available: int | None) -> bool:
+    """Whether ``available`` bytes (None: unknown, assumed enough) hold the model's
+    dense ``dtype`` weights with ``DENSE_MEMORY_FACTOR`` to spare."""
+    needed = DENSE_MEMORY_FACTOR * shape.parameters * torch.empty((), dtype=dtype).element_size()
+    return available is None or available >= needed
