@@ -7,11 +7,12 @@ request's tree of a few tokens) reads about a quarter of bf16's bytes. But q4's
 products quantize every row to int8 and grow with rows, and a step of 16 or 32
 requests is compute bound: on a CPU that computes bf16 natively (AVX512-BF16, AMX)
 oneDNN's dense bf16 products run such a batch about twice as fast
-(benchmarks/RESULTS.md, "The format that fits the work"), while on a CPU without it
-dense weights lose at every row count. Which one wins at a batch's row count is a
-property of the CPU, so it is measured, not guessed from flags: one MLP product of
-the model's own shape (hidden -> 2 x intermediate, the largest of a layer) in each
-format, at the batch's row count, timed alternately, once per CPU, thread count,
+(benchmarks/RESULTS.md, "The format that follows the load"); on a CPU without native
+bf16, dense means fp32 and twice the bytes again. Which one wins at a batch's row
+count is a property of the CPU, so it is measured, not guessed from flags: one MLP
+product of the model's own shape (hidden -> 2 x intermediate, the largest of a layer)
+in each format, at the batch's row count, over copies that spill the cache as a
+forward's weights do, timed alternately, once per CPU, thread count,
 library versions and shape, and cached beside the speculation budget's cost curves.
 
 A server (``workload="batch"``) takes dense weights where they win by at least
@@ -39,7 +40,7 @@ from pagedtree.loading import packaged_models as pm
 
 logger = logging.getLogger("pagedtree")
 
-FORMAT_PROBE_VERSION = 1
+FORMAT_PROBE_VERSION = 2  # 2: weights streamed from memory, not cache
 # Rows a batch workload's products are timed at (at most ``max_num_seqs``): a step of
 # 16 decodes, where the servers' batches sit on two to a few dozen cores.
 BATCH_ROWS = 16
@@ -116,34 +117,61 @@ def probe_key(shape: ModelShape, rows: int, dtype: torch.dtype) -> dict:
             "machine": platform.machine(), "threads": torch.get_num_threads()}
 
 
+def last_level_cache_bytes() -> int:
+    """The CPU's last-level cache (Linux sysfs; 32 MiB where unknown)."""
+    size = 32 << 20
+    for index in range(4, 1, -1):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        except ValueError:
+            continue
+    return size
+
+
 def measure_formats(hidden: int, intermediate: int, rows: int, dtype: torch.dtype,
                     repeats: int = 7) -> FormatTiming:
     """Time ``rows`` x ``hidden`` -> ``2 x intermediate`` products with random weights in
     q4 blocks (MLAS) and dense ``dtype`` (oneDNN-packed where it packs), alternately, and
-    return each format's median over ``repeats`` rounds of three products."""
+    return each format's median over ``repeats`` rounds.
+
+    A forward streams every layer's weights from memory; one layer's blocks alone
+    would stay in the last-level cache between calls (the 1.5B's MLP in q4: 17 MB)
+    and time a product the engine never runs. So each round calls as many copies of
+    the layer, one after another, as fill twice the cache in q4 (2 to 8)."""
+    from pagedtree.worker.models import block_quant
     from pagedtree.worker.models.linear import Linear
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(2 * intermediate, hidden, generator=generator) * 0.02
-    q4 = Linear(hidden, 2 * intermediate, bias=False)
-    q4.weight = torch.nn.Parameter(weight, requires_grad=False)
-    q4.quantize("q4")
-    dense = Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
-    dense.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
-    dense.pack_for_cpu()
-    del weight
+    blocks = block_quant.quantize_blocks(weight, 4)
+    copies = max(2, min(8, -(-2 * last_level_cache_bytes() // max(1, blocks.nbytes))))
+    layers: dict[str, list[Linear]] = {"q4": [], "dense": []}
+    for _ in range(copies):
+        q4 = Linear(hidden, 2 * intermediate, bias=False, device="meta")
+        q4.set_blocks(blocks)
+        layers["q4"].append(q4)
+        dense = Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
+        dense.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+        dense.pack_for_cpu()
+        layers["dense"].append(dense)
+    del weight, blocks
     x = torch.randn(rows, hidden, generator=generator).to(dtype)
     times: dict[str, list[float]] = {"q4": [], "dense": []}
     with torch.inference_mode():
-        for layer in (q4, dense):  # warm-up: first calls allocate and pick kernels
-            layer(x)
-            layer(x)
+        for copy in layers.values():  # warm-up: first calls allocate and pick kernels
+            for layer in copy:
+                layer(x)
         for _ in range(repeats):
-            for name, layer in (("q4", q4), ("dense", dense)):
+            for name, copy in layers.items():
                 started = time.perf_counter()
-                for _ in range(3):
+                for layer in copy:
                     layer(x)
-                times[name].append((time.perf_counter() - started) / 3)
+                times[name].append((time.perf_counter() - started) / copies)
     return FormatTiming(rows=rows, q4_seconds=statistics.median(times["q4"]),
                         dense_seconds=statistics.median(times["dense"]),
                         dense_dtype=str(dtype).removeprefix("torch."))
