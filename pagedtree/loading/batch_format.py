@@ -16,7 +16,7 @@ forward's weights do, timed alternately, once per CPU, thread count,
 library versions and shape, and cached beside the speculation budget's cost curves.
 
 A server (``workload="batch"``) takes dense weights where they win by at least
-``DENSE_MARGIN`` and the memory for them is there (they hold about four times the
+``DENSE_MARGIN`` and the memory for them is there (they hold about three times the
 file's bytes in bf16); a single stream (``workload="stream"``) keeps q4.
 """
 
