@@ -98,7 +98,6 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
     return "ggml" if ggml_available() else "none"
 
 
-
 def _dense_serves_batches(gguf_file, max_num_seqs: int, dense_dtype: torch.dtype) -> bool:
     """Whether dense ``dense_dtype`` weights fit in memory and run a batch's products
     clearly faster than q4 on this CPU (``batch_format``); logged either way."""

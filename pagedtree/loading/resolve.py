@@ -71,7 +71,8 @@ def resolve_dtype(dtype: str | torch.dtype, quantization: str | None, device: to
 
 
 def with_default_quantization(config: EngineConfig) -> EngineConfig:
-    """``config`` with an unset ``quantization`` replaced by the model's own format."""
+    """``config`` with an unset ``quantization`` replaced by the format its model runs
+    in by default for its ``workload`` (unset: a single stream)."""
     if config.quantization is not None:
         return config
     if config.offload_weights_gb not in (None, 0.0):  # streamed layers are dense (or int8/int4) tensors

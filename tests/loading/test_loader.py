@@ -115,3 +115,21 @@ def test_dummy_weights_load_a_config_only_folder(tmp_path, tiny_llama):
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(folder), load_format="zeros", device="cpu")
+
+
+def test_a_cpu_engine_loads_without_importing_dynamo_or_triton(tiny_qwen2):
+    """Building a model on the meta device must not run torch's reference kernels
+    (their first use imports TorchDynamo and Triton: about 94 MiB resident for a CPU
+    engine that uses neither). Checked in a fresh interpreter, where nothing else has
+    imported them."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pagedtree import LLM, SamplingParams; "
+            f"llm = LLM({str(tiny_qwen2.path)!r}, device='cpu', max_model_len=64, kv_cache_memory=2**22); "
+            "out = llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True), "
+            "use_tqdm=False); assert len(out[0].outputs[0].token_ids) == 2; "
+            "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -91,7 +91,13 @@ class RotaryEmbedding(nn.Module):
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            # Computed on the CPU even while a model is built on the meta device (the
+            # loader builds the table again once the weights are in): a meta arange runs
+            # through torch's reference implementations, which import TorchDynamo and
+            # Triton (about 94 MiB resident) for nothing.
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+            if torch.get_default_device().type != "meta":
+                inv_freq = inv_freq.to(torch.get_default_device())
             scaling = 1.0
         elif rope_type == "dynamic":
             raise ValueError("dynamic NTK rope scaling depends on sequence length; not supported")
@@ -196,6 +202,13 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(len(vocab), hidden_size)
         self.first = vocab.start
         self.reduce = reduce
+
+    def reset_parameters(self) -> None:
+        # A table built on the meta device is loaded next: its random initialisation
+        # would run through torch's reference kernels, whose first use imports
+        # TorchDynamo and Triton (about 94 MiB resident) for nothing.
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def set_quantized_rows(self, rows, dtype: torch.dtype) -> None:
         """Look rows up in ``rows`` (a ``GgmlRows`` table) instead of a dense table,

@@ -114,6 +114,12 @@ class Linear(nn.Linear):
     qscales: torch.Tensor | None = None
     block_matmul: block_quant.BlockMatMul | ggml_matmul.GgmlMatMul | None = None
 
+    def reset_parameters(self) -> None:
+        # A layer built on the meta device is loaded next (see
+        # ``VocabParallelEmbedding.reset_parameters``): no random initialisation.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def pack_for_cpu(self) -> bool:
         """Reorder an fp32 or bf16 CPU weight into oneDNN's layout and drop the dense one.
 
