@@ -69,7 +69,8 @@ def load_draft_weights(draft: ModelConfig, channel: CommandChannel | None = None
     """Draft ``draft``'s weights (this rank's shard of them with a ``channel``)."""
     group = channel.group if channel is not None else None
     loaded = load_model(draft.model, dtype=draft.dtype, device=draft.device, quantization=draft.quantization,
-                        group=group, head_vocab=draft.head_vocab, load_format=draft.load_format)
+                        group=group, head_vocab=draft.head_vocab, load_format=draft.load_format,
+                        with_tokenizer=False)  # a draft runs on the target's token ids
     if draft.device.type == "cuda":  # the fused kernels: fewer launches a level (speed only for a draft)
         loaded.model.enable_fused_gpu_ops()
     return DraftWeights(draft, loaded, group)

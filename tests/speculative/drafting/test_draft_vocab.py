@@ -32,6 +32,10 @@ def test_cut_head_gives_full_width_logits_with_minus_inf_outside(tiny_text_model
 
     cut = load_model(str(tiny_text_model.path), pack_weights=False, head_vocab=256).model
     assert cut.lm_head.out_features == 256  # the tiny tokenizer's specials are ids 0..2
+    # a draft holds no tokenizer of its own (it runs on the target's ids), even with its
+    # head cut by one
+    bare = load_model(str(tiny_text_model.path), pack_weights=False, head_vocab=256, with_tokenizer=False)
+    assert bare.tokenizer is None and torch.equal(bare.model.head_rows, cut.head_rows)
     logits = cut.compute_logits(hidden)
     assert logits.shape == full.shape
     torch.testing.assert_close(logits[:, :256], full[:, :256], rtol=1e-5, atol=1e-5)
