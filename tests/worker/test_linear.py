@@ -120,18 +120,19 @@ def test_speculating_engines_make_the_target_rows_consistent(tiny_llama):
     ("onednn", torch.float32, 896, 1152),
     ("q4", torch.float32, 1536, 2048),
     ("q4", torch.float32, 8960, 1536),
+    ("q8", torch.float32, 1536, 2048),  # a GGUF's 5- to 8-bit tensors, the head among them
 ])
 def test_layers_pad_lone_rows_exactly_where_their_library_needs_it(mode, dtype, n_in, n_out):
     """``make_rows_consistent`` pads a one-row product only where the library would give
     the row other bits alone (padding costs 1.1-1.5x a lone row): with the padding it
     chose, a row alone equals the same row inside products of 2-65 rows, whatever this
     CPU's kernels do."""
-    if mode == "q4":
+    if mode in ("q4", "q8"):
         pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     layer = Linear(n_in, n_out, bias=False).to(dtype)
-    if mode == "q4":
-        layer.quantize("q4")
+    if mode in ("q4", "q8"):
+        layer.quantize(mode)
     elif not layer.pack_for_cpu():
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     layer.pad_single_rows = layer.lone_row_needs_padding()
@@ -172,16 +173,17 @@ def test_block_layers_equal_their_dequantized_weights(mode, n, k):
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
-def test_block_layers_give_a_row_the_same_bits_alone_and_in_any_batch():
-    """With ``pad_single_rows`` (what ``make_rows_consistent`` sets on q4 layers) a row
-    alone, and a row at any place in a product of 2-65 rows (a 64-node tree and its
-    root), give the same bits. Whether a lone row would differ without the padding
-    depends on the CPU (MLAS sends it through another kernel on AVX2, not on the
-    AVX-512 CPU measured), so the property is checked, not which kernel a CPU picks."""
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+def test_block_layers_give_a_row_the_same_bits_alone_and_in_any_batch(mode):
+    """With ``pad_single_rows`` a row alone, and a row at any place in a product of
+    2-65 rows (a 64-node tree and its root), give the same bits. Whether a lone row
+    would differ without the padding depends on the CPU (MLAS sends it through
+    another kernel on AVX2, not on the AVX-512 CPU measured), so the property is
+    checked, not which kernel a CPU picks."""
     pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     layer = Linear(896, 1152, bias=True)
-    layer.quantize("q4")
+    layer.quantize(mode)
     layer.pad_single_rows = True
     x = torch.randn(65, 896)
     with torch.inference_mode():
@@ -299,3 +301,17 @@ def test_a_block_layer_holds_about_one_packed_copy_of_its_blocks():
     layer(torch.randn(2, 1536))
     held = resident() - before
     assert held < 1.7 * weights.nbytes, f"the session holds {held / weights.nbytes:.2f}x its blocks"
+
+
+def test_rows_are_made_consistent_in_every_block_layer(tiny_qwen2, monkeypatch):
+    """``make_rows_consistent`` weighs the padding of q8 layers as of q4 ones (a GGUF's
+    6- and 8-bit tensors, a Q4_K_M file's head among them, run as q8 blocks)."""
+    pytest.importorskip("onnxruntime")
+    from pagedtree.loading.loader import load_model
+
+    model = load_model(str(tiny_qwen2.path), quantization="q8").model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.quantization for m in layers} == {"q8"}
+    monkeypatch.setattr(Linear, "lone_row_needs_padding", lambda self: True)
+    assert model.make_rows_consistent() == len(layers)
+    assert all(m.pad_single_rows for m in layers)

@@ -405,8 +405,8 @@ class DecoderForCausalLM(nn.Module):
     def make_rows_consistent(self, row_block: int | None = None) -> int:
         """Make every token's result independent of how many tokens share its forward.
 
-        On CPU (``row_block`` None): one-row products of the oneDNN-packed and the q4
-        layers run as two rows (``Linear.pad_single_rows``) where the library sends one
+        On CPU (``row_block`` None): one-row products of the oneDNN-packed and the q4/q8
+        layers (a GGUF's 5- to 8-bit tensors, its head often among them) run as two rows (``Linear.pad_single_rows``) where the library sends one
         row through another kernel than several rows, whose rows are independent
         (``Linear.lone_row_needs_padding``: always for 16-bit outputs, measured per
         shape for fp32 ones; MLAS's 4-bit kernels send it elsewhere on an AVX2 CPU and
@@ -422,7 +422,7 @@ class DecoderForCausalLM(nn.Module):
                 layer.row_block = row_block
             return len(layers)
         layers = [m for m in self.modules() if isinstance(m, Linear)
-                  and (m.packed_weight is not None or m.quantization == "q4")]
+                  and (m.packed_weight is not None or m.quantization in ("q4", "q8"))]
         for layer in layers:
             # Padding costs 1.1-1.5x a one-row product: only where the library's lone
             # row may differ.
