@@ -18,7 +18,7 @@ and batches need: on the AVX-512 machine ggml decoded one stream at 17.4 tokens/
 against q4's 16.0, but batches of 16 at 0.61x q4's, and with the draft its budget
 never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third run").
 
-A server is built for another load (``workload="batch"``): steps of 16 or more
+A server is built for another load (``workload="batch"``): steps of 16 to 32
 requests, which are compute bound, where q4's int8-activation products grow with rows
 and a CPU with native bf16 runs dense bf16 products about twice as fast. For that
 load the default is dense weights (``"none"``) where a measured product of the model's
