@@ -6,7 +6,7 @@ Runtime's MLAS kernels): a step that streams the weights (one request, or one
 request's tree of a few tokens) reads about a quarter of bf16's bytes. But q4's
 products quantize every row to int8 and grow with rows, and a step of 16 or 32
 requests is compute bound: on a CPU that computes bf16 natively (AVX512-BF16, AMX)
-oneDNN's dense bf16 products run such a batch about twice as fast
+oneDNN's dense bf16 products run such a batch 1.5-1.8 times as fast
 (benchmarks/RESULTS.md, "The format that follows the load"); on a CPU without native
 bf16, dense means fp32 and twice the bytes again. Which one wins at a batch's row
 count is a property of the CPU, so it is measured, not guessed from flags: one MLP

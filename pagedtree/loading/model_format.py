@@ -20,11 +20,11 @@ never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third
 
 A server is built for another load (``workload="batch"``): steps of 16 to 32
 requests, which are compute bound, where q4's int8-activation products grow with rows
-and a CPU with native bf16 runs dense bf16 products about twice as fast. For that
+and a CPU with native bf16 runs them 1.5-1.8 times as fast in dense bf16. For that
 load the default is dense weights (``"none"``) where a measured product of the model's
 shape at the batch's rows says they win clearly and the memory for them is there
-(``batch_format``); q4 otherwise (a CPU without native bf16, a machine short of
-memory).
+(``batch_format``); q4 otherwise (dense losing, as it may on a CPU without native
+bf16 where dense means fp32, or a machine short of memory).
 
 ``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"ggml"``,
 ``"int4"``, ``"int8"`` force those formats (``EngineConfig``; resolved in
