@@ -36,3 +36,13 @@ def _index(device: torch.device) -> int:
         return device.index
     # Asked only for an unindexed CUDA device: it initialises CUDA.
     return torch.cuda.current_device() if device.type == "cuda" else 0
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where unreadable): part of the key
+    of every cost measured on a CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""

@@ -11,7 +11,6 @@ folder), so a second engine on the same machine starts from the stored curves at
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from pagedtree.config import ResolvedConfig
 from pagedtree.executor.commands import CommandChannel
@@ -67,18 +66,13 @@ def load_draft_worker(
 _MAX_CALIBRATED_TOKENS = 256
 
 
-def calibration_dir() -> Path:
-    """Where cost curves are cached."""
-    return Path(os.environ.get("PAGEDTREE_CALIBRATION_DIR", pm.cache_dir() / "calibration"))
-
-
 def calibrate_speculation(speculator: Speculator, config: ResolvedConfig, target_runner: ModelRunner,
                           target_path: str | os.PathLike) -> None:
     """Seed ``speculator``'s cost curves from the cache, or measure and cache them."""
     limits = config.scheduler
     largest = min(limits.max_num_batched_tokens, limits.max_num_seqs * (1 + config.max_tree_nodes),
                   _MAX_CALIBRATED_TOKENS)
-    cache = CalibrationCache(calibration_dir())
+    cache = CalibrationCache(pm.calibration_dir())
     target = config.target
     streamer = getattr(target_runner.model, "layer_streamer", None)
     target_key = calibration_key(target_path, target.device, target.dtype, target.quantization, largest,

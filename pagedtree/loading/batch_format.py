@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from pagedtree.devices import cpu_model_name
 from pagedtree.loading import packaged_models as pm
 
 logger = logging.getLogger("pagedtree")
@@ -55,12 +55,6 @@ DENSE_MARGIN = 0.9
 DENSE_MEMORY_FACTOR = 1.5
 
 
-def calibration_dir() -> Path:
-    """Where measured costs are cached (``$PAGEDTREE_CALIBRATION_DIR``, else
-    ``calibration/`` in the model cache)."""
-    return Path(os.environ.get("PAGEDTREE_CALIBRATION_DIR", pm.cache_dir() / "calibration"))
-
-
 @dataclass(frozen=True, slots=True)
 class FormatTiming:
     """One product of ``rows`` rows, in seconds, in each format (medians)."""
@@ -78,25 +72,15 @@ class FormatTiming:
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """What the probe and the memory check need of a GGUF model."""
+    """What the probe needs of a model: the sizes of its MLP product."""
 
     hidden: int
     intermediate: int
-    parameters: int  # elements of every tensor in the file
 
-
-def gguf_shape(gguf_file: str | os.PathLike) -> ModelShape:
-    """The hidden and MLP sizes and the parameter count of ``gguf_file``'s model, from
-    its tensor table (no tensor data is read)."""
-    from pagedtree.loading import gguf_reader
-
-    reader = gguf_reader.open_gguf(gguf_file)
-    up = next((t for t in reader.tensors if t.name == "blk.0.ffn_up.weight"), None)
-    if up is None:
-        raise ValueError(f"{Path(gguf_file).name} has no blk.0.ffn_up.weight: not a decoder this engine runs")
-    parameters = sum(int(np.prod([int(s) for s in t.shape])) for t in reader.tensors)
-    # GGUF lists dimensions innermost first: [in_features, out_features].
-    return ModelShape(hidden=int(up.shape[0]), intermediate=int(up.shape[1]), parameters=parameters)
+    @classmethod
+    def of(cls, hf_config) -> ModelShape:
+        """The shape of ``hf_config``'s model (a transformers config)."""
+        return cls(hidden=int(hf_config.hidden_size), intermediate=int(hf_config.intermediate_size))
 
 
 def _library(package: str) -> str | None:
@@ -108,15 +92,9 @@ def _library(package: str) -> str | None:
 
 def probe_key(shape: ModelShape, rows: int, dtype: torch.dtype) -> dict:
     """Everything a probe's result depends on."""
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
     return {"probe": "batch_format", "version": FORMAT_PROBE_VERSION, "hidden": shape.hidden,
             "intermediate": shape.intermediate, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__, "onnxruntime": _library("onnxruntime"), "cpu": cpu,
+            "torch": torch.__version__, "onnxruntime": _library("onnxruntime"), "cpu": cpu_model_name(),
             "machine": platform.machine(), "threads": torch.get_num_threads()}
 
 
@@ -188,10 +166,10 @@ def _cache_file(folder: Path, key: dict) -> Path:
 def batch_format_timing(shape: ModelShape, rows: int, dtype: torch.dtype,
                         folder: Path | None = None) -> FormatTiming:
     """The probe's result for ``shape`` at ``rows`` rows with dense ``dtype``: from the
-    cache under ``folder`` (default ``calibration_dir()``) when stored for the same
+    cache under ``folder`` (default ``packaged_models.calibration_dir()``) when stored for the same
     key, else measured (about a second) and stored. A cache that cannot be read or
     written is ignored (a warning says so)."""
-    folder = calibration_dir() if folder is None else folder
+    folder = pm.calibration_dir() if folder is None else folder
     key = probe_key(shape, rows, dtype)
     path = _cache_file(folder, key)
     try:
@@ -211,8 +189,7 @@ def batch_format_timing(shape: ModelShape, rows: int, dtype: torch.dtype,
     return timing
 
 
-def dense_fits(shape: ModelShape, dtype: torch.dtype, available: int | None) -> bool:
-    """Whether ``available`` bytes (None: unknown, assumed enough) hold the model's
-    dense ``dtype`` weights with ``DENSE_MEMORY_FACTOR`` to spare."""
-    needed = DENSE_MEMORY_FACTOR * shape.parameters * torch.empty((), dtype=dtype).element_size()
-    return available is None or available >= needed
+def dense_fits(dense_bytes: int, available: int | None) -> bool:
+    """Whether ``available`` bytes (None: unknown, assumed enough) hold ``dense_bytes``
+    of dense weights with ``DENSE_MEMORY_FACTOR`` to spare."""
+    return available is None or available >= DENSE_MEMORY_FACTOR * dense_bytes

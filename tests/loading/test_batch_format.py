@@ -29,7 +29,7 @@ def test_dense_must_win_by_the_margin():
 
 
 def test_a_probe_is_measured_once_per_key_and_read_back(tmp_path, monkeypatch):
-    shape = ModelShape(hidden=64, intermediate=96, parameters=10_000)
+    shape = ModelShape(hidden=64, intermediate=96)
     calls = []
 
     def fake(hidden, intermediate, rows, dtype):
@@ -55,22 +55,30 @@ def test_a_cache_that_cannot_be_written_still_gives_the_measurement(tmp_path, mo
     blocked.write_text("")
     monkeypatch.setattr(batch_format, "measure_formats",
                         lambda h, i, rows, dtype: FormatTiming(rows, 1e-3, 2e-3, "float32"))
-    timing = batch_format.batch_format_timing(ModelShape(8, 8, 8), 4, torch.float32, folder=blocked / "sub")
+    timing = batch_format.batch_format_timing(ModelShape(8, 8), 4, torch.float32, folder=blocked / "sub")
     assert timing.rows == 4 and not timing.dense_wins
 
 
 def test_dense_weights_need_their_bytes_with_room_to_spare():
-    shape = ModelShape(hidden=8, intermediate=8, parameters=1_000_000)
-    needed = batch_format.DENSE_MEMORY_FACTOR * 2_000_000  # bf16: 2 bytes a parameter
-    assert batch_format.dense_fits(shape, torch.bfloat16, int(needed))
-    assert not batch_format.dense_fits(shape, torch.bfloat16, int(needed) - 1)
-    assert not batch_format.dense_fits(shape, torch.float32, int(needed))  # fp32 needs twice that
-    assert batch_format.dense_fits(shape, torch.bfloat16, None)  # unknown: assumed enough
+    needed = batch_format.DENSE_MEMORY_FACTOR * 2_000_000
+    assert batch_format.dense_fits(2_000_000, int(needed))
+    assert not batch_format.dense_fits(2_000_000, int(needed) - 1)
+    assert batch_format.dense_fits(2_000_000, None)  # unknown: assumed enough
 
 
-def test_the_shape_comes_from_the_files_tensor_table():
+def test_the_shape_and_the_dense_bytes_come_from_the_models_config():
+    """No parse of the GGUF file (it takes seconds for a 1.5B's): the config folder the
+    load reads anyway."""
     if not pm.is_installed(pm.SMOLLM2_135M):
         pytest.skip("smollm2 not installed")
-    shape = batch_format.gguf_shape(pm.gguf_path(pm.SMOLLM2_135M))
-    assert (shape.hidden, shape.intermediate) == (576, 1536)
-    assert 130e6 < shape.parameters < 140e6  # SmolLM2-135M, its head tied to the embedding
+    from transformers import AutoConfig
+
+    from pagedtree.loading.loader import gguf_config_folder
+    from pagedtree.loading.offload_sizing import estimate_weight_bytes
+
+    gguf = pm.gguf_path(pm.SMOLLM2_135M)
+    config = AutoConfig.from_pretrained(str(gguf_config_folder(pm.SMOLLM2_135M.name, gguf)))
+    assert batch_format.ModelShape.of(config) == ModelShape(hidden=576, intermediate=1536)
+    # SmolLM2-135M, its head tied to the embedding: 2 bytes a parameter in bf16, 4 in fp32
+    assert 260e6 < estimate_weight_bytes(config, torch.bfloat16) < 280e6
+    assert estimate_weight_bytes(config, torch.float32) == 2 * estimate_weight_bytes(config, torch.bfloat16)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pagedtree.devices import cpu_model_name
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.step_data import Phase, ScheduledChunk
@@ -76,7 +77,7 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "device": str(device),
         # (Not ``platform.processor()``: on Linux it runs ``uname -p`` in a forked child.)
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model_name(),
         "threads": torch.get_num_threads(),
         "dtype": str(dtype),
         "quantization": quantization,
@@ -101,14 +102,6 @@ def _kernel_library(quantization: str | None) -> str | None:
         return f"{package} {version(package)}"
     except PackageNotFoundError:
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 class CalibrationCache:
