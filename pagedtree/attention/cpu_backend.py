@@ -160,13 +160,12 @@ class CpuPagedAttention(TorchPagedAttention):
         key_view = self._views[0][0]
         num_kv_heads, head_dim = key_view.shape[2], key_view.shape[3]
         scratch = np.zeros((1, *key_view.shape[1:]), dtype=key_view.dtype)
-        query = np.zeros((1, num_kv_heads, head_dim), dtype=np.float32)
-        new_rows = np.zeros((1, num_kv_heads, head_dim), dtype=key_view.dtype)
+        qkv = np.zeros((1, 3 * num_kv_heads * head_dim), dtype=key_view.dtype)
         paged_attention_kernel(
-            query, scratch, scratch.copy(), np.empty_like(query), np.zeros(1, dtype=np.int64),
-            np.array([0, 1], dtype=np.int64), np.ones(1, dtype=np.int64), np.zeros((1, 1), dtype=np.int32),
-            self.block_size, np.full(1, -1, dtype=np.int64), np.zeros(1, dtype=np.uint8), self.scale, self._bf16,
-            new_rows, new_rows, np.zeros(1, dtype=np.int64),
+            qkv, num_kv_heads, scratch, scratch.copy(), np.zeros((1, num_kv_heads * head_dim), dtype=key_view.dtype),
+            np.zeros(1, dtype=np.int64), np.array([0, 1], dtype=np.int64), np.ones(1, dtype=np.int64),
+            np.zeros((1, 1), dtype=np.int32), self.block_size, np.full(1, -1, dtype=np.int64),
+            np.zeros(1, dtype=np.uint8), self.scale, self._bf16, np.zeros(1, dtype=np.int64),
         )
 
     def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
@@ -187,18 +186,45 @@ class CpuPagedAttention(TorchPagedAttention):
         key_cache, value_cache = self.kv_caches[layer_index]
         if plan.large.groups:  # the kernel stores only the rows of the requests it serves
             store_kv_reference(key, value, key_cache, value_cache, self._meta.slot_mapping)
-        query32 = query.to(torch.float32).contiguous()
-        out = torch.empty_like(query32)
+        num_tokens, num_heads, head_dim = query.shape
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=key_cache.dtype)
         if plan.members.size:
             key_view, value_view = self._views[layer_index]
-            # One layout (contiguous) for the new rows, so the kernel has one specialisation.
-            new_keys = (key if key.dtype == key_cache.dtype else key.to(key_cache.dtype)).contiguous()
-            new_values = (value if value.dtype == value_cache.dtype else value.to(value_cache.dtype)).contiguous()
             paged_attention_kernel(
-                query32.numpy(), key_view, value_view, out.numpy(), plan.members, plan.query_start_loc,
-                plan.context_lens, plan.block_tables, self.block_size, plan.tree_mask_offset, plan.tree_masks,
-                self.scale, self._bf16, as_kernel_array(new_keys), as_kernel_array(new_values), plan.slot_mapping,
+                as_kernel_array(projection_rows(query, key, value, key_cache.dtype)), num_heads, key_view,
+                value_view, as_kernel_array(out), plan.members, plan.query_start_loc, plan.context_lens,
+                plan.block_tables, self.block_size, plan.tree_mask_offset, plan.tree_masks, self.scale, self._bf16,
+                plan.slot_mapping,
             )
+        out = out.view(num_tokens, num_heads, head_dim)
         if plan.large.groups:
             paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out)
-        return out if query.dtype == torch.float32 else out.to(query.dtype)
+        return out if query.dtype == out.dtype else out.to(query.dtype)
+
+
+def projection_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The step's queries ``[T, H, D]``, keys and values ``[T, H_kv, D]`` as the one
+    ``[T, (H + 2 H_kv) * D]`` row-major tensor the kernel reads, in ``dtype``.
+
+    The fused forwards pass views of their q/k/v projection's output, laid out just so:
+    that buffer is used as it is. Anything else (the eager forward's rotated copies,
+    another dtype) is concatenated into a new one.
+    """
+    num_tokens = query.shape[0]
+    q_width = query.shape[1] * query.shape[2]
+    kv_width = key.shape[1] * key.shape[2]
+    width = q_width + 2 * kv_width
+    item = query.element_size()
+    views_of_one_buffer = (
+        query.dtype == key.dtype == value.dtype == dtype
+        and query.stride() == (width, query.shape[2], 1)
+        and key.stride() == (width, key.shape[2], 1)
+        and value.stride() == (width, value.shape[2], 1)
+        and key.data_ptr() == query.data_ptr() + q_width * item
+        and value.data_ptr() == key.data_ptr() + kv_width * item
+        and query.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+    )
+    if views_of_one_buffer:
+        return torch.as_strided(query, (num_tokens, width), (width, 1))
+    return torch.cat([query.reshape(num_tokens, -1), key.reshape(num_tokens, -1),
+                      value.reshape(num_tokens, -1)], dim=1).to(dtype)

@@ -14,6 +14,13 @@ tree, the nodes its ancestor mask row marks.
 bf16 caches are passed as their raw 16-bit patterns (numba has no bf16): a row is
 widened to fp32 exactly by shifting its bits into the high half of a float32.
 
+The queries, keys and values come in as the fused q/k/v projection's output, one
+``[T, (H + 2 H_kv) * D]`` buffer in the cache's dtype, and the output goes out in that
+dtype too (bf16 rounded to nearest even, as ``Tensor.to(torch.bfloat16)`` rounds):
+no fp32 copy of the queries, no contiguous copies of the keys and values, no
+conversion of the output. At 32 decode rows on 2 cores each of those small torch ops
+cost about 50 us a layer, mostly in waking torch's thread pool.
+
 The kernel also stores the step's new keys and values of the requests it serves in
 their cache slots (each work item writes its own request's rows for its KV head
 before reading them), so a layer's attention is one call.
@@ -39,7 +46,7 @@ KEY_TILE = 64
 
 
 @njit(inline="always")
-def _load_row(cache, block: int, slot: int, head: int, row_f32, row_bits, bf16: bool) -> None:
+def _load_cache_row(cache, block: int, slot: int, head: int, row_f32, row_bits, bf16: bool) -> None:
     """Widen one cache row ``cache[block, slot, head, :]`` into ``row_f32``.
 
     ``row_bits`` is ``row_f32`` viewed as uint32; a bf16 value is the high half of the
@@ -53,12 +60,40 @@ def _load_row(cache, block: int, slot: int, head: int, row_f32, row_bits, bf16: 
             row_f32[d] = cache[block, slot, head, d]
 
 
+@njit(inline="always")
+def _load_row(rows, token: int, start: int, row_f32, row_bits, bf16: bool) -> None:
+    """Widen ``rows[token, start:start + D]`` into ``row_f32`` (exact, as above)."""
+    if bf16:
+        for d in range(row_f32.shape[0]):
+            row_bits[d] = np.uint32(rows[token, start + d]) << np.uint32(16)
+    else:
+        for d in range(row_f32.shape[0]):
+            row_f32[d] = rows[token, start + d]
+
+
+@njit(inline="always")
+def _store_row(out, token: int, start: int, row_f32, row_bits, bf16: bool) -> None:
+    """``out[token, start:start + D] = row_f32``, rounded to bf16 bits (nearest even,
+    NaN kept) when ``bf16``."""
+    if bf16:
+        for d in range(row_f32.shape[0]):
+            bits = np.int64(row_bits[d])
+            if (bits & 0x7FFFFFFF) > 0x7F800000:
+                out[token, start + d] = np.uint16(((bits | 0x00400000) >> 16) & 0xFFFF)
+            else:
+                out[token, start + d] = np.uint16(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
+    else:
+        for d in range(row_f32.shape[0]):
+            out[token, start + d] = row_f32[d]
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def paged_attention_kernel(
-    query,  # [T, H, D] float32
+    qkv,  # [T, (H + 2 H_kv) * D] queries, then keys, then values; the cache's dtype
+    num_heads: int,  # H
     key_cache,  # [num_blocks, block_size, H_kv, D] float32, or uint16 bf16 bits
     value_cache,
-    out,  # [T, H, D] float32; rows of the member requests are written
+    out,  # [T, H * D] the cache's dtype; rows of the member requests are written
     members,  # [M] int64 requests this call serves
     query_start_loc,  # [B + 1] int64
     context_lens,  # [B] int64
@@ -68,15 +103,14 @@ def paged_attention_kernel(
     tree_masks,  # flat uint8, 1 = may attend
     scale: float,
     bf16: bool,
-    new_keys,  # [T, H_kv, D] the step's keys, same dtype as the cache (bf16 as uint16 bits)
-    new_values,  # [T, H_kv, D]
     slot_mapping,  # [T] int64 cache slot of each new token
 ) -> None:
     """Store the member requests' new keys/values, then their queries' attention over
     their paged keys and values."""
-    num_heads = query.shape[1]
-    head_dim = query.shape[2]
+    head_dim = key_cache.shape[3]
     num_kv_heads = key_cache.shape[2]
+    key_start = num_heads * head_dim
+    value_start = key_start + num_kv_heads * head_dim
     group = num_heads // num_kv_heads
     scale32 = np.float32(scale)
     neg_inf = np.float32(-np.inf)
@@ -91,21 +125,29 @@ def paged_attention_kernel(
         for q in range(num_queries):
             slot = slot_mapping[first_query + q]
             for d in range(head_dim):
-                key_cache[slot // block_size, slot % block_size, kv_head, d] = new_keys[first_query + q, kv_head, d]
-                value_cache[slot // block_size, slot % block_size, kv_head, d] = new_values[first_query + q, kv_head, d]
+                key_cache[slot // block_size, slot % block_size, kv_head, d] = \
+                    qkv[first_query + q, key_start + kv_head * head_dim + d]
+                value_cache[slot // block_size, slot % block_size, kv_head, d] = \
+                    qkv[first_query + q, value_start + kv_head * head_dim + d]
         rows = num_queries * group  # row r = query (r // group), head kv_head * group + r % group
+        row_f32 = np.empty(head_dim, dtype=np.float32)
+        row_bits = row_f32.view(np.uint32)
+        # The work item's query rows widened to fp32 once, contiguous for the dots.
+        query_rows = np.empty((rows, head_dim), dtype=np.float32)
+        for r in range(rows):
+            _load_row(qkv, first_query + r // group, (kv_head * group + r % group) * head_dim, row_f32, row_bits, bf16)
+            for d in range(head_dim):
+                query_rows[r, d] = row_f32[d]
         running_max = np.full(rows, neg_inf, dtype=np.float32)
         running_sum = np.zeros(rows, dtype=np.float32)
         acc = np.zeros((rows, head_dim), dtype=np.float32)
         scores = np.empty((rows, KEY_TILE), dtype=np.float32)
-        row_f32 = np.empty(head_dim, dtype=np.float32)
-        row_bits = row_f32.view(np.uint32)
         for tile_start in range(0, context, KEY_TILE):
             tile_end = min(context, tile_start + KEY_TILE)
             # Scores of the tile: each key row is loaded once for every query row.
             for key in range(tile_start, tile_end):
                 block = block_tables[request, key // block_size]
-                _load_row(key_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
+                _load_cache_row(key_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
                 new_index = key - prefix
                 for q in range(num_queries):
                     if new_index < 0:
@@ -118,9 +160,8 @@ def paged_attention_kernel(
                         r = q * group + h
                         if visible:
                             dot = np.float32(0.0)
-                            head = kv_head * group + h
                             for d in range(head_dim):
-                                dot += query[first_query + q, head, d] * row_f32[d]
+                                dot += query_rows[r, d] * row_f32[d]
                             scores[r, key - tile_start] = dot * scale32
                         else:
                             scores[r, key - tile_start] = neg_inf
@@ -147,7 +188,7 @@ def paged_attention_kernel(
             # Values of the tile, each row loaded once.
             for key in range(tile_start, tile_end):
                 block = block_tables[request, key // block_size]
-                _load_row(value_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
+                _load_cache_row(value_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
                 for r in range(rows):
                     weight = scores[r, key - tile_start]
                     if weight != 0.0:
@@ -158,4 +199,5 @@ def paged_attention_kernel(
             head = kv_head * group + r % group
             inv = np.float32(1.0) / running_sum[r]
             for d in range(head_dim):
-                out[first_query + q, head, d] = acc[r, d] * inv
+                row_f32[d] = acc[r, d] * inv
+            _store_row(out, first_query + q, head * head_dim, row_f32, row_bits, bf16)

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("numba")
 
 from pagedtree.attention import make_backend, resolve_backend_name  # noqa: E402
-from pagedtree.attention.cpu_backend import CpuPagedAttention, build_cpu_plan  # noqa: E402
+from pagedtree.attention.cpu_backend import CpuPagedAttention, build_cpu_plan, projection_rows  # noqa: E402
 from pagedtree.step_data import AttentionMetadata  # noqa: E402
 from tests.kernels.dense_attention import batch_layout, dense_attention, sequence_rows, visibility_mask  # noqa: E402
 
@@ -79,6 +79,49 @@ def test_kernel_equals_torch_backend_on_a_decode_batch():
     # The kernel stores the new keys and values itself: the caches end up identical.
     assert torch.equal(stored[1][0], stored[0][0]) and torch.equal(stored[1][1], stored[0][1])
     assert not torch.equal(stored[1][0], caches[0][0])
+
+
+def _projection_step(dtype: torch.dtype, heads: int = 6, kv_heads: int = 1, dim: int = 32):
+    """A decode row and a 5-node tree over paged caches, with the step's queries, keys and
+    values as views of one q/k/v projection output (as the fused forwards pass them)."""
+    torch.manual_seed(3)
+    block_size = 4
+    k_cache = torch.randn(24, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(24, block_size, kv_heads, dim).to(dtype)
+    tables, ctx, parents, qsl = [[2, 5, 7], [9, 1, 3, 4]], [10, 14], [None, [-1, 0, 0, 1, 2]], [0, 1, 6]
+    slots = [7 * 4 + 1] + [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 4 * 4, 4 * 4 + 1]
+    meta = AttentionMetadata(block_size, torch.tensor(slots), qsl, ctx, tables, parents)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return (k_cache, v_cache), meta, qkv, (q.view(6, heads, dim), k.view(6, kv_heads, dim), v.view(6, kv_heads, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projection_views_are_read_in_place_with_the_same_answer_as_copies(dtype):
+    caches, meta, qkv, (q, k, v) = _projection_step(dtype)
+    assert projection_rows(q, k, v, dtype).data_ptr() == qkv.data_ptr()  # no copy
+    outs = []
+    for args in ((q, k, v), (q.clone(), k.clone(), v.clone())):  # views, then separate tensors
+        copies = [(caches[0].clone(), caches[1].clone())]
+        backend = CpuPagedAttention(copies, scale=q.shape[-1] ** -0.5)
+        backend.begin_step(meta)
+        outs.append((backend(0, *args), copies[0]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1][0], outs[1][1][0]) and torch.equal(outs[0][1][1], outs[1][1][1])
+
+
+def test_bf16_output_is_the_fp32_result_rounded_as_torch_rounds():
+    """Widening bf16 is exact, so a bf16 cache and queries give the kernel the same fp32
+    arithmetic as fp32 copies of them: its bf16 output must be that fp32 output rounded
+    by ``Tensor.to(torch.bfloat16)`` (nearest even), bit for bit."""
+    caches, meta, _, (q, k, v) = _projection_step(torch.bfloat16)
+    outs = []
+    for cast in (lambda t: t, lambda t: t.float()):
+        backend = CpuPagedAttention([(cast(caches[0]).clone(), cast(caches[1]).clone())], scale=q.shape[-1] ** -0.5)
+        backend.begin_step(meta)
+        outs.append(backend(0, cast(q), cast(k), cast(v)))
+    assert outs[0].dtype == torch.bfloat16 and outs[1].dtype == torch.float32
+    assert torch.equal(outs[0], outs[1].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("bad", ["block_out_of_range", "negative_block", "table_too_short", "context_short",

@@ -25,9 +25,11 @@ from pagedtree.kernels.numba_arrays import as_kernel_array
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Steps of at most this many tokens run the element-wise kernels on the calling thread:
-# a decode step or a small tree gains nothing from the parallel pool, whose wake-up
-# (about 100 us a call between the linear layers' calls) cost more than the rows.
-SERIAL_MAX_TOKENS = 8
+# waking the parallel pool between the linear layers' calls costs 60-100 us a call,
+# more than the rows up to about 64 of them (2 cores, bf16, hidden 1536: the norm
+# took 73 us serially and 110 in parallel at 32 rows, 116 and 132 at 64, 218 and 164
+# at 128; the rotary kernel likewise). Decode batches and trees of up to 64 tokens.
+SERIAL_MAX_TOKENS = 64
 
 
 def _norm_weight(norm) -> np.ndarray:
