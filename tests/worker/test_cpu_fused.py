@@ -122,6 +122,31 @@ def test_fused_forward_matches_eager_forward(arch, tiny_llama, tiny_qwen2):
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_steps_run_the_mlp_in_slices_with_the_eager_result(tiny_qwen2, dtype):
+    """A step longer than a layer's MLP slice (here forced to 4 rows) runs its MLP
+    slice by slice, SiLU and product in place: the eager forward's result."""
+    import dataclasses
+
+    model = load_model(str(tiny_qwen2.path), dtype=dtype).model
+    ids = torch.randint(3, 256, (21,), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(21)
+    with torch.inference_mode():
+        eager = model(ids, positions, _dense_causal_attention)
+        assert model.enable_fused_cpu_ops()
+        fused = model.fused_forward
+        assert all(part.silu for part in fused.layers)
+        assert all(part.mlp_slice_rows >= 256 for part in fused.layers)
+        fused.layers = [dataclasses.replace(part, mlp_slice_rows=4) for part in fused.layers]
+        calls = []
+        gate_up = fused.layers[0].gate_up
+        fused.layers[0] = dataclasses.replace(fused.layers[0], gate_up=lambda x: calls.append(len(x)) or gate_up(x))
+        sliced = model(ids, positions, _dense_causal_attention)
+    assert calls == [4, 4, 4, 4, 4, 1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(sliced, eager, rtol=tol, atol=tol)
+
+
 def test_fused_ops_are_off_with_enforce_eager(tiny_llama):
     """On CPU (pinned: the fused ops are CPU kernels, off on any other device)."""
     from pagedtree import LLM
