@@ -210,21 +210,22 @@ def projection_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     that buffer is used as it is. Anything else (the eager forward's rotated copies,
     another dtype) is concatenated into a new one.
     """
-    num_tokens = query.shape[0]
-    q_width = query.shape[1] * query.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
+    q_width = num_heads * head_dim
     kv_width = key.shape[1] * key.shape[2]
     width = q_width + 2 * kv_width
-    item = query.element_size()
-    views_of_one_buffer = (
-        query.dtype == key.dtype == value.dtype == dtype
-        and query.stride() == (width, query.shape[2], 1)
-        and key.stride() == (width, key.shape[2], 1)
-        and value.stride() == (width, value.shape[2], 1)
-        and key.data_ptr() == query.data_ptr() + q_width * item
-        and value.data_ptr() == key.data_ptr() + kv_width * item
-        and query.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
-    )
+    views_of_one_buffer = False
+    if (query.dtype == dtype and key.dtype == dtype and value.dtype == dtype
+            and query.stride() == (width, head_dim, 1) and key.stride() == (width, key.shape[2], 1)
+            and value.stride() == (width, value.shape[2], 1)):
+        start, item = query.data_ptr(), query.element_size()
+        # Then element (t, c) of the [T, width] rows is q's, k's or v's own element.
+        views_of_one_buffer = (key.data_ptr() == start + q_width * item
+                               and value.data_ptr() == start + (q_width + kv_width) * item)
     if views_of_one_buffer:
-        return torch.as_strided(query, (num_tokens, width), (width, 1))
+        try:
+            return torch.as_strided(query, (num_tokens, width), (width, 1))
+        except RuntimeError:  # rows beyond query's storage: k and v live elsewhere after all
+            pass
     return torch.cat([query.reshape(num_tokens, -1), key.reshape(num_tokens, -1),
                       value.reshape(num_tokens, -1)], dim=1).to(dtype)
