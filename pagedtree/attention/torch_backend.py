@@ -61,6 +61,10 @@ class AttentionGroup:
     # When the group's queries are tokens first..first+B*Q-1 in order with no padding
     # (a batch of decodes, one prefill chunk), gathers become views.
     contiguous_from: int | None
+    # One request's first chunk (no cached prefix, no tree): plain causal attention,
+    # which SDPA computes without the mask, skipping the blocks above the diagonal
+    # (a 2048-token chunk of the 1.5B: 84 ms a layer on 2 cores against 147).
+    causal: bool = False
 
 
 @dataclass(slots=True)
@@ -146,6 +150,7 @@ def _build_group(
     contiguous = bool(query_valid.all()) and torch.equal(
         query_index.flatten(), torch.arange(first, first + b * q_max)
     )
+    causal = b == 1 and context_lens[members[0]] == qlens[0] and tree_parents[members[0]] is None
     return AttentionGroup(
         query_index=query_index.to(device),
         kv_slots=kv_slots.to(device),
@@ -153,6 +158,7 @@ def _build_group(
         valid_rows=valid_rows.to(device),
         valid_tokens=valid_tokens.to(device),
         contiguous_from=first if contiguous else None,
+        causal=causal,
     )
 
 
@@ -214,8 +220,8 @@ def paged_attention(
         k = k.transpose(1, 2).to(compute)  # [B, H_kv, K, D]
         v = v.transpose(1, 2).to(compute)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            q.transpose(1, 2), k, v, attn_mask=None if group.causal else group.mask, is_causal=group.causal,
+            scale=scale, enable_gqa=num_heads != num_kv_heads,
         )
         o = o.transpose(1, 2).reshape(b * q_len, num_heads, head_dim).to(out.dtype)  # [B*Q, H, D]
         if first is not None:
