@@ -83,8 +83,17 @@ def _add_rms_norm_row(x, residual, weight, out, t: int, eps32, has_x: bool, bf16
         if bf16:
             _round_bf16(row_bits, hidden)
         _store(residual, t, 0, row, row_bits, bf16)
+    # Eight partial sums, so that the additions do not wait on one another (one running
+    # fp64 sum made the norm latency-bound: 2 of a 1536-wide row's 2.6 us).
+    partial = np.zeros(8, dtype=np.float64)
+    whole = hidden - hidden % 8
+    for e in range(0, whole, 8):
+        for j in range(8):
+            partial[j] += np.float64(row[e + j]) * np.float64(row[e + j])
     squares = 0.0
-    for e in range(hidden):
+    for j in range(8):
+        squares += partial[j]
+    for e in range(whole, hidden):
         squares += np.float64(row[e]) * np.float64(row[e])
     variance = np.float32(squares / hidden)
     inverse = np.float32(1.0) / np.sqrt(variance + eps32)
