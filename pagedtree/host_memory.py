@@ -201,6 +201,39 @@ class HeapTrimmer:
         logger.debug("malloc_trim in %.1f ms", (time.perf_counter() - started) * 1e3)
 
 
+_MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+
+
+def release_mapped_file_pages(path: str) -> int:
+    """Drop this process's resident pages of every mapping of the file ``path``
+    (``madvise(MADV_DONTNEED)``); returns how many mappings were found.
+
+    For a library that maps a file, copies what it needs into memory of its own and
+    keeps the mapping: the pages it read stay resident, counted in the process's RSS,
+    though nothing reads them again. A page that is read again comes back from the
+    file (which stays readable while mapped, even deleted), so this changes no data;
+    a page written through a private mapping would lose the write, so callers use it
+    only on mappings the library does not write. Linux only (elsewhere: 0).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            ranges = []
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n").removesuffix(" (deleted)") == path:
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:  # no /proc (not Linux)
+        return 0
+    libc = _glibc() or _load_libc()
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    for start, end in ranges:
+        madvise(start, end - start, _MADV_DONTNEED)
+    return len(ranges)
+
+
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages become resident when first written (see module
     docstring)."""

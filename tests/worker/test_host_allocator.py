@@ -140,3 +140,40 @@ def test_the_trimmer_trims_once_per_idle_period_and_rarely_when_busy(monkeypatch
     trimmer.worked()
     assert trimmer.num_trims == 0  # checked at most once per interval
     assert not HeapTrimmer(enabled=False).enabled
+
+
+def _resident_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of ``path``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc")
+def test_mapped_file_pages_are_released_and_read_back_unchanged(tmp_path):
+    """The pages of a mapped file that were read leave the resident set, and reading
+    them again gives the file's bytes (a private, writable mapping, as ONNX Runtime
+    maps a model's external data)."""
+    import mmap
+
+    path = str(tmp_path / "weights.bin")
+    data = os.urandom(8 * 2**20)
+    with open(path, "wb") as f:
+        f.write(data)
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        assert mapping[:] == data  # every page read: resident
+        assert _resident_kib(path) >= 7 * 1024
+        assert host_allocator.release_mapped_file_pages(path) == 1
+        assert _resident_kib(path) < 1024
+        assert mapping[:] == data
+        assert host_allocator.release_mapped_file_pages(str(tmp_path / "other.bin")) == 0
+    finally:
+        mapping.close()
