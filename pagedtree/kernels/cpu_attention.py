@@ -60,6 +60,9 @@ def _load_cache_row(cache, block: int, slot: int, head: int, row_f32, row_bits, 
             row_f32[d] = cache[block, slot, head, d]
 
 
+# ``_load_row`` and ``_store_row`` repeat ``cpu_elementwise``'s ``_load`` and
+# ``_round_bf16`` + ``_store`` on purpose: numba's cache checks a kernel against its own
+# source file only, so a helper inlined from another file could leave a stale kernel.
 @njit(inline="always")
 def _load_row(rows, token: int, start: int, row_f32, row_bits, bf16: bool) -> None:
     """Widen ``rows[token, start:start + D]`` into ``row_f32`` (exact, as above)."""
