@@ -94,6 +94,7 @@ class BudgetPolicy:
         self.num_steps_speculation_off = 0
         self.last_budget = config.max_nodes
         self.last_plan: BudgetPlan | None = None
+        self._plan_feeds_prompt = False  # the last plan's drafts feed a prompt (see ``choose``)
         self.speculation_factor = 1.0  # see StepCosts.speculation_factor
 
     def reconfigure(self, config: SpeculativeConfig) -> None:
@@ -169,6 +170,11 @@ class BudgetPolicy:
                     plan, free = other, option
         self.last_plan = plan
         self.draft_free = {rid for rid in free if plan.budgets.get(rid, 0) > 0}
+        # A step whose drafts feed a prompt pays all of it, where the plan priced a share
+        # (``_amortised_backlog``): such a step says nothing about the plan's accuracy.
+        self._plan_feeds_prompt = self.draft_backlog is not None and any(
+            plan.budgets.get(r.request_id, 0) > 0 and r.request_id not in self.draft_free
+            and self._unfed(r)[0] > 0 for r in requests)
         self._free_predicted = {rid: expected_by_scores(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
         self._add_forced_spans(requests, plan.budgets)
         if plan.num_speculating == 0:
@@ -195,12 +201,9 @@ class BudgetPolicy:
         hit) spread over the speculative steps they enable (the request's remaining
         tokens at the best expected rate); tokens decoded plainly since the drafts last
         fed the request in full."""
-        backlog = self.draft_backlog(request)
-        if backlog <= 0:
+        prompt_left, gap = self._unfed(request)
+        if prompt_left + gap <= 0:
             return 0.0
-        fed = request.num_tokens - 1 - backlog
-        prompt_left = max(0, request.num_prompt_tokens - fed)
-        gap = backlog - prompt_left  # decoded tokens the drafts have not fed
         # A gap of one is the accepted leaf every chain leaves unfed, which the
         # expected tokens already stand for. A longer gap, left while the request
         # decoded plainly, is paid whole in this step's first draft forward: nothing
@@ -217,6 +220,15 @@ class BudgetPolicy:
         remaining = max(1, max_tokens - len(request.output_token_ids))
         steps = max(1.0, remaining / (1.0 + max(expected.values(), default=0.0)))
         return whole + spread / steps
+
+    def _unfed(self, request: Request) -> tuple[int, int]:
+        """The request's prompt tokens the drafts have not fed, and its decoded ones."""
+        backlog = self.draft_backlog(request)
+        if backlog <= 0:
+            return 0, 0
+        fed = request.num_tokens - 1 - backlog
+        prompt_left = max(0, request.num_prompt_tokens - fed)
+        return prompt_left, backlog - prompt_left
 
     def _unproven(self, request: Request) -> bool:
         """Whether ``request`` has no acceptance of its own on record (never verified)."""
@@ -281,7 +293,8 @@ class BudgetPolicy:
         """A whole decode-only step as planned: if it speculated, compare what
         speculation added with what the plan predicted it would add."""
         plan, self.last_plan = self.last_plan, None
-        if plan is None or plan.num_speculating == 0:
+        feeds_prompt, self._plan_feeds_prompt = self._plan_feeds_prompt, False
+        if plan is None or plan.num_speculating == 0 or feeds_prompt:
             return
         predicted = plan.seconds - plan.plain_seconds
         if predicted <= 0:

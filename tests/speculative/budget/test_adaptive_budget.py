@@ -314,6 +314,30 @@ def test_whole_steps_slower_than_predicted_correct_the_plan():
     assert policy.speculation_factor > 2
 
 
+def test_a_step_that_feeds_a_prompt_does_not_correct_the_plan():
+    """The step whose drafts feed a request's prompt pays all of it where the plan priced
+    a share: its time must not make speculation look dearer. A step that fed nothing
+    still corrects the plan."""
+    policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+    target, draft = cpu_like_costs(0.15)
+    policy.target_cost, policy.draft_cost = target, draft
+    policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+    requests = _requests(2)
+    for request in requests:  # 3 prompt tokens, 10 decoded
+        request.output_token_ids.extend(range(10))
+    backlog = {"value": 12}
+    policy.draft_backlog = lambda r: backlog["value"]  # nothing fed yet: the prompt among it
+    assert max(policy.choose(requests, 0).values()) > 0
+    plan = policy.last_plan
+    policy.observe_step_seconds(plan.plain_seconds + 3.0 * (plan.seconds - plan.plain_seconds))
+    assert policy.speculation_factor == 1.0
+    backlog["value"] = 1  # fed: only the chain's accepted leaf
+    policy.choose(requests, 0)
+    plan = policy.last_plan
+    policy.observe_step_seconds(plan.plain_seconds + 3.0 * (plan.seconds - plan.plain_seconds))
+    assert policy.speculation_factor > 1.0
+
+
 def test_a_draft_free_tree_costs_no_draft_forward():
     """A request whose tree is the suffix drafter's alone speculates where a draft
     model's tree would not pay (a draft as costly as the target)."""
