@@ -99,6 +99,16 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def _tokenizer_and_head(net: DecoderForCausalLM, folder: Path, config: PretrainedConfig, head_vocab: int | None,
+                        with_tokenizer: bool):
+    """Cut ``net``'s head to ``head_vocab`` ids when asked (the choice reads the
+    tokenizer); the tokenizer when ``with_tokenizer``, else None."""
+    tokenizer = load_tokenizer(folder) if with_tokenizer or head_vocab is not None else None
+    if head_vocab is not None:
+        net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
+    return tokenizer if with_tokenizer else None
+
+
 def load_model(
     model: str | Path | None,
     dtype: torch.dtype = torch.float32,
@@ -145,10 +155,7 @@ def load_model(
         folder = gguf_config_folder(model, gguf_file)
         config = AutoConfig.from_pretrained(str(folder))
         net = build_on_meta(model_class_for(config), config, dtype)
-        tokenizer = load_tokenizer(folder) if with_tokenizer or head_vocab is not None else None
-        if head_vocab is not None:
-            net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
-        tokenizer = tokenizer if with_tokenizer else None
+        tokenizer = _tokenizer_and_head(net, folder, config, head_vocab, with_tokenizer)
         load_gguf_weights(net, gguf_file, quantization, dtype, pack_weights=pack_weights)
         # The conversion's transients (block decoding, ONNX graphs) leave hundreds of
         # MB of free heap behind: handed back now rather than at the first idle moment.
@@ -165,10 +172,7 @@ def load_model(
     else:
         load_safetensors_weights(net, _safetensors_files(folder))
     net.eval()
-    tokenizer = load_tokenizer(folder) if with_tokenizer or head_vocab is not None else None
-    if head_vocab is not None:
-        net.keep_head_rows(draft_vocab_rows(tokenizer, int(config.vocab_size), head_vocab))
-    tokenizer = tokenizer if with_tokenizer else None
+    tokenizer = _tokenizer_and_head(net, folder, config, head_vocab, with_tokenizer)
     if quantization is not None:
         net.quantize_weights(quantization)
     elif pack_weights:

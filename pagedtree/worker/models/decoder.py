@@ -406,7 +406,8 @@ class DecoderForCausalLM(nn.Module):
         """Make every token's result independent of how many tokens share its forward.
 
         On CPU (``row_block`` None): one-row products of the oneDNN-packed and the q4/q8
-        layers (a GGUF's 5- to 8-bit tensors, its head often among them) run as two rows (``Linear.pad_single_rows``) where the library sends one
+        layers (a GGUF's 5- to 8-bit tensors, its head often among them) run as two
+        rows (``Linear.pad_single_rows``) where the library sends one
         row through another kernel than several rows, whose rows are independent
         (``Linear.lone_row_needs_padding``: always for 16-bit outputs, measured per
         shape for fp32 ones; MLAS's 4-bit kernels send it elsewhere on an AVX2 CPU and
