@@ -72,6 +72,8 @@ def _check_meta(schema: Any) -> None:
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "the schema"
         raise SchemaRefused(f"{where}: {exc.message[:300]} (not a valid JSON schema)") from None
+    except RecursionError:  # the check parses each 'pattern' with Python's recursive regex parser
+        raise SchemaRefused("the schema: a 'pattern' or subschema nests too deeply to check") from None
 
 
 def _normalised(schema: Any) -> Any:
