@@ -306,7 +306,9 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
     if args.prefix_caching:
         cmd.append("--prefix-caching")
     if spec.draft:
-        cmd += ["--draft-model", str(draft)]
+        # Like the target: a quantized engine's draft comes straight from its GGUF (by
+        # name), as ``LLM(draft_model=name)`` loads it, not from the converted folder.
+        cmd += ["--draft-model", str(args.draft_model if spec.quantization and spec.engine == "pagedtree" else draft)]
     if spec.spec is not None:
         cmd += ["--spec", json.dumps(spec.spec)]
     if spec.quantization is not None:

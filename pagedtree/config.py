@@ -34,7 +34,7 @@ DTYPES = {
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 # The loads an engine can be built for (``EngineConfig.workload``).
 WORKLOADS = ("stream", "batch")
-QUANTIZATIONS = ("int8", "int4", "q4", "q8", "ggml")  # see pagedtree.worker.models.linear
+QUANTIZATIONS = ("int8", "int4", "q4", "q8", "q4-rounded", "ggml")  # see pagedtree.worker.models.linear
 LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint, or random weights (benchmarks)
 OFFLOAD_ALL = "all"  # offload_weights_gb: stream every decoder layer from host memory
 # A target's resolved offload_weights_gb when it was not given and its GPU cannot hold
@@ -213,8 +213,10 @@ class EngineConfig:
     "q8" in blocks of 32 with int8 activations (ONNX Runtime's MLAS kernels, fp32
     activations; ``dtype="auto"`` is then fp32 on CPUs without native bf16), "none"
     dense. Unset, a GGUF model on a CPU with ``dtype="auto"`` runs in "q4" (its own
-    blocks, exactly) and anything else dense (``loading/model_format.py``). The draft
-    models take the target's dtype and quantization unless ``draft_dtype`` /
+    blocks, exactly) and anything else dense (``loading/model_format.py``).
+    "q4-rounded" is q4 with the file's 5- to 8-bit blocks rounded to 4 bits as well. The
+    draft models take the target's dtype and quantization (beside a "q4" target:
+    "q4-rounded", since a draft need not reproduce its file) unless ``draft_dtype`` /
     ``draft_quantization`` say otherwise (``draft_quantization="none"``: dense drafts;
     ``"ggml"`` for a GGUF draft holds 0.7 GB less beside a q4 target, but its
     multi-row catch-ups cost about three times q4's, so the budget drafts less).

@@ -159,6 +159,17 @@ def trim_heap() -> bool:
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
+def trim_heap_over(free_bytes: int) -> bool:
+    """``trim_heap`` when the heap's free chunks exceed ``free_bytes``; whether it trimmed.
+
+    For loops that leave free heap behind faster than they reuse it (a load converting
+    layer after layer): checking costs a ``mallinfo2`` walk, far less than a trim."""
+    stats = heap_stats()
+    if stats is None or stats.free <= free_bytes:
+        return False
+    return trim_heap()
+
+
 class HeapTrimmer:
     """When the engine thread trims the heap: once each time it goes idle (after
     ``IDLE_TRIM_DELAY`` seconds without work), and while busy at most once per

@@ -35,14 +35,14 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return PlainViewReader(str(path))
 
 
-def release_pages(reader: GGUFReader) -> None:
-    """Drop the file's pages from this process's resident memory.
+def release_pages(data: np.memmap) -> None:
+    """Drop the file's pages (``data``: a reader's ``data``) from this process's resident memory.
 
     Reading a tensor faults its pages into the mapping, where they count as the
     process's memory until it is unmapped: a load that reads every tensor would hold
     the whole file (1.05 GB for the Qwen2.5-Coder 1.5B's) beside the weights it has
     built from it. The pages stay in the page cache (a later read maps them again,
     without disk I/O) and any view of the mapping stays valid."""
-    mapping = getattr(reader.data, "_mmap", None)
+    mapping = getattr(data, "_mmap", None)
     if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
         mapping.madvise(mmap.MADV_DONTNEED)

@@ -244,8 +244,10 @@ def build_empty(
             net = cls(config, layout, group)
     finally:
         torch.set_default_dtype(previous)
-    net.to_empty(device=device)
-    # to_empty gives tied parameters separate storage and leaves the computed (not
+    # ``to_empty`` without its ``empty_like``: on meta tensors that goes through torch's
+    # Python reference kernels, whose first use imports sympy (32 MiB resident).
+    net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    # That gives tied parameters separate storage and leaves the computed (not
     # loaded) rotary table empty: restore both.
     if net.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight

@@ -99,6 +99,32 @@ def test_other_blocks_become_int8_within_half_a_step(tensors_of, name):
     torch.testing.assert_close(_dense(tensor), reference)
 
 
+def test_rounded_q4_blocks_keep_4_bit_formats_and_round_the_wider_ones(tensors_of):
+    """``q4-rounded`` (a q4 target's draft): a fused layer of a Q4_K and a wider part
+    is all 4-bit blocks; the Q4_K rows are the file's values exactly, the wider rows
+    within half a step of their blocks' 4-bit grid."""
+    from pagedtree.loading.gguf_weights import _blocks
+    from pagedtree.worker.models import block_quant
+
+    tensors = tensors_of(pm.PACKAGED_MODELS["qwen2.5-coder-0.5b-instruct"])
+    narrow = next(t for n, t in tensors.items() if t.tensor_type.name == "Q4_K" and n.startswith("blk."))
+    wide = next(t for n, t in tensors.items() if t.tensor_type.name in ("Q5_0", "Q8_0", "Q6_K")
+                and n.startswith("blk.") and int(t.shape[0]) == int(narrow.shape[0]))
+    pieces = [(None, narrow, None), (None, wide, None)]
+    rounded = _blocks(pieces, 4, round_wider=True)
+    kept = _blocks(pieces, 4)
+    assert rounded.bits == 4 and kept.bits == 8  # without rounding the fused layer widens
+    assert rounded.nbytes < kept.nbytes * 0.7
+    n_narrow = _reference(narrow).shape[0]
+    values = rounded.dequantize()
+    torch.testing.assert_close(values[:n_narrow], _reference(narrow), rtol=1e-6, atol=1e-7)
+    raw = rounded.unpack()
+    step = torch.from_numpy(raw.scales[n_narrow:]).repeat_interleave(block_quant.BLOCK, dim=1)
+    error = (values[n_narrow:] - _reference(wide)).abs()
+    assert (error <= step / 2 + 1e-6).all()
+    assert error.max() > 0  # rounded, not kept
+
+
 def test_names_map_to_the_checkpoint():
     assert hf_name("blk.7.attn_output.weight") == "model.layers.7.self_attn.o_proj.weight"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"

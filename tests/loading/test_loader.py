@@ -117,11 +117,12 @@ def test_dummy_weights_load_a_config_only_folder(tmp_path, tiny_llama):
         LLM(str(folder), load_format="zeros", device="cpu")
 
 
-def test_a_cpu_engine_loads_without_importing_dynamo_or_triton(tiny_qwen2):
+def test_a_cpu_engine_loads_without_importing_dynamo_triton_or_sympy(tiny_qwen2):
     """Building a model on the meta device must not run torch's reference kernels
     (their first use imports TorchDynamo and Triton: about 94 MiB resident for a CPU
-    engine that uses neither). Checked in a fresh interpreter, where nothing else has
-    imported them."""
+    engine that uses neither), and the MLP's activation must not come from
+    transformers' activations module (which imports torch's DTensor and sympy: 52 MiB).
+    Checked in a fresh interpreter, where nothing else has imported them."""
     import subprocess
     import sys
 
@@ -129,7 +130,7 @@ def test_a_cpu_engine_loads_without_importing_dynamo_or_triton(tiny_qwen2):
             f"llm = LLM({str(tiny_qwen2.path)!r}, device='cpu', max_model_len=64, kv_cache_memory=2**22); "
             "out = llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True), "
             "use_tqdm=False); assert len(out[0].outputs[0].token_ids) == 2; "
-            "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+            "print(sorted(m for m in ('torch._dynamo', 'triton', 'sympy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -34,6 +34,11 @@ def test_dtype_and_quantization_resolution(tiny_llama, monkeypatch):
     monkeypatch.setattr(resolve_module, "cpu_has_native_bf16", lambda: False)
     if block_quant_available():
         assert resolved(quantization="q4").target.dtype == torch.float32
+        # A q4 target's draft rounds its wider blocks unless told otherwise; a q8
+        # target's keeps q8.
+        assert resolved(quantization="q4", draft_model=path).drafts[0].quantization == "q4-rounded"
+        assert resolved(quantization="q4", draft_model=path, draft_quantization="q4").drafts[0].quantization == "q4"
+        assert resolved(quantization="q8", draft_model=path).drafts[0].quantization == "q8"
     draft = resolved(quantization="int8", draft_model=path).drafts[0]
     assert draft.quantization == "int8" and draft.dtype == torch.bfloat16
     draft = resolved(quantization="int8", draft_model=path, draft_quantization="none", draft_dtype="float32").drafts[0]
@@ -67,7 +72,10 @@ def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, t
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(m.quantization == want for m in layers)
     draft_layers = [m for m in llm.engine.speculation.drafts[0].runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.quantization == llm.engine.resolved.drafts[0].quantization for m in draft_layers)
+    # A q4 target's draft rounds its wider blocks to 4 bits: its layers hold q4 blocks.
+    draft_format = {"q4-rounded": "q4"}.get(llm.engine.resolved.drafts[0].quantization,
+                                            llm.engine.resolved.drafts[0].quantization)
+    assert all(m.quantization == draft_format for m in draft_layers)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     spec = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]

@@ -95,7 +95,8 @@ def _kernel_library(quantization: str | None) -> str | None:
     """The version of the library whose kernels run ``quantization``'s products."""
     from importlib.metadata import PackageNotFoundError, version
 
-    package = {"q4": "onnxruntime", "q8": "onnxruntime", "ggml": "ggml-python"}.get(quantization or "")
+    package = {"q4": "onnxruntime", "q8": "onnxruntime", "q4-rounded": "onnxruntime",
+               "ggml": "ggml-python"}.get(quantization or "")
     if package is None:
         return None
     try:

@@ -39,8 +39,9 @@ import functools
 import logging
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -53,7 +54,10 @@ if TYPE_CHECKING:  # onnx is imported where a graph is built: q4/q8 layers only
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
-BITS = {"q4": 4, "q8": 8}
+BITS = {"q4": 4, "q8": 8, "q4-rounded": 4}
+# Formats that round a llama.cpp block wider than their bits (5- to 8-bit ones to 4):
+# a draft's, which need not reproduce its file, reads fewer bytes a forward that way.
+ROUNDS_WIDER_BLOCKS = frozenset({"q4-rounded"})
 # int8 compute (MLAS's integer kernels); 0 would dequantize to fp32 and run an SGEMM.
 _ACCURACY_LEVEL = 4
 # The graphs' operator sets: ONNX's own at 21 (Reshape, ReduceSum with its axes as an
@@ -64,6 +68,10 @@ ONNX_OPSET = 21
 # version"). 10 is the lowest that opset 21 needs (onnx.helper.VERSION_TABLE), read by
 # every ONNX Runtime that runs opset 21.
 ONNX_IR_VERSION = 10
+# Initializers from this size up go to the external-data file (shapes and axes, which
+# shape inference reads at load, stay inline), each at an offset aligned to a page.
+_EXTERNAL_MIN_BYTES = 4096
+_EXTERNAL_ALIGNMENT = 4096
 
 
 @dataclass
@@ -213,46 +221,78 @@ def _warn_unless_openmp_waits_passively() -> None:
             "took 252 ms a token instead of 56 on 2 cores")
 
 
-def block_matmul_model(weights: BlockWeights) -> onnx.ModelProto:
+def block_matmul_model(weights: BlockWeights, weights_file: BinaryIO | None = None,
+                       location: str = "linear.weights") -> onnx.ModelProto:
     """The ONNX model of ``A @ weight.T`` for ``weights``:
     ``MatMulNBits`` on the codes, plus the offsets' block sums where the weights have
-    offsets; input ``A`` ``[M, k]``, output ``Y`` ``[M, n]``, both fp32."""
+    offsets; input ``A`` ``[M, k]``, output ``Y`` ``[M, n]``, both fp32.
+
+    With ``weights_file`` (open for writing, named ``location`` beside the model) the
+    large initializers are written there straight from ``weights``' arrays and the
+    model refers to them: no copy of the weights in the model's protobuf."""
     from onnx import TensorProto, helper, numpy_helper
 
+    def initializer(array: np.ndarray, name: str) -> TensorProto:
+        array = np.ascontiguousarray(array)
+        if weights_file is None or array.nbytes < _EXTERNAL_MIN_BYTES:
+            return numpy_helper.from_array(array, name)
+        return _external_initializer(array, name, weights_file, location)
+
     n, k = weights.n, weights.k
-    nodes = [helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"],
-                              ["Y" if weights.offsets is None else "Y_codes"], domain="com.microsoft",
+    nodes = [helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"], ["Y"], domain="com.microsoft",
                               K=k, N=n, bits=weights.bits, block_size=weights.block,
                               accuracy_level=_ACCURACY_LEVEL)]
-    initializers = [numpy_helper.from_array(weights.codes, "B"), numpy_helper.from_array(weights.scales, "scales"),
-                    numpy_helper.from_array(weights.zero_points, "zero_points")]
+    initializers = [initializer(weights.codes, "B"), initializer(weights.scales, "scales"),
+                    initializer(weights.zero_points, "zero_points")]
+    outputs = [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])]
     if weights.offsets is not None:
-        # Y += (block sums of A) @ offsets.T: each block's minimum times its inputs' sum.
+        # Y_offsets = (block sums of A) @ offsets.T: each block's minimum times its
+        # inputs' sum, a second output that the caller adds to Y. (Added inside the
+        # graph, Y's two halves were intermediates ONNX Runtime allocated on every call,
+        # [M, n] each, and their chunks, freed between other allocations, fragmented the
+        # heap: a 43-token prefill of the 1.5B left 85 MiB of it free and resident.)
         blocks = k // weights.block
         initializers += [
-            numpy_helper.from_array(np.ascontiguousarray(weights.offsets.reshape(n, blocks).T), "offsets"),
+            initializer(weights.offsets.reshape(n, blocks).T, "offsets"),
             numpy_helper.from_array(np.array([0, blocks, weights.block], np.int64), "block_shape"),
             numpy_helper.from_array(np.array([2], np.int64), "block_axis")]
         nodes += [helper.make_node("Reshape", ["A", "block_shape"], ["A_blocks"]),
                   helper.make_node("ReduceSum", ["A_blocks", "block_axis"], ["A_sums"], keepdims=0),
-                  helper.make_node("MatMul", ["A_sums", "offsets"], ["Y_offsets"]),
-                  helper.make_node("Add", ["Y_codes", "Y_offsets"], ["Y"])]
+                  helper.make_node("MatMul", ["A_sums", "offsets"], ["Y_offsets"])]
+        outputs.append(helper.make_tensor_value_info("Y_offsets", TensorProto.FLOAT, ["M", n]))
     graph = helper.make_graph(
-        nodes, "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializers)
+        nodes, "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])], outputs, initializers)
     return helper.make_model(graph, ir_version=ONNX_IR_VERSION,
                              opset_imports=[helper.make_opsetid("", ONNX_OPSET),
                                             helper.make_opsetid("com.microsoft", 1)])
 
 
-def _session_from_mapped_file(model: onnx.ModelProto, options: object) -> object:
-    """An ONNX Runtime session for ``model``, its weights read from a mapped file.
+def _external_initializer(array: np.ndarray, name: str, weights_file: BinaryIO, location: str) -> onnx.TensorProto:
+    """``array`` appended to ``weights_file`` (at an offset aligned for mapping), and the
+    initializer that refers to it there."""
+    from onnx import TensorProto, helper
+
+    offset = -weights_file.tell() % _EXTERNAL_ALIGNMENT + weights_file.tell()
+    weights_file.seek(offset)
+    weights_file.write(memoryview(array).cast("B"))
+    tensor = TensorProto(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                         data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", offset), ("length", array.nbytes)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+    return tensor
+
+
+def _session_from_mapped_file(weights: BlockWeights, options: object) -> object:
+    """An ONNX Runtime session for ``weights``' model, the weights read from a mapped file.
 
     ONNX Runtime prepacks ``MatMulNBits``'s blocks into a layout of its own. A model
     passed as bytes leaves it holding the parsed initializers beside the packed copy
     (2.2-2.3x the blocks for a 4-bit 1536 -> 17920 layer; weights given from memory,
     ``add_external_initializers_from_files_in_memory``, are copied too). Weights in an
-    external-data file are mapped and packed. ONNX Runtime keeps the file mapped, and
+    external-data file are mapped and packed; the file is written straight from the
+    arrays (``block_matmul_model``), so no protobuf copy of them exists (the 1.5B's
+    8-bit head is 306 MB). ONNX Runtime keeps the file mapped, and
     the pages it read while packing stayed resident though it never reads them again
     (with the 1.5B and its draft: 365 MiB, none of them touched again by prefills,
     batches or single rows): they are dropped once the session is made
@@ -266,15 +306,30 @@ def _session_from_mapped_file(model: onnx.ModelProto, options: object) -> object
         workspace = tempfile.TemporaryDirectory(prefix="pagedtree-blocks-")
     except OSError as exc:  # no writable temporary folder: the same session, its weights held twice
         logger.warning("q4/q8 weights load from memory (%s): ONNX Runtime then holds them twice", exc)
+        model = block_matmul_model(weights)
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     with workspace as folder:
-        path = os.path.join(folder, "linear.onnx")
-        # Small tensors (shapes, axes) stay inline: shape inference reads them at load.
-        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="linear.weights", size_threshold=4096)
+        path, data = os.path.join(folder, "linear.onnx"), os.path.join(folder, "linear.weights")
+        with open(data, "wb") as weights_file:
+            model = block_matmul_model(weights, weights_file, os.path.basename(data))
+        onnx.save_model(model, path)
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        release_mapped_file_pages(os.path.join(folder, "linear.weights"))
+        release_mapped_file_pages(data)
         return session
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least ``numel`` values (grown, never shrunk),
+    for results consumed before the next product: one buffer for every layer rather
+    than a fresh [rows, n] tensor a call, whose chunks, freed between the layers' other
+    allocations, fragmented the heap."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        _SCRATCH.buffer = buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
 
 
 class BlockMatMul:
@@ -285,7 +340,6 @@ class BlockMatMul:
 
         _warn_unless_openmp_waits_passively()
         self.n, self.k, self.bits = weights.n, weights.k, weights.bits
-        model = block_matmul_model(weights)
         options = ort.SessionOptions()
         # A pool of the session's own, whose threads sleep between calls (see "Threads"):
         # the engine's threads (torch's and numba's) run between these products.
@@ -294,9 +348,10 @@ class BlockMatMul:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.enable_cpu_mem_arena = False  # inputs and outputs are ours; no arena to grow
         options.log_severity_level = 3
-        self._session = _session_from_mapped_file(model, options)
+        self._session = _session_from_mapped_file(weights, options)
         self._binding = self._session.io_binding()
         self._packed_bytes = weights.nbytes
+        self._has_offsets = weights.offsets is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
@@ -304,8 +359,13 @@ class BlockMatMul:
         binding = self._binding
         binding.bind_input("A", "cpu", 0, np.float32, list(rows.shape), rows.data_ptr())
         binding.bind_output("Y", "cpu", 0, np.float32, list(out.shape), out.data_ptr())
+        if not self._has_offsets:
+            self._session.run_with_iobinding(binding)
+            return out
+        offsets = _scratch(out.numel()).view(out.shape)
+        binding.bind_output("Y_offsets", "cpu", 0, np.float32, list(offsets.shape), offsets.data_ptr())
         self._session.run_with_iobinding(binding)
-        return out
+        return out.add_(offsets)  # element-wise: each row's bits independent of the batch
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,7 @@ quantized models run their activations in these dtypes too.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,9 +44,9 @@ MIN_MLP_SLICE_ROWS = 256
 
 
 def _is_silu(act) -> bool:
-    """Whether ``act`` computes ``F.silu`` (torch's module or transformers' ``ACT2FN["silu"]``)."""
-    from transformers import activations
-
+    """Whether ``act`` computes ``F.silu`` (torch's module or transformers' ``ACT2FN["silu"]``,
+    looked for only where something imported transformers' activations)."""
+    activations = sys.modules.get("transformers.activations")
     return isinstance(act, (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)))
 
 

@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedtree.distributed.group import TensorParallelGroup
@@ -165,11 +164,30 @@ class DecoderMLP(nn.Module):
         # gate and up fused into one projection, like q/k/v (see ``FUSED_SHARDS``).
         self.gate_up_proj = Linear(hidden, 2 * inner, bias=spec.mlp_bias)
         self.down_proj = Linear(inner, hidden, bias=spec.mlp_bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+# transformers' activations by name, as torch modules that compute the same values:
+# ``transformers.activations`` imports its kernel hub and, through it, torch's DTensor
+# and sympy (52 MiB resident in an engine that uses none of them).
+_TORCH_ACTIVATIONS = {
+    "silu": nn.SiLU, "swish": nn.SiLU, "relu": nn.ReLU, "gelu": nn.GELU,
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+}
+
+
+def activation(name: str) -> nn.Module:
+    """The MLP activation a config names (``hidden_act``): torch's module where it
+    computes what transformers' does, transformers' own otherwise."""
+    if name in _TORCH_ACTIVATIONS:
+        return _TORCH_ACTIVATIONS[name]()
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 class DecoderLayer(nn.Module):

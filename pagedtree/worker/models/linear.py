@@ -36,7 +36,7 @@ from torch import nn
 from pagedtree.worker.models import block_quant, ggml_matmul
 from pagedtree.worker.models.row_blocks import in_row_blocks
 
-QUANTIZATIONS = ("int8", "int4", "q4", "q8", "ggml")
+QUANTIZATIONS = ("int8", "int4", "q4", "q8", "q4-rounded", "ggml")
 INT4_GROUP_SIZE = 32
 # oneDNN picks its blocked layout for an expected row count: 16 serves 1-32 rows well.
 _PACK_ROWS_HINT = 16
