@@ -250,7 +250,8 @@ def block_matmul_model(weights: BlockWeights, weights_file: BinaryIO | None = No
         # inputs' sum, a second output that the caller adds to Y. (Added inside the
         # graph, Y's two halves were intermediates ONNX Runtime allocated on every call,
         # [M, n] each, and their chunks, freed between other allocations, fragmented the
-        # heap: the 1.5B's first 43-token prefill grew it by 141 MiB rather than 84.)
+        # heap: with ``BlockMatMul``'s one-row first run, the 1.5B's first 43-token
+        # prefill grew it by 141 MiB rather than 13.)
         blocks = k // weights.block
         initializers += [
             initializer(weights.offsets.reshape(n, blocks).T, "offsets"),
@@ -347,11 +348,20 @@ class BlockMatMul:
         options.intra_op_num_threads = max(1, torch.get_num_threads())
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.enable_cpu_mem_arena = False  # inputs and outputs are ours; no arena to grow
+        # No allocation plan kept per input shape (with no arena, each run allocates
+        # its buffers anyway): every new row count would add one to the heap.
+        options.enable_mem_pattern = False
         options.log_severity_level = 3
         self._session = _session_from_mapped_file(weights, options)
         self._binding = self._session.io_binding()
         self._packed_bytes = weights.nbytes
         self._has_offsets = weights.offsets is not None
+        # A session keeps a little memory from its first run. Made by a one-row product
+        # now, it lands among the load's small free chunks; made by the first prefill,
+        # it split the large chunks that the prefill's [rows, n] outputs had just freed,
+        # and the next layers' outputs took fresh heap: the 1.5B's first 43-token
+        # prefill grew the heap by 84 MiB, 10 after this run.
+        self(torch.zeros(1, self.k))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
