@@ -16,6 +16,7 @@ from pagedtree.request import Request
 from pagedtree.speculative.budget.acceptance import (
     REQUEST_CLASSES,
     AcceptanceTable,
+    PlanCalibration,
     RankAcceptance,
     RequestEvidence,
     request_class,
@@ -96,6 +97,10 @@ class BudgetPolicy:
         self.last_plan: BudgetPlan | None = None
         self._plan_feeds_prompt = False  # the last plan's drafts feed a prompt (see ``choose``)
         self.speculation_factor = 1.0  # see StepCosts.speculation_factor
+        # Per class: the draft models' trees' accepted tokens against the plan's
+        # expectation (see ``PlanCalibration``), and this step's expectations to check.
+        self.calibration = {c: PlanCalibration() for c in REQUEST_CLASSES}
+        self._plan_expected: dict[str, float] = {}
 
     def reconfigure(self, config: SpeculativeConfig) -> None:
         """New tree settings: forget shapes and what was learnt about acceptance (costs stay)."""
@@ -103,6 +108,8 @@ class BudgetPolicy:
         self._shapes.clear()
         self.tables = {c: AcceptanceTable(self.prior[c]) for c in REQUEST_CLASSES}
         self.evidence.clear()
+        self.calibration = {c: PlanCalibration() for c in REQUEST_CLASSES}
+        self._plan_expected.clear()
 
     # ---------------------------------------------------------------- shapes
     def shape_for(self, budget: int) -> TreeShape:
@@ -176,11 +183,29 @@ class BudgetPolicy:
             plan.budgets.get(r.request_id, 0) > 0 and r.request_id not in self.draft_free
             and self._unfed(r)[0] > 0 for r in requests)
         self._free_predicted = {rid: expected_by_scores(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
+        self._check_plan(requests, plan, expected)
         self._add_forced_spans(requests, plan.budgets)
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
         return plan.budgets
+
+    def _check_plan(self, requests: Sequence[Request], plan: BudgetPlan,
+                    expected: Mapping[str, Mapping[int, float]]) -> None:
+        """Keep what the plan expects of each draft-model tree it chose (before the
+        class's correction), to compare with its verification; a class the plan keeps
+        plain this step lets its correction drift back."""
+        self._plan_expected = {}
+        plain_classes = set()
+        for request in requests:
+            rid, cls = request.request_id, request_class(request.params)
+            budget = plan.budgets.get(rid, 0)
+            if budget > 0 and rid not in self.draft_free and self.num_drafts:
+                self._plan_expected[rid] = expected[rid][budget] / self.calibration[cls].factor
+            elif budget == 0:
+                plain_classes.add(cls)
+        for cls in plain_classes - {request_class(r.params) for r in requests if r.request_id in self._plan_expected}:
+            self.calibration[cls].fade()
 
     def _add_forced_spans(self, requests: Sequence[Request], budgets: dict[str, int]) -> None:
         """A request the plan keeps plain whose grammar forces the next tokens still
@@ -240,12 +265,14 @@ class BudgetPolicy:
 
     def _expected(self, request: Request, candidates: Sequence[int]) -> dict[int, float]:
         """Expected accepted tokens of the request's tree at every candidate budget."""
-        table = self.tables[request_class(request.params)]
+        cls = request_class(request.params)
+        table = self.tables[cls]
         scale = self._evidence_scale(request)
         out: dict[int, float] = {}
         if self.num_drafts:
+            correction = self.calibration[cls].factor
             for b in candidates:
-                out[b] = table.expected_accepted(self.shape_for(b), scale)
+                out[b] = table.expected_accepted(self.shape_for(b), scale) * correction
             return out
         # Model-free: the suffix drafter proposes only where a suffix matched, and
         # about alpha nodes per matched token; mostly one branch.
@@ -258,10 +285,14 @@ class BudgetPolicy:
     # -------------------------------------------------------------- observe
     def observe_verification(self, request: Request, trials: Sequence[tuple[int, int, bool]]) -> None:
         """One verified tree: the class's table and the request's evidence learn from it."""
-        table = self.tables[request_class(request.params)]
+        cls = request_class(request.params)
+        table = self.tables[cls]
         expected = sum(table.rate(depth, rank) for depth, rank, _ in trials)
         hits = sum(1 for _, _, hit in trials if hit)
         table.observe(trials)
+        planned = self._plan_expected.pop(request.request_id, None)
+        if planned is not None:  # a draft-model tree the plan chose: how its expectation did
+            self.calibration[cls].observe(_accepted_path(trials), planned)
         predicted = self._free_predicted.pop(request.request_id, None)
         if predicted:  # a draft-free suffix tree: how its counts did
             ratio = min(max(_accepted_path(trials) / predicted, 0.25), 4.0)
@@ -312,3 +343,4 @@ class BudgetPolicy:
     def release(self, request_id: str) -> None:
         """Forget a request's evidence."""
         self.evidence.pop(request_id, None)
+        self._plan_expected.pop(request_id, None)

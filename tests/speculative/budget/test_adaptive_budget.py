@@ -187,6 +187,46 @@ def test_an_unproven_request_probes_a_tree_predicted_just_short_of_plain():
     assert policy.choose([good], 0)["q1"] > 0
 
 
+def test_plans_learn_per_class_how_the_trees_they_chose_did():
+    """What the plan expected of each tree it chose is checked against its
+    verification, per class. A request's estimate is highest just after a lucky
+    verification, so a plan picks overestimates where acceptance is low and noisy;
+    where the chosen trees accept less than expected, the class's expectations shrink
+    until it stops speculating, and while it decodes plainly the correction drifts
+    back and speculation is tried again."""
+    policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+    policy.target_cost, policy.draft_cost = cpu_like_costs(0.4)
+    policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+    for table in policy.tables.values():  # the rates stay the prior's: only the plan's check learns
+        table.observe = lambda trials: None
+
+    def fresh(name: str) -> Request:
+        return Request(name, None, [1, 2, 3], Params(temperature=0.0, max_tokens=50), 0)
+
+    prior_expectation = policy._expected(fresh("x"), [5])[5]
+    for i in range(60):
+        request = fresh(f"g{i}")
+        factor = policy.calibration["greedy"].factor
+        expectation = policy._expected(request, [5])[5]
+        if policy.choose([request], 0)[request.request_id] == 0:
+            break
+        policy.observe_verification(request, [(1, 0, False)])  # nothing accepted
+        policy.release(request.request_id)
+    else:
+        pytest.fail("the plan kept choosing trees that accepted nothing")
+    assert factor < 0.5 and policy.calibration["sampling"].factor == 1.0
+    assert expectation == pytest.approx(prior_expectation * factor)
+    sampling = Request("s", None, [1, 2, 3], Params(temperature=0.8, max_tokens=50), 0)
+    assert policy._expected(sampling, [5])[5] == pytest.approx(
+        policy.tables["sampling"].expected_accepted(policy.shape_for(5)))  # the other class: untouched
+    for _ in range(300):
+        if policy.choose([fresh("again")], 0)["again"] > 0:
+            break
+    else:
+        pytest.fail("the class was never tried again")
+    assert policy.calibration["greedy"].factor > factor
+
+
 def test_greedy_and_sampling_requests_learn_separately():
     policy = BudgetPolicy(SpeculativeConfig(), DEFAULT_PRIORS["model"])
     greedy, sampling = _requests(1)[0], _requests(1, temperature=0.8)[0]
