@@ -232,6 +232,8 @@ class Speculator:
             "last_tree_budget": self.budget.last_budget,
             "rank_acceptance_rates": list(self.budget.rank_acceptance.rates()),
             "acceptance_rates_by_depth": {c: t.rows() for c, t in self.budget.tables.items()},
+            # Per class: accepted over expected tokens of the draft trees the plan chose.
+            "plan_acceptance_factor": {c: cal.factor for c, cal in self.budget.calibration.items()},
             "draft_num_total_blocks": sum(bm.num_blocks for bm in bms),
             "draft_num_free_blocks": sum(bm.num_free_blocks for bm in bms),
             "draft_num_cached_blocks": sum(bm.num_cached_blocks for bm in bms),

@@ -57,6 +57,8 @@ def test_greedy_tree_speculation_matches_transformers(
         # Draft and target cost the same on these tiny models: speculation must not pay,
         # and the adaptive mode is right to switch it off.
         assert stats["num_steps_speculation_off"] > 0
+        factors = stats["plan_acceptance_factor"]
+        assert set(factors) == {"greedy", "sampling"} and all(f > 0 for f in factors.values())
         _assert_all_free(llm)
         return
     assert stats["num_accepted_tokens"] > 0, "the draft never helped: the test would not see bugs in acceptance"
