@@ -71,7 +71,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--no-spec-adaptive", action="store_true", help="always use the full budget")
     spec.add_argument("--draft-dtype", default=None, help="the drafts' dtype (default: the target's)")
     spec.add_argument("--draft-quantization", default=None, choices=[*QUANTIZATIONS, "none"],
-                      help="the drafts' quantization (default: the target's)")
+                      help="the drafts' quantization (default: the target's; q4-rounded beside a q4 target)")
     spec.add_argument("--draft-vocab-size", type=int, default=None,
                       help="cut the drafts' LM heads to this many of the most frequent token ids plus the special "
                            "tokens (e.g. 65536; default: the whole vocabulary)")
