@@ -212,9 +212,6 @@ class HeapTrimmer:
         logger.debug("malloc_trim in %.1f ms", (time.perf_counter() - started) * 1e3)
 
 
-_MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
-
-
 def release_mapped_file_pages(path: str) -> int:
     """Drop this process's resident pages of every mapping of the file ``path``
     (``madvise(MADV_DONTNEED)``); returns how many mappings were found.
@@ -236,12 +233,15 @@ def release_mapped_file_pages(path: str) -> int:
                     ranges.append((int(start, 16), int(end, 16)))
     except OSError:  # no /proc (not Linux)
         return 0
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None:
+        return 0
     libc = _glibc() or _load_libc()
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     for start, end in ranges:
-        madvise(start, end - start, _MADV_DONTNEED)
+        madvise(start, end - start, advice)
     return len(ranges)
 
 

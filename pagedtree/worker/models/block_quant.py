@@ -293,11 +293,10 @@ def _session_from_mapped_file(weights: BlockWeights, options: object) -> object:
     ``add_external_initializers_from_files_in_memory``, are copied too). Weights in an
     external-data file are mapped and packed; the file is written straight from the
     arrays (``block_matmul_model``), so no protobuf copy of them exists (the 1.5B's
-    8-bit head is 306 MB). ONNX Runtime keeps the file mapped, and
-    the pages it read while packing stayed resident though it never reads them again
-    (with the 1.5B and its draft: 365 MiB, none of them touched again by prefills,
-    batches or single rows): they are dropped once the session is made
-    (``release_mapped_file_pages``). The file is deleted as soon as the session is
+    8-bit head is 306 MB). ONNX Runtime keeps the file mapped, and the pages it read
+    while packing stayed resident though it never reads them again (with the 1.5B and
+    its draft: 365 MiB, none of them touched again by prefills, batches or single
+    rows): they are dropped once the session is made (``release_mapped_file_pages``). The file is deleted as soon as the session is
     made. Without a writable temporary folder the model goes over as bytes.
     """
     import onnx
@@ -360,7 +359,7 @@ class BlockMatMul:
         # now, it lands among the load's small free chunks; made by the first prefill,
         # it split the large chunks that the prefill's [rows, n] outputs had just freed,
         # and the next layers' outputs took fresh heap: the 1.5B's first 43-token
-        # prefill grew the heap by 84 MiB, 10 after this run.
+        # prefill grew the heap by 84 MiB, 13 after this run.
         self(torch.zeros(1, self.k))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
