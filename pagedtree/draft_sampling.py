@@ -103,16 +103,13 @@ def draw_by_rule(logits: torch.Tensor, how: ChildRule) -> DrawnChildren:
     return draw_children(draft_distribution(logits, how.params), how.k, how.rule, how.generator, how.noise)
 
 
-def draw_level(logits: torch.Tensor, rules: Sequence[ChildRule | None]) -> list[DrawnChildren | None]:
-    """The children below every row of a level's draft ``logits [n, V]`` (None where
-    its rule is None). Rows drawn alike go together: greedy top-k rows of one ``k``
-    in one log-softmax and one top-k, coupled rows of one ``k`` and one set of
-    sampling parameters in one processed distribution, one noisy top-k and one
-    log-softmax (a level of a batch of chains is a few ops, not a few a row); random
-    rows one by one (each draws from its own request's stream). Either way a row gets
-    what ``draw_by_rule`` gives it alone: every op works row by row."""
-    out: list[DrawnChildren | None] = [None] * len(rules)
+def draw_groups(rules: Sequence[ChildRule | None]) -> tuple[dict[tuple, list[int]], list[int]]:
+    """The rows of a level drawn together, by group key (``("topk", k)`` for greedy
+    top-k rows, ``("coupled", k, temperature, top_k, top_p, min_p)`` for coupled
+    sampled rows; rows ascending), and the rows drawn alone (the random rules, each
+    from its own request's stream), in order. Rows whose rule is None are in neither."""
     groups: dict[tuple, list[int]] = {}
+    alone: list[int] = []
     for i, rule in enumerate(rules):
         if rule is None:
             continue
@@ -122,20 +119,43 @@ def draw_level(logits: torch.Tensor, rules: Sequence[ChildRule | None]) -> list[
             p = rule.params
             groups.setdefault(("coupled", rule.k, p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
         else:
-            out[i] = draw_by_rule(logits[i], rule)
+            alone.append(i)
+    return groups, alone
+
+
+def draw_group(logits: torch.Tensor, key: tuple, params: SamplingParams,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The children ``(tokens [n, k], increments [n, k])`` of the rows ``logits [n, V]``
+    of one group of ``draw_groups`` (``params``: any of its rows' parameters; ``noise
+    [n, V]``: the coupled rows' noise). Device ops only, of fixed shapes: a CUDA graph
+    can hold them."""
+    logprobs = draft_distribution(logits, params)
+    k = min(key[1], logprobs.shape[-1])
+    if key[0] == "topk":
+        top = torch.topk(logprobs, k, dim=-1)
+        return top.indices, top.values
+    scores = logprobs + noise
+    tokens = torch.topk(scores, k, dim=-1).indices
+    return tokens, torch.gather(torch.log_softmax(scores, dim=-1), -1, tokens)
+
+
+def draw_level(logits: torch.Tensor, rules: Sequence[ChildRule | None]) -> list[DrawnChildren | None]:
+    """The children below every row of a level's draft ``logits [n, V]`` (None where
+    its rule is None). Rows drawn alike go together (``draw_groups``): greedy top-k
+    rows of one ``k`` in one log-softmax and one top-k, coupled rows of one ``k`` and
+    one set of sampling parameters in one processed distribution, one noisy top-k
+    and one log-softmax (a level of a batch of chains is a few ops, not a few a
+    row); random rows one by one (each draws from its own request's stream). Either
+    way a row gets what ``draw_by_rule`` gives it alone: every op works row by row."""
+    out: list[DrawnChildren | None] = [None] * len(rules)
+    groups, alone = draw_groups(rules)
+    for i in alone:
+        out[i] = draw_by_rule(logits[i], rules[i])
     for key, rows in groups.items():
         # (rows ascend: as many as the level's are all of them, in order)
         picked = logits if len(rows) == logits.shape[0] else logits[host_index(rows, logits.device)]
-        first = rules[rows[0]]
-        logprobs = draft_distribution(picked, first.params)
-        k = min(first.k, logprobs.shape[-1])
-        if key[0] == "topk":
-            top = torch.topk(logprobs, k, dim=-1)
-            tokens, increments = top.indices, top.values
-        else:
-            scores = logprobs + torch.stack([rules[i].noise for i in rows])
-            tokens = torch.topk(scores, k, dim=-1).indices
-            increments = torch.gather(torch.log_softmax(scores, dim=-1), -1, tokens)
+        noise = torch.stack([rules[i].noise for i in rows]) if key[0] == "coupled" else None
+        tokens, increments = draw_group(picked, key, rules[rows[0]].params, noise)
         for j, i in enumerate(rows):
             out[i] = DrawnChildren(tokens[j], increments[j])
     return out

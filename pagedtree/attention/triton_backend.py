@@ -76,9 +76,17 @@ class TritonPagedAttention(AttentionBackend):
         live on the device between steps and only their changes go up (``row_keys``:
         the request each row holds, so rows that moved are copied on the device).
         """
+        self._plan = self.build_plan(meta, static, num_heads, row_keys)
+
+    def build_plan(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0,
+                   row_keys: Sequence[Hashable | None] | None = None,
+                   buffers: PlanBuffers | None = None) -> KernelPlan:
+        """``begin_step``'s plan, uploaded into ``buffers`` (default: the backend's
+        own) and returned without becoming the current one (``use_plan``): the
+        levels of a whole-draft CUDA graph each keep a plan in buffers of their own."""
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
-        plan = self._plan = build_kernel_plan(meta, self.num_blocks, self._buffers, static, row_keys)
+        plan = build_kernel_plan(meta, self.num_blocks, buffers or self._buffers, static, row_keys)
         if static is not None:
             if num_heads < 1:
                 raise ValueError("a static step needs the number of query heads")
@@ -87,6 +95,15 @@ class TritonPagedAttention(AttentionBackend):
             plan.tiles(tile.block_q, tile.first_query())
             triton_ops.step_split_count(plan, tile, num_heads // self.num_kv_heads, self.num_kv_heads, self.device,
                                         self.head_dim, self._flat_caches[0].element_size())
+        return plan
+
+    def use_plan(self, plan: KernelPlan) -> None:
+        """Make ``plan`` (from ``build_plan``) the one the layers' launches read."""
+        self._plan = plan
+
+    def plan_buffers(self) -> PlanBuffers:
+        """A fresh set of plan buffers on the cache's device (for ``build_plan``)."""
+        return PlanBuffers(self.device)
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -123,6 +140,20 @@ class TritonPagedAttention(AttentionBackend):
         """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write) in every layer, one launch."""
         row = self.block_size * self.num_kv_heads * self.head_dim
         triton_ops.copy_rows(self._flat_caches, self._cache_table, self.num_blocks, row, src, dst)
+
+    def check_block_copy(self, src: list[int], dst: list[int]) -> None:
+        """Refuse block copies ``copy_blocks_on_device`` could not take: ids outside
+        the cache (its scratch block included), repeated destinations, or a block
+        both read and written."""
+        triton_ops.check_copy(self.num_blocks, src, dst)
+        if not set(src).isdisjoint(dst):
+            raise ValueError(f"block copies read blocks they write: {src} -> {dst}")
+
+    def copy_blocks_on_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``copy_blocks`` with the ids on the device (int64, checked on the host by
+        ``check_block_copy``): one launch, no upload (a CUDA graph can hold it)."""
+        row = self.block_size * self.num_kv_heads * self.head_dim
+        triton_ops.copy_rows_on_device(self._flat_caches, self._cache_table, row, src, dst)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy token slots ``src[i] -> dst[i]`` in every layer (compacting an accepted tree path).

@@ -137,6 +137,8 @@ class RunResult:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     steps_ahead: int = 0  # plain steps launched before the previous one was read back
+    whole_drafts: int = 0  # drafts run as one static program (one graph replay on CUDA)
+    draft_graphs_captured: int = 0
 
 
 def top2_gap(logprobs: dict[int, float] | None) -> float:
@@ -175,6 +177,9 @@ def _record_graphs(llm, result: RunResult) -> None:
     result.graphs_active = len(graphs) == len(runners)
     result.graph_steps = sum(g.num_steps for g in graphs)
     result.graphs_captured = sum(len(getattr(g, "_graphs", {})) for g in graphs)
+    drafts = [g.drafts for g in graphs if getattr(g, "drafts", None) is not None]
+    result.whole_drafts = sum(d.num_drafts for d in drafts)
+    result.draft_graphs_captured = sum(d.num_captures for d in drafts)
 
 
 class EngineRuns:
@@ -276,6 +281,9 @@ def _graph_row(case: str, eager: RunResult, graphed: RunResult, cuda: bool) -> R
     comparison = compare_tokens(eager, graphed)
     used = graphed.graphs_active and graphed.graph_steps > 0 and (graphed.graphs_captured > 0 or not cuda)
     figure = f"{graphed.graph_steps} padded steps" + (f", {graphed.graphs_captured} graphs captured" if cuda else "")
+    if graphed.whole_drafts:
+        figure += f", {graphed.whole_drafts} whole draft{'s' if graphed.whole_drafts != 1 else ''}" + (
+            f" ({graphed.draft_graphs_captured} graphs captured)" if cuda else "")
     if not used:
         result = "graphs not used (capture failed or no step fit a shape)"
         return Row(GRAPHS, case, result, figure, FAIL, _detail(comparison, graphed))
@@ -310,5 +318,6 @@ def speculation_rows(runs: EngineRuns) -> list[Row]:
 def _detail(comparison: TokenComparison, run: RunResult) -> dict:
     return dict(equal=comparison.equal, total=comparison.total, first_difference=comparison.first_difference,
                 top2_gap=comparison.gap, graph_steps=run.graph_steps, graphs_captured=run.graphs_captured,
-                draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens)
+                draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens, whole_drafts=run.whole_drafts,
+                draft_graphs_captured=run.draft_graphs_captured)
 

@@ -248,6 +248,20 @@ def pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     return upload([t.data_ptr() for t in tensors], torch.int64, device)
 
 
+def check_copy(rows_per_tensor: int, src: Sequence[int], dst: Sequence[int]) -> None:
+    """Refuse a row copy ``src[i] -> dst[i]`` whose indices leave ``[0, rows_per_tensor)``
+    or repeat a destination (the result would be undefined)."""
+    if len(src) != len(dst):
+        raise ValueError(f"src and dst must have the same length, got {len(src)} and {len(dst)}")
+    if not src:
+        return
+    for name, idx in (("src", src), ("dst", dst)):
+        if min(idx) < 0 or max(idx) >= rows_per_tensor:
+            raise ValueError(f"{name} has indices outside [0, {rows_per_tensor}): {list(idx)}")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"dst has repeated indices (the result would be undefined): {list(dst)}")
+
+
 def copy_rows(
     tensors: Sequence[torch.Tensor],
     table: torch.Tensor,
@@ -264,15 +278,9 @@ def copy_rows(
     destination is also a source (an accepted tree path sliding onto rejected slots)
     the rows go through a scratch buffer in two launches, else one launch copies.
     """
-    if len(src) != len(dst):
-        raise ValueError(f"src and dst must have the same length, got {len(src)} and {len(dst)}")
+    check_copy(rows_per_tensor, src, dst)
     if not src:
         return
-    for name, idx in (("src", src), ("dst", dst)):
-        if min(idx) < 0 or max(idx) >= rows_per_tensor:
-            raise ValueError(f"{name} has indices outside [0, {rows_per_tensor}): {list(idx)}")
-    if len(set(dst)) != len(dst):
-        raise ValueError(f"dst has repeated indices (the result would be undefined): {list(dst)}")
     first = tensors[0]
     device = first.device
     check_device(device)
@@ -280,19 +288,31 @@ def copy_rows(
         if (not t.is_contiguous() or t.dtype != first.dtype or not same_device(t.device, device)
                 or t.numel() != rows_per_tensor * row_elems):
             raise ValueError("copy_rows needs contiguous tensors of one dtype, device and size")
-    dtype = _TL_DTYPES[first.dtype]
-    block_e = min(1024, next_power_of_2(row_elems))
-    chunks = math.ceil(row_elems / block_e)
     n = len(src)
     src_t = upload(src, torch.int64, device)
     dst_t = upload(dst, torch.int64, device)
-    grid = (n, len(tensors), chunks)
     if set(src).isdisjoint(dst):
-        K._copy_rows_kernel[grid](table, table, src_t, dst_t, row_elems, DTYPE=dtype, BLOCK_E=block_e)
+        copy_rows_on_device(tensors, table, row_elems, src_t, dst_t)
         return
+    dtype = _TL_DTYPES[first.dtype]
+    block_e = min(1024, next_power_of_2(row_elems))
+    grid = (n, len(tensors), math.ceil(row_elems / block_e))
     scratch = torch.empty(len(tensors), n, row_elems, dtype=first.dtype, device=device)
     scratch_table = pointer_table(list(scratch), device)
     order = torch.arange(n, dtype=torch.int64, device=device)
     # Two launches on one stream: the gather finishes before the scatter starts.
     K._copy_rows_kernel[grid](table, scratch_table, src_t, order, row_elems, DTYPE=dtype, BLOCK_E=block_e)
     K._copy_rows_kernel[grid](scratch_table, table, order, dst_t, row_elems, DTYPE=dtype, BLOCK_E=block_e)
+
+
+def copy_rows_on_device(tensors: Sequence[torch.Tensor], table: torch.Tensor, row_elems: int,
+                        src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``copy_rows`` for indices already on the device (int64 ``[n]``), sources and
+    destinations disjoint and checked by the caller (``check_copy``): one launch of
+    fixed shape, nothing read or uploaded (a CUDA graph can hold it)."""
+    if src.numel() == 0:
+        return
+    dtype = _TL_DTYPES[tensors[0].dtype]
+    block_e = min(1024, next_power_of_2(row_elems))
+    grid = (src.numel(), len(tensors), math.ceil(row_elems / block_e))
+    K._copy_rows_kernel[grid](table, table, src, dst, row_elems, DTYPE=dtype, BLOCK_E=block_e)

@@ -36,6 +36,9 @@ holds it back from the KV cache (``model_runner.measure_cuda_graph_memory``). A
 shape whose capture fails runs eagerly (a warning says why); a replay that fails
 is the step's error and raises.
 
+A whole draft of a runner with these graphs runs as one graph of its own
+(``draft_graphs.py``, captured the first time its shape runs, in the same pool).
+
 ``capture=False`` runs the same padded, static steps eagerly: what a CPU can test.
 Steps with longer prefill chunks, more requests than the largest batch size, more than
 ``MAX_GRAPH_TOKENS`` padded tokens, or a shape whose capture failed run eagerly,
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +58,7 @@ import torch
 from pagedtree.step_data import StaticShape
 from pagedtree.step_data import ScheduledChunk
 from pagedtree.uploads import StagedUpload
+from pagedtree.worker.draft_graphs import DraftGraphs
 from pagedtree.worker.step_inputs import HostStep, InputFeed, host_step, pad_step, upload_step
 
 class GraphedRunner(Protocol):
@@ -141,10 +145,12 @@ class StepGraphs:
         self._uploads: dict[tuple[int, int], StagedUpload] = {}
         # shape -> (CUDA graph, its hidden states, its logits: decode shapes only)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
-        self._pool = None
+        self.pool = None  # the graphs' shared memory pool (the whole-draft graphs' too)
         self._side_stream: torch.cuda.Stream | None = None  # of every warm-up: one cuBLAS workspace
         self.report: CaptureReport | None = None
         self.num_steps = 0  # steps run padded (replayed, when capturing)
+        # Whole drafts on this runner as one program each (``draft_graphs.py``).
+        self.drafts = DraftGraphs(self)
 
     def shape_for(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
         """The padded shape ``(requests, tokens)`` of a step of decodes, token trees
@@ -152,6 +158,14 @@ class StepGraphs:
         the largest token count), else None (a longer prefill chunk, too many
         requests or tokens, a table too wide, a shape without a graph when
         capturing)."""
+        shape = self.padded_shape(chunks)
+        if shape is not None and self.capture and shape not in self._graphs:
+            return None  # its capture failed (or has not run): eager
+        return shape
+
+    def padded_shape(self, chunks: Sequence[ScheduledChunk]) -> tuple[int, int] | None:
+        """``shape_for``'s shape whether or not a graph of it was captured: the
+        static shape a step of ``chunks`` pads to (a level of a whole-draft graph)."""
         n = len(chunks)
         if not chunks or n > self.buckets[-1]:
             return None
@@ -166,9 +180,12 @@ class StepGraphs:
         requests = next(b for b in self.buckets if b >= n)
         if tokens is None or requests * tokens > MAX_GRAPH_TOKENS:
             return None
-        if self.capture and (requests, tokens) not in self._graphs:
-            return None  # its capture failed (or has not run): eager
         return requests, tokens
+
+    def static_shape(self, shape: tuple[int, int]) -> StaticShape:
+        """The attention plan's static shape of a padded ``(requests, tokens)`` step:
+        its tables rows of one device table as tall as the largest batch."""
+        return StaticShape(shape[0], self.max_blocks, shape[1], table_rows=self.buckets[-1])
 
     def forward(self, chunks: list[ScheduledChunk], logit_rows: list[int], shape: tuple[int, int],
                 feed: InputFeed | None = None) -> torch.Tensor:
@@ -214,7 +231,7 @@ class StepGraphs:
             upload = self._uploads[shape] = StagedUpload(runner.device, torch.long)
         input_ids, positions, meta, rows = upload_step(padded, upload, runner.block_size)
         # Every shape's tables are rows of one device table as tall as the largest batch.
-        static = StaticShape(requests, self.max_blocks, tokens, table_rows=self.buckets[-1])
+        static = self.static_shape(shape)
         runner.attention.begin_step(meta, static, runner.model.config.num_attention_heads,
                                     row_keys=keys + [None] * (requests - len(keys)))
         return input_ids, positions, rows
@@ -256,6 +273,12 @@ class StepGraphs:
                         MAX_GRAPH_TOKENS, self.report.seconds, memory / 2**20)
         return self.report
 
+    def side_stream(self) -> torch.cuda.Stream:
+        """The one side stream every warm-up before a capture runs on."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.runner.device)
+        return self._side_stream
+
     def _capture(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  with_head: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
         """A graph of the model over the prepared static step, its hidden states and,
@@ -264,9 +287,7 @@ class StepGraphs:
         # A warm-up outside the graph compiles the kernels and allocates the plan's
         # work buffers (it writes the same keys and values the replay writes: harmless),
         # on one side stream for every shape (cuBLAS keeps a workspace per stream).
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(runner.device)
-        side = self._side_stream
+        side = self.side_stream()
         side.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(side):
             hidden = runner.model(input_ids, positions, runner.attention)
@@ -277,7 +298,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         logits = None
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 hidden = runner.model(input_ids, positions, runner.attention)
                 if with_head:
                     logits = runner.model.compute_logits(hidden)
@@ -286,5 +307,5 @@ class StepGraphs:
             # eager steps that follow belong on the stream they ran on before.
             torch.cuda.set_stream(stream)
             raise
-        self._pool = graph.pool()
+        self.pool = graph.pool()
         return graph, hidden, logits

@@ -68,11 +68,13 @@ class ForwardTimer:
 @dataclass(slots=True)
 class DrawnLevel:
     """What a level left on the device: per chunk its drawn children (None where it
-    drew none), and the timer of its forward (read after the readback)."""
+    drew none), and the timer of its forward (read after the readback), of which
+    ``share`` is this level's."""
 
     children: list[DrawnChildren | None]
     timer: ForwardTimer
     num_tokens: int
+    share: float = 1.0  # of the timer's seconds (levels of one graph replay share its timer; 0: unmeasured)
 
 
 @dataclass(slots=True)
@@ -99,8 +101,14 @@ def run_draft_levels(runner, levels: Sequence[DraftLevel]) -> DraftRun:
     """Run every level of a draft on ``runner`` (a ``ModelRunner``) in order, each
     level's input tokens taken on the device from the children the level before
     drew, then read every level's children back in one copy (``read_drawn``; a NaN
-    draft distribution raises ``ValueError``)."""
-    drawn = queue_draft_levels(runner, levels)
+    draft distribution raises ``ValueError``).
+
+    A runner with step graphs runs the whole draft as one program where it can
+    (``draft_graphs.py``: one CUDA graph replay when capturing); its levels then
+    share the replay's time, each taking an equal part of it."""
+    drawn = _whole_graph(runner, levels)
+    if drawn is None:
+        drawn = queue_draft_levels(runner, levels)
     flat = [children for level in drawn for children in level.children if children is not None]
     host = iter(read_drawn(flat))
     out = DraftRun(children=[], forwards=[])
@@ -114,9 +122,28 @@ def run_draft_levels(runner, levels: Sequence[DraftLevel]) -> DraftRun:
                 row.append(HostChildren(tokens, increments, children.probs))
         out.children.append(row)
         seconds = level.timer.seconds()  # after the readback: on CUDA every level has run
-        if seconds is not None:
-            out.forwards.append((level.num_tokens, seconds))
+        if seconds is not None and level.share > 0:
+            out.forwards.append((level.num_tokens, seconds * level.share))
     return out
+
+
+def _whole_graph(runner, levels: Sequence[DraftLevel]) -> list[DrawnLevel] | None:
+    """The draft's levels run as one program by the runner's draft graphs, None
+    where it has none or they cannot run this draft."""
+    graphs = getattr(runner, "graphs", None)
+    drafts = getattr(graphs, "drafts", None)
+    if drafts is None or not levels:
+        return None
+    timer = ForwardTimer(getattr(runner, "device", None))
+    timer.start()
+    children = drafts.queue(levels)
+    timer.stop()
+    if children is None:
+        return None
+    # A draft that captured its graph ran twice and captured: not a replay's time.
+    share = 0.0 if drafts.captured_last else 1.0 / len(levels)
+    return [DrawnLevel(row, timer, sum(c.num_tokens for c in level.chunks), share)
+            for row, level in zip(children, levels)]
 
 
 def queue_draft_levels(runner, levels: Sequence[DraftLevel]) -> list[DrawnLevel]:

@@ -18,8 +18,9 @@ CHAIN = SpeculativeConfig(tree="chain", depth=4, max_nodes=4, adaptive=False)
 TREE = SpeculativeConfig(tree="static", expansion=(3, 2, 1), max_nodes=16, adaptive=False)
 
 
-def _run(model, draft, whole: bool, params, prompts, static: bool = False, **kwargs):
-    """Outputs, stats, the jobs of each whole draft, and every proposed tree."""
+def _run(model, draft, whole: bool, params, prompts, static: bool = False, draft_graphs: bool = True, **kwargs):
+    """Outputs, stats (with ``whole_draft_programs``: the drafts run as one static
+    program), the jobs of each whole draft, and every proposed tree."""
     llm = LLM(str(model.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=4, seed=3,
               draft_model=[str(draft.path)], speculative=kwargs.pop("speculative", CHAIN), **kwargs)
     engine = llm.engine
@@ -30,6 +31,8 @@ def _run(model, draft, whole: bool, params, prompts, static: bool = False, **kwa
 
         engine.runner.enable_cuda_graphs(4, engine.max_model_len, 17, capture=False)
         worker.runner.enable_cuda_graphs(16, engine.max_model_len, DRAFT_GRAPH_TOKENS, capture=False)
+        if not draft_graphs:
+            worker.runner.graphs.drafts = None  # each level through its padded step
     whole_jobs, trees = [], []
     drafted_whole = type(worker)._propose_whole
 
@@ -51,6 +54,8 @@ def _run(model, draft, whole: bool, params, prompts, static: bool = False, **kwa
     proposer.propose = recorded
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.stats()
+    graphs = worker.runner.graphs
+    stats["whole_draft_programs"] = graphs.drafts.num_drafts if graphs is not None and graphs.drafts else 0
     worker.block_manager.check_invariants()
     assert_no_leaks(llm)
     return [[c.token_ids for c in o.outputs] for o in outs], stats, whole_jobs, trees
@@ -114,6 +119,34 @@ def test_whole_drafts_through_padded_static_steps(tiny_llama, tiny_llama_draft, 
     # shows the fed tokens were the drawn ones.
     assert got[0] == want[0] and got[2] and got[1]["num_draft_tokens"] > 0
     assert got[1]["num_accepted_tokens"] == want[1]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("speculative", [CHAIN, TREE], ids=["chain", "tree"])
+def test_a_whole_draft_as_one_static_program_drafts_what_its_padded_levels_draft(tiny_llama, tiny_llama_draft,
+                                                                                prompts, speculative, monkeypatch):
+    """One program for the whole draft (``draft_graphs.py``: a CUDA graph on a GPU):
+    the same trees, tokens and acceptance as each level through its own padded
+    step, greedy and seeded (coupled) requests, forks' copy-on-write copies included,
+    and every block back."""
+    tokens = 16 if speculative is TREE else 8  # (a tree's budget needs room left to branch below the root)
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=tokens, ignore_eos=True)]
+    kwargs = dict(static=True, attention_backend="triton", speculative=speculative)
+    want = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], draft_graphs=False, **kwargs)
+    from pagedtree.attention.triton_backend import TritonPagedAttention
+
+    in_program = []
+    copy = TritonPagedAttention.copy_blocks_on_device
+    monkeypatch.setattr(TritonPagedAttention, "copy_blocks_on_device",
+                        lambda self, src, dst: (in_program.append(src.numel()), copy(self, src, dst)))
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], **kwargs)
+    assert want[1]["whole_draft_programs"] == 0
+    assert (sum(in_program) > 0) == (speculative is TREE)  # forks below the root copy in the program
+    # Every draft after each request's first (its prompt is too long a catch-up for a
+    # padded step) ran as one program.
+    assert got[1]["whole_draft_programs"] >= len(got[2]) - 1 > 0
+    _same(got, want)
 
 
 def test_unseeded_trees_draft_what_level_by_level_drafts(tiny_llama, tiny_llama_draft, prompts):
