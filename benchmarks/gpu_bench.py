@@ -10,7 +10,9 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
   one's readback (async scheduling) against the same engine one step at a time,
   and the 0.5B draft's own decode step (one draft level at batch 1);
 - speculation: a forced chain of 4 and the 16-node static tree at batch 1 and 16,
-  each also drafted level by level in the same engine (what whole drafts save):
+  each also drafted level by level in the same engine (what whole drafts save)
+  and, where the draft has graphs, with a graph per level instead of one graph a
+  draft (what the whole-draft graph saves):
   ms a step (time over target passes), against the plain step of the same batch,
   and the speed-up those costs give at the mean acceptance lengths measured on
   CPU with the real Qwen pair (``--acceptance``; random weights accept what they
@@ -346,6 +348,21 @@ def section_speculation(run: Runner, plain_steps: dict, acceptance: dict) -> lis
                                   f"{by_level['step_seconds'] * 1e3:.2f} ms a step",
                                   f"whole drafts {saved:.2f}x faster" if whole else "whole drafts are off here",
                                   by_level | dict(whole_speedup=saved)))
+            # Whole drafts with each level its own padded step (a graph replay each)
+            # instead of the whole draft as one program (one replay): what one graph saves.
+            graphs = getattr(worker.runner, "graphs", None)
+            if graphs is not None and graphs.drafts is not None:
+                drafts, graphs.drafts = graphs.drafts, None
+                try:
+                    per_level = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+                finally:
+                    graphs.drafts = drafts
+                gain = per_level["step_seconds"] / t["step_seconds"]
+                figures.append(Figure("speculation", f"{name}, batch {batch}, a graph per level",
+                                      f"{per_level['step_seconds'] * 1e3:.2f} ms a step",
+                                      f"one graph a draft {gain:.2f}x faster ({drafts.num_drafts} whole drafts "
+                                      f"in one program, {drafts.num_captures} captured)",
+                                      per_level | dict(one_graph_speedup=gain)))
         free(llm)
     return figures
 

@@ -2,22 +2,24 @@
 # A GPU machine's whole measurement in one command (under 10 minutes on an H100):
 # the GPU-day check (quick matrix: dense kernels' bits and speed, graphs vs eager,
 # speculation vs plain, syncs, attention kernel times), then benchmarks/gpu_bench.py,
-# then the product kernel's tile sweep (benchmarks/dense_sweep.py) and the tests with
-# compiled kernels (PAGEDTREE_TEST_CUDA=1), each for a bounded time. Reports go to
-# OUTDIR (default ./gpu_day): check.json, check.txt, bench.json, bench.txt,
-# sweep.json, sweep.txt, tests.txt. Exit status: the check's.
+# then the product kernel's tile sweep (benchmarks/dense_sweep.py), the attention
+# kernel's tile sweep (benchmarks/attention_sweep.py) and the tests with compiled
+# kernels (PAGEDTREE_TEST_CUDA=1), each for a bounded time. Reports go to OUTDIR
+# (default ./gpu_day): check.json, check.txt, bench.json, bench.txt, sweep.json,
+# sweep.txt, attention.json, attention.txt, tests.txt. Exit status: the check's.
 #
 #   scripts/gpu_day.sh [OUTDIR]
 #
 # Python: $PAGEDTREE_PYTHON if set, else .venv/bin/python when the checkout has one,
 # else python3 (a GPU machine's own PyTorch). PAGEDTREE_CHECK_SECONDS,
-# PAGEDTREE_BENCH_SECONDS, PAGEDTREE_SWEEP_SECONDS and PAGEDTREE_TEST_SECONDS bound
-# each part (default 300, 330, 90 and 120; 0 skips the sweep or the tests).
+# PAGEDTREE_BENCH_SECONDS, PAGEDTREE_SWEEP_SECONDS, PAGEDTREE_ATTENTION_SECONDS and
+# PAGEDTREE_TEST_SECONDS bound each part (default 300, 330, 90, 120 and 120; 0 skips
+# a sweep or the tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-    sed -n '2,15s/^# \{0,1\}//p' "$0"
+    sed -n '2,17s/^# \{0,1\}//p' "$0"
     exit 0
   fi
 done
@@ -40,6 +42,11 @@ timeout "${PAGEDTREE_BENCH_SECONDS:-330}" "$python" benchmarks/gpu_bench.py --no
 sweep="${PAGEDTREE_SWEEP_SECONDS:-90}"
 if [ "$sweep" != "0" ]; then
   timeout "$sweep" "$python" benchmarks/dense_sweep.py --json "$out/sweep.json" 2>&1 | tee "$out/sweep.txt"
+fi
+attention="${PAGEDTREE_ATTENTION_SECONDS:-120}"
+if [ "$attention" != "0" ]; then
+  timeout "$attention" "$python" benchmarks/attention_sweep.py --no-progress --json "$out/attention.json" 2>&1 \
+    | tee "$out/attention.txt"
 fi
 seconds="${PAGEDTREE_TEST_SECONDS:-120}"
 if [ "$seconds" != "0" ]; then

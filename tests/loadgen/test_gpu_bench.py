@@ -26,7 +26,7 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     spec = [f for f in report["figures"] if f["section"] == "speculation"]
     # Each speculative step's cost is against the plain step of its batch, with the
     # speed-up at the acceptance lengths measured on CPU.
-    whole = [f for f in spec if "level by level" not in f["case"]]
+    whole = [f for f in spec if "level by level" not in f["case"] and "a graph per level" not in f["case"]]
     assert len(whole) == 2 and all(f["detail"]["vs_plain"] > 0 and "CPU's acceptance" in f["versus"] for f in whole)
     # And each drafted level by level in the same engine, against its whole drafts.
     by_level = [f for f in spec if "level by level" in f["case"]]
@@ -40,6 +40,21 @@ def test_a_bad_section_or_acceptance_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--acceptance", "chain-4"])
     assert "unknown sections" in capsys.readouterr().err
+
+
+def test_the_attention_tile_sweep_dry_run(tmp_path, capsys):
+    """Every variant of the default tile is timed and checked against the default's
+    output; the default first, as the baseline of each workload."""
+    sweep = load_benchmark("attention_sweep")
+    out = tmp_path / "attention.json"
+    code = sweep.main(["--device", "cpu", "--quick", "--no-progress", "--contexts", "80", "--tile-n", "16,64",
+                       "--split-factors", "1,2", "--warps", "default", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 0
+    assert len(rows) == 2 * 4  # decode and a 16-node tree, the default and 3 variants each
+    assert all(not r["wrong"] and r["microseconds"] > 0 for r in rows)
+    assert [r["default"] for r in rows[:4]] == [True, False, False, False]
+    assert "best tile per workload" in capsys.readouterr().out
 
 
 def test_the_tile_sweep_dry_run(tmp_path):

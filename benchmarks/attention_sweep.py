@@ -1,0 +1,173 @@
+"""Tile sweep of the paged (tree) attention kernel: decode and tree launches timed with
+other tile shapes than the one the launch code picks, to find the shapes that bring
+decode attention near the memory bandwidth.
+
+For each workload (B requests over L keys, a decode or trees of T nodes: the
+kernel benchmark's workloads, ``diagnostics/attention_workloads.py``) the default
+tile (``triton_ops.default_tile_shape``) is timed, then every variant: keys per
+inner-loop tile (``--tile-n``: 16 keys stay inside one cache block of 16; 32 and 64
+gather their block ids key by key, as vLLM's unified kernel does), the split-KV
+count times ``--split-factors``, and ``--warps``. A variant whose output differs
+from the default's by more than the dtype's rounding is marked wrong (and not a
+candidate). Rows print as they are measured (a run cut short by a timeout keeps
+what it printed); the end lists the best tile per workload against the default.
+
+    python benchmarks/attention_sweep.py                       # a GPU: B=8, 32/8 heads, D=128, bf16
+    python benchmarks/attention_sweep.py --device cpu --quick  # the interpreter, tiny shapes: a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one iteration (the interpreter's dry run)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--contexts", default="1024,4096", help="comma-separated KV lengths L")
+    parser.add_argument("--tree-sizes", default="16,64", help="comma-separated tree nodes (decode always runs)")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tile-n", default="16,32,64", help="comma-separated keys per tile")
+    parser.add_argument("--split-factors", default="1,2", help="comma-separated multiples of the default split")
+    parser.add_argument("--warps", default="default,8", help="comma-separated warp counts ('default': the tile's)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--no-progress", action="store_true")
+    if parser.parse_known_args(argv)[0].quick:  # tiny defaults; options given still win
+        parser.set_defaults(batch=2, contexts="80,160", tree_sizes="16", heads=4, kv_heads=2, head_dim=32, iters=1)
+    return parser.parse_args(argv)
+
+
+@dataclass(slots=True)
+class SweepRow:
+    """One timed tile on one workload."""
+
+    context: int
+    nodes: int  # 1 = decode
+    tile_n: int
+    num_splits: int
+    num_warps: int | None
+    block_m: int
+    microseconds: float
+    gbps: float
+    vs_default: float  # the default tile's time over this one's (> 1: faster)
+    default: bool
+    wrong: bool
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def variants(default, tile_ns: list[int], factors: list[int], warps: list[int | None]) -> list:
+    """The default tile first, then every other combination (each once)."""
+    seen = {default}
+    out = [default]
+    for tile_n in tile_ns:
+        for factor in factors:
+            for warp in warps:
+                tile = replace(default, tile_n=tile_n, num_splits=max(1, default.num_splits * factor),
+                               num_warps=default.num_warps if warp is None else warp)
+                if tile not in seen:
+                    seen.add(tile)
+                    out.append(tile)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device_name = args.device
+    if device_name == "auto":
+        import torch
+
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_name == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+    import torch
+    from tqdm import tqdm
+
+    from pagedtree.diagnostics import attention_workloads as bench
+    from pagedtree.diagnostics.kernel_bench import spin_up
+    from pagedtree.kernels import triton_ops
+
+    device = torch.device(device_name)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = SimpleNamespace(block_size=args.block_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                            heads=args.heads)
+    name, peak = bench.peak_gbps(device, None)
+    print(f"# attention tile sweep on {name}: B={args.batch} H={args.heads}/{args.kv_heads} D={args.head_dim} "
+          f"block {args.block_size}, {str(dtype).removeprefix('torch.')}"
+          + (f", peak {peak:.0f} GB/s" if peak else ""), flush=True)
+    if device.type == "cuda":
+        spin_up(device)
+    rng = random.Random(args.seed)
+    scale = args.head_dim ** -0.5
+    warps = [None if w == "default" else int(w) for w in args.warps.split(",") if w.strip()]
+    # Decodes first (the bandwidth target), then trees by size: a run cut short keeps those.
+    workloads = sorted(((ctx, nodes) for ctx in _ints(args.contexts)
+                        for nodes in (1, *[n for n in _ints(args.tree_sizes) if n < ctx])),
+                       key=lambda w: (w[1], w[0]))
+    rows: list[SweepRow] = []
+    bar = tqdm(workloads, desc="workloads", disable=args.no_progress, file=sys.stderr)
+    for context, nodes in bar:
+        w = bench.make_workload(shape, args.batch, context, nodes, dtype, device, rng)
+        default = triton_ops.default_tile_shape(w.plan, args.heads, args.kv_heads, device, args.head_dim,
+                                                w.k_cache.element_size())
+        reference = triton_ops.unified_attention(w.query, w.k_cache, w.v_cache, w.plan, scale, tile=default)
+        bound = (2 ** -7 if dtype != torch.float32 else 1e-5) * float(w.v_cache.abs().max()) + 1e-4
+        base = None
+        for tile in variants(default, _ints(args.tile_n), _ints(args.split_factors), warps):
+            out = torch.empty_like(w.query)
+
+            def call(tile=tile, out=out):
+                return triton_ops.unified_attention(w.query, w.k_cache, w.v_cache, w.plan, scale, tile=tile, out=out)
+
+            try:
+                seconds = bench.time_fn(call, 2, args.iters, device)
+            except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is a row, not the end
+                print(f"L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
+                      f"warps {tile.num_warps}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
+                continue
+            wrong = float((out.float() - reference.float()).abs().max()) > bound
+            base = base or seconds
+            row = SweepRow(context, nodes, tile.tile_n, tile.num_splits, tile.num_warps, tile.block_m,
+                           seconds * 1e6, w.ideal_bytes / seconds / 1e9, base / seconds, tile == default, wrong)
+            rows.append(row)
+            share = f" {100 * row.gbps / peak:5.1f}%" if peak and device.type == "cuda" else ""
+            print(f"L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
+                  f"warps {tile.num_warps or '-':>2} rows {tile.block_m:3d}: {row.microseconds:9.1f} us "
+                  f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default"
+                  + ("  (default)" if row.default else "") + ("  WRONG" if wrong else ""), flush=True)
+        del w
+    print("best tile per workload (correct outputs only):")
+    for context, nodes in workloads:
+        mine = [r for r in rows if r.context == context and r.nodes == nodes and not r.wrong]
+        if not mine:
+            continue
+        best = min(mine, key=lambda r: r.microseconds)
+        print(f"  L={context:5d} T={nodes:3d}: tile_n {best.tile_n} splits {best.num_splits} "
+              f"warps {best.num_warps or '-'} -> {best.microseconds:.1f} us, {best.vs_default:.2f}x the default")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "peak_gbps": peak, "args": vars(args),
+                                               "rows": [asdict(r) for r in rows]}, indent=1))
+    return 1 if any(r.wrong for r in rows if r.default) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
