@@ -107,6 +107,7 @@ class DraftGraphs:
     def __init__(self, graphs):
         self.graphs = graphs  # the runner's ``StepGraphs``
         self.runner = graphs.runner
+        self.capture = graphs.capture  # capture CUDA graphs, or run the programs uncaptured
         self._entries: dict[tuple[LevelKey, ...], _Entry] = {}
         self._uploads: dict[tuple[int, tuple[int, int]], StagedUpload] = {}
         self._buffers: list[Any] = []  # PlanBuffers per level index
@@ -166,7 +167,7 @@ class DraftGraphs:
         if levels[0].copies:
             runner.copy_blocks([c.src for c in levels[0].copies], [c.dst for c in levels[0].copies])
         self._prepare(entry, levels)
-        if not self.graphs.capture:
+        if not self.capture:
             self._program(entry)
         elif entry.graph is None:
             if not self._capture(key, entry):

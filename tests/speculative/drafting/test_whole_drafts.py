@@ -7,7 +7,10 @@ eager steps and in the padded static steps CUDA graphs replay."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 from pagedtree import LLM, SamplingParams
 from pagedtree.speculative import SpeculativeConfig
@@ -18,7 +21,8 @@ CHAIN = SpeculativeConfig(tree="chain", depth=4, max_nodes=4, adaptive=False)
 TREE = SpeculativeConfig(tree="static", expansion=(3, 2, 1), max_nodes=16, adaptive=False)
 
 
-def _run(model, draft, whole: bool, params, prompts, static: bool = False, draft_graphs: bool = True, **kwargs):
+def _run(model, draft, whole: bool, params, prompts, static: bool = False, draft_graphs: bool = True,
+         capture: bool = False, **kwargs):
     """Outputs, stats (with ``whole_draft_programs``: the drafts run as one static
     program), the jobs of each whole draft, and every proposed tree."""
     llm = LLM(str(model.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=4, seed=3,
@@ -33,6 +37,8 @@ def _run(model, draft, whole: bool, params, prompts, static: bool = False, draft
         worker.runner.enable_cuda_graphs(16, engine.max_model_len, DRAFT_GRAPH_TOKENS, capture=False)
         if not draft_graphs:
             worker.runner.graphs.drafts = None  # each level through its padded step
+        elif capture:
+            worker.runner.graphs.drafts.capture = True  # (with CUDA's capture played by _FakeCapture)
     whole_jobs, trees = [], []
     drafted_whole = type(worker)._propose_whole
 
@@ -147,6 +153,84 @@ def test_a_whole_draft_as_one_static_program_drafts_what_its_padded_levels_draft
     # padded step) ran as one program.
     assert got[1]["whole_draft_programs"] >= len(got[2]) - 1 > 0
     _same(got, want)
+
+
+class _FakeCapture:
+    """CUDA's graph capture played on a CPU: a graph records the program run inside
+    its capture and replays it by running it again, over whatever the static
+    buffers hold then, as a replay reads them."""
+
+    def __init__(self, monkeypatch, fail: bool = False):
+        from pagedtree.worker.cuda_graphs import StepGraphs
+        from pagedtree.worker.draft_graphs import DraftGraphs
+
+        self.captures = self.replays = 0
+        recording = []
+        fake = self
+
+        class Graph:
+            program = None
+
+            def replay(self):
+                fake.replays += 1
+                self.program()
+
+            def pool(self):
+                return "pool"
+
+        class Capture:
+            def __init__(self, graph, pool=None):
+                self.graph = graph
+
+            def __enter__(self):
+                if fail:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                recording.append(self.graph)
+
+            def __exit__(self, *exc):
+                recording.clear()
+                fake.captures += 1
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        program = DraftGraphs._program
+
+        def recorded(graphs, entry):
+            if recording:
+                recording[0].program = lambda: program(graphs, entry)
+            return program(graphs, entry)
+
+        monkeypatch.setattr(DraftGraphs, "_program", recorded)
+        monkeypatch.setattr(StepGraphs, "side_stream", lambda self: Stream())
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture-fails"])
+def test_whole_draft_graphs_capture_once_and_replay(tiny_llama, tiny_llama_draft, prompts, monkeypatch, fail, caplog):
+    """The capture path (CUDA's capture played on a CPU by ``_FakeCapture``): a draft
+    shape is captured the first time it runs and replayed after, with the same trees,
+    tokens and acceptance as each level through its padded step; a shape whose
+    capture fails drafts level by level from then on, with a warning, all the same."""
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)]
+    kwargs = dict(static=True, attention_backend="triton", speculative=CHAIN)
+    want = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], draft_graphs=False, **kwargs)
+    fake = _FakeCapture(monkeypatch, fail=fail)
+    got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], capture=True, **kwargs)
+    _same(got, want)
+    if fail:
+        assert fake.captures == fake.replays == got[1]["whole_draft_programs"] == 0
+        assert "capture failed for a draft" in caplog.text
+    else:
+        assert 0 < fake.captures < got[1]["whole_draft_programs"]  # shapes repeat: replays without a capture
+        assert fake.replays == got[1]["whole_draft_programs"]
 
 
 def test_unseeded_trees_draft_what_level_by_level_drafts(tiny_llama, tiny_llama_draft, prompts):
