@@ -125,15 +125,14 @@ def _f32_from_bits(typingctx, bits):
 
 
 @njit(fastmath=True, inline="always")
-def _exp_row(scores, r: int, n: int, shift) -> np.float32:
+def _exp_row(scores, r: int, n: int, shift) -> None:
     """``scores[r, :n] = exp(scores[r, :n] - shift)`` for arguments at most 0 (-inf
-    and anything below float32's normal range give 0); returns their sum.
+    and anything below float32's normal range give 0).
 
     ``math.exp`` is a scalar float64 call per score; this loop vectorises: ``e^x =
     2^k * 2^f`` with ``k`` the nearest integer to ``x log2 e``, ``2^f`` (``|f| <=
     1/2``) its degree-6 Taylor polynomial (relative error below 2e-7, about one
     float32 ulp) and ``2^k`` made from its exponent bits."""
-    total = np.float32(0.0)
     for j in range(n):
         t = max((scores[r, j] - shift) * np.float32(1.4426950408889634), np.float32(-127.0))
         k = np.floor(t + np.float32(0.5))
@@ -146,9 +145,18 @@ def _exp_row(scores, r: int, n: int, shift) -> np.float32:
         p = p * f + np.float32(6.9314718055994531e-1)
         p = p * f + np.float32(1.0)
         power = _f32_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
-        weight = np.float32(0.0) if k < np.float32(-126.0) else p * power
-        scores[r, j] = weight
-        total += weight
+        scores[r, j] = np.float32(0.0) if k < np.float32(-126.0) else p * power
+
+
+@njit(fastmath=False, inline="never", cache=True)
+def _sum_in_order(total, scores, r: int, n: int):
+    """``total + scores[r, 0] + ... + scores[r, n - 1]``, added one by one in key order
+    (no fast-math: not regrouped into vector lanes). A tree node and the same token
+    decoded plainly see their visible keys at different places of a tile, the
+    others weighing 0: added in order, their sums have the same bits, so tree
+    verification keeps plain decoding's tokens."""
+    for j in range(n):
+        total += scores[r, j]
     return total
 
 
@@ -258,7 +266,8 @@ def paged_attention_kernel(
                 for d in range(head_dim):
                     acc[r, d] *= correction
                 running_max[r] = new_max
-                running_sum[r] += _exp_row(scores, r, tile_end - tile_start, new_max)
+                _exp_row(scores, r, tile_end - tile_start, new_max)
+                running_sum[r] = _sum_in_order(running_sum[r], scores, r, tile_end - tile_start)
             # Values of the tile, each row loaded once.
             for key in range(tile_start, tile_end):
                 block = block_tables[request, key // block_size]

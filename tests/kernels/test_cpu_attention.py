@@ -161,3 +161,55 @@ def test_auto_picks_the_kernel_for_fp32_and_bf16_cpu_caches():
     assert resolve_backend_name("auto", cpu, torch.float16) == "torch"
     with pytest.raises(ValueError, match="fp32 or bf16"):
         resolve_backend_name("cpu", cpu, torch.float16)
+
+
+def _write_rows(cache: torch.Tensor, table: list[int], rows: torch.Tensor, block_size: int) -> None:
+    for position, row in enumerate(rows):
+        cache[table[position // block_size], position % block_size] = row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [101, 120], ids=["tree-in-one-key-tile", "tree-across-key-tiles"])
+def test_a_tree_node_gets_the_bits_of_its_path_decoded_plainly(dtype, prefix):
+    """Greedy tree verification gives plain decoding's tokens only if a node's
+    attention has the bits its path gets decoded as one sequence. In the tree the
+    path's keys sit among other branches' keys (masked, weighing 0), in other places
+    of a key tile than in the plain sequence: the kernel adds a row's weights in key
+    order, so the zeros change nothing."""
+    torch.manual_seed(5)
+    block_size, kv_heads, heads, dim = 4, 2, 6, 32
+    parents = [-1, 0, 0, 1, 1, 2, 4, 4, 6, 3, 8, 9, 10, 12, 13, 11]  # the root and 15 nodes
+    size = len(parents)
+    keys = torch.randn(prefix + size, kv_heads, dim).to(dtype)
+    values = torch.randn(prefix + size, kv_heads, dim).to(dtype)
+    queries = torch.randn(size, heads, dim).to(dtype)
+    per_sequence = -(-(prefix + size) // block_size)
+    num_blocks = per_sequence * (size + 1)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    backend = CpuPagedAttention([(k_cache, v_cache)], scale=dim**-0.5)
+    # The tree: the prefix, then the root and its nodes, one verify chunk.
+    tree_table = list(range(per_sequence))
+    _write_rows(k_cache, tree_table, keys, block_size)
+    _write_rows(v_cache, tree_table, values, block_size)
+    slots = [tree_table[p // block_size] * block_size + p % block_size for p in range(prefix, prefix + size)]
+    backend.begin_step(AttentionMetadata(block_size, torch.tensor(slots), [0, size], [prefix + size], [tree_table],
+                                         [parents]))
+    tree_out = backend(0, queries, keys[prefix:], values[prefix:])
+    # Every node as a plain decode: the prefix, then its path from the root.
+    tables, contexts, slots, starts = [], [], [], [0]
+    for node in range(size):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        rows = torch.cat([torch.arange(prefix), prefix + torch.tensor(path[::-1])])
+        table = list(range(per_sequence * (node + 1), per_sequence * (node + 2)))
+        _write_rows(k_cache, table, keys[rows], block_size)
+        _write_rows(v_cache, table, values[rows], block_size)
+        tables.append(table)
+        contexts.append(len(rows))
+        slots.append(table[(len(rows) - 1) // block_size] * block_size + (len(rows) - 1) % block_size)
+        starts.append(node + 1)
+    backend.begin_step(AttentionMetadata(block_size, torch.tensor(slots), starts, contexts, tables, [None] * size))
+    plain_out = backend(0, queries, keys[prefix:], values[prefix:])
+    assert torch.equal(tree_out, plain_out)
