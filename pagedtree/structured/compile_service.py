@@ -15,6 +15,9 @@ Here:
 - the time limit counts from arrival: a job that reaches no worker by its deadline is
   refused without compiling (``CompileWaitExpired``, HTTP 429 with ``Retry-After``:
   nothing is known against the constraint), and a running one gets only what is left;
+  the time a job waited for a worker process to start is not counted (starting is
+  the server's cost, not the constraint's: each dispatcher starts its worker when
+  the service starts, so the first constraints do not wait for it either);
 - a job whose waiters have all gone is dropped from the queue, or, running, its
   worker is killed; a worker that was killed is started again by its own dispatcher
   thread before its next job, never on a request's path;
@@ -74,6 +77,7 @@ class CompileJob:
     waiters: int = 1
     worker: CompileWorker | None = None  # the worker compiling it, while it runs
     cancelled: bool = False
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class CompileService:
@@ -89,6 +93,9 @@ class CompileService:
         self._by_key: dict[Any, CompileJob] = {}  # queued or running
         self._per_client: collections.Counter = collections.Counter()  # jobs queued or running a client asked for
         self._workers: list[CompileWorker | None] = [None] * config.workers
+        # Per dispatcher, when its last worker start began and ended: a job that waited
+        # through it gets that time back (``_credit_start``).
+        self._starts: list[tuple[float, float]] = [(0.0, 0.0)] * config.workers
         self._closed = False
         self.num_compiled = 0
         self.num_killed = 0  # past their deadline, or abandoned
@@ -183,7 +190,9 @@ class CompileService:
 
     # --------------------------------------------------------- dispatchers
     def _dispatch(self, index: int) -> None:
-        """One dispatcher: the next job to its worker, within the job's deadline."""
+        """One dispatcher: its worker started at once, then the next job to it,
+        within the job's deadline."""
+        self._replace_dead_worker(index, first=True)
         while True:
             self._replace_dead_worker(index)
             with self._lock:
@@ -192,16 +201,20 @@ class CompileService:
                 if self._closed:
                     return
                 job = self._queue.popleft()
+                self._credit_start(job, index)
                 if self._expire_if_late(job):
                     continue
                 worker = self._workers[index]
             if worker is None or not worker.alive():
+                began = time.monotonic()
                 try:
                     worker = self._make_worker()
                     worker.start()
                 except Exception as exc:  # noqa: BLE001 - this job fails; the next one tries again
                     self._settle(job, exception=RuntimeError(f"the grammar compiler could not start: {exc}"))
                     continue
+                with self._lock:
+                    job.deadline += time.monotonic() - began  # its wait for the start is not its time
                 with self._lock:
                     if self._closed:  # shut down while it started
                         worker.close()
@@ -240,27 +253,39 @@ class CompileService:
                 self.num_compiled += 1
             self._settle(job, result=result)
 
-    def _replace_dead_worker(self, index: int) -> None:
+    def _replace_dead_worker(self, index: int, first: bool = False) -> None:
         """A worker that died on its last job (killed at its time limit, abandoned, out
         of memory) is replaced now, between jobs, so that the next constraint does not
-        wait for a process start. A failed start leaves the slot empty: the next job
+        wait for a process start; ``first``: the dispatcher's first worker, started
+        before any job comes. A failed start leaves the slot empty: the next job
         starts one (and fails alone if that fails too)."""
         with self._lock:
             worker = self._workers[index]
-            if self._closed or worker is None or worker.alive():
+            if self._closed or (not first and worker is None) or (worker is not None and worker.alive()):
                 return
             self._workers[index] = None
         fresh = self._make_worker()
+        began = time.monotonic()
         try:
             fresh.start()
         except Exception:  # noqa: BLE001 - the next job tries again
-            logger.warning("a grammar compile worker failed to restart; the next compile tries again")
+            logger.warning("a grammar compile worker failed to start; the next compile tries again")
             return
+        finally:
+            self._starts[index] = (began, time.monotonic())
         with self._lock:
             if not self._closed:
                 self._workers[index] = fresh
                 return
         fresh.close()
+
+    def _credit_start(self, job: CompileJob, index: int) -> None:
+        """Give ``job`` back (under the lock) the part of its wait that this
+        dispatcher spent starting its worker."""
+        began, ended = self._starts[index]
+        overlap = min(ended, time.monotonic()) - max(began, job.arrived)
+        if overlap > 0:
+            job.deadline += overlap
 
     def _expire_if_late(self, job: CompileJob) -> bool:
         """Refuse ``job`` (under the lock) if its deadline passed before it reached a
