@@ -215,7 +215,6 @@ class CompileService:
                     continue
                 with self._lock:
                     job.deadline += time.monotonic() - began  # its wait for the start is not its time
-                with self._lock:
                     if self._closed:  # shut down while it started
                         worker.close()
                         self._settle(job, exception=RuntimeError("the grammar compiler is shut down"))
@@ -225,7 +224,7 @@ class CompileService:
                 if job.cancelled:  # abandoned while its worker started
                     self._forget(job)
                     continue
-                if self._expire_if_late(job):  # its worker's start took the rest of its time
+                if self._expire_if_late(job):
                     continue
                 job.worker = worker
                 remaining = job.deadline - time.monotonic()
