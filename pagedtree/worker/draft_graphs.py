@@ -25,10 +25,12 @@ The host then fills every level's buffers, replays the graph and reads every lev
 children back in one copy. A graph is keyed by the draft's shape (each level's
 padded shape, its rows, draw groups and feeds), captured the first time that shape
 runs (a capture synchronises the device once) and replayed after; at most
-``MAX_DRAFT_GRAPHS`` are kept. Drafts this cannot hold run level by level as
-before: random draw rules (a request's own generator stream), levels wider than
-``MAX_DRAFT_GRAPH_ROWS`` rows (launch overhead is small next to their work), or
-coupled rows beyond the noise buffer.
+``MAX_DRAFT_GRAPHS`` are kept. A shape whose capture fails drafts level by level
+from then on, and after ``MAX_FAILED_CAPTURES`` failures no new shape is tried.
+Drafts this cannot hold run level by level as before: random draw rules (a
+request's own generator stream), levels wider than ``MAX_DRAFT_GRAPH_ROWS`` rows
+(launch overhead is small next to their work), or coupled rows beyond the noise
+buffer.
 
 ``capture=False`` runs the same static program eagerly: what a CPU can test. The
 graphs share the step graphs' memory pool (a draft's activations are dead once it
@@ -53,6 +55,9 @@ logger = logging.getLogger("pagedtree")
 MAX_DRAFT_GRAPHS = 32  # draft shapes kept captured; further shapes run level by level
 MAX_DRAFT_GRAPH_ROWS = 64  # nodes a level may feed (chunks) to be part of a graph
 MAX_NOISE_ROWS = 64  # coupled rows per draft: the noise buffer is [MAX_NOISE_ROWS, V]
+# Captures that may fail before no new shape is tried (a failure is usually the
+# device's, not the shape's: each try costs a warm-up and a sync).
+MAX_FAILED_CAPTURES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,8 @@ class DraftGraphs:
         None when this cannot run the draft: the caller runs it level by level."""
         key = self.key_for(levels)
         if key is None or key in self._refused:
+            return None
+        if self.capture and key not in self._entries and len(self._refused) >= MAX_FAILED_CAPTURES:
             return None
         entry = self._entries.get(key)
         if entry is None:

@@ -101,3 +101,11 @@ def test_past_the_graph_limit_new_shapes_go_level_by_level(monkeypatch):
     graphs = DraftGraphs(_Graphs())
     assert graphs.queue(_chain(ChildRule(1, "topk", GREEDY))) is None
     assert graphs.num_drafts == 0
+
+
+def test_after_failed_captures_no_new_shape_is_tried(monkeypatch):
+    graphs = DraftGraphs(_Graphs())
+    graphs.capture = True
+    graphs._refused = {("shape", i) for i in range(draft_graphs.MAX_FAILED_CAPTURES)}
+    assert graphs.queue(_chain(ChildRule(1, "topk", GREEDY))) is None
+    assert graphs.num_drafts == 0
