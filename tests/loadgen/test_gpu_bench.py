@@ -31,6 +31,13 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     # And each drafted level by level in the same engine, against its whole drafts.
     by_level = [f for f in spec if "level by level" in f["case"]]
     assert len(by_level) == 2 and all(f["detail"]["whole_speedup"] > 0 for f in by_level)
+    # And with a graph per level against the whole draft as one graph (here, as one
+    # uncaptured static program).
+    per_level = [f for f in spec if "a graph per level" in f["case"]]
+    assert len(per_level) == 2 and all(f["detail"]["one_graph_speedup"] > 0 for f in per_level)
+    # (The tiny chain's short generations draft once each, from the prompt: too long a
+    # catch-up for a padded step; the tree's later drafts run as one program.)
+    assert any(f["detail"]["one_program_drafts"] > 0 for f in per_level)
 
 
 def test_a_bad_section_or_acceptance_is_refused(capsys):
