@@ -284,6 +284,11 @@ def _graph_row(case: str, eager: RunResult, graphed: RunResult, cuda: bool) -> R
     if graphed.whole_drafts:
         figure += f", {graphed.whole_drafts} whole draft{'s' if graphed.whole_drafts != 1 else ''}" + (
             f" ({graphed.draft_graphs_captured} graphs captured)" if cuda else "")
+    if graphed.draft_tokens or eager.draft_tokens:
+        # Verification keeps the tokens whatever was drafted: a draft the graphs got
+        # wrong shows in what was accepted, not in the tokens.
+        figure += f"; accepted {graphed.accepted_tokens} of {graphed.draft_tokens} drafted (eager " \
+                  f"{eager.accepted_tokens} of {eager.draft_tokens})"
     if not used:
         result = "graphs not used (capture failed or no step fit a shape)"
         return Row(GRAPHS, case, result, figure, FAIL, _detail(comparison, graphed))
