@@ -352,11 +352,7 @@ def section_speculation(run: Runner, plain_steps: dict, acceptance: dict) -> lis
             # The same engine drafting level by level (a readback and a sync a level)
             # instead of whole (every level queued, one readback): what whole drafts save.
             whole = worker.whole_drafts
-            worker.whole_drafts = False
-            try:
-                by_level = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
-            finally:
-                worker.whole_drafts = whole
+            by_level = _step_time_with(run, llm, batch, worker, "whole_drafts", False)
             saved = by_level["step_seconds"] / t["step_seconds"]
             figures.append(Figure("speculation", f"{name}, batch {batch}, drafted level by level",
                                   f"{by_level['step_seconds'] * 1e3:.2f} ms a step",
@@ -366,11 +362,8 @@ def section_speculation(run: Runner, plain_steps: dict, acceptance: dict) -> lis
             # instead of the whole draft as one program (one replay): what one graph saves.
             graphs = getattr(worker.runner, "graphs", None)
             if graphs is not None and graphs.drafts is not None:
-                drafts, graphs.drafts = graphs.drafts, None
-                try:
-                    per_level = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
-                finally:
-                    graphs.drafts = drafts
+                drafts = graphs.drafts
+                per_level = _step_time_with(run, llm, batch, graphs, "drafts", None)
                 gain = per_level["step_seconds"] / t["step_seconds"]
                 figures.append(Figure("speculation", f"{name}, batch {batch}, a graph per level",
                                       f"{per_level['step_seconds'] * 1e3:.2f} ms a step",
@@ -379,6 +372,17 @@ def section_speculation(run: Runner, plain_steps: dict, acceptance: dict) -> lis
                                       per_level | dict(one_graph_speedup=gain, one_program_drafts=drafts.num_drafts)))
         free(llm)
     return figures
+
+
+def _step_time_with(run: Runner, llm, batch: int, owner, attribute: str, value) -> dict:
+    """``run.step_time`` of the 1.5B at ``batch`` with ``owner.attribute`` set to
+    ``value`` meanwhile (restored after): the same engine with one part switched."""
+    saved = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        return run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+    finally:
+        setattr(owner, attribute, saved)
 
 
 def section_suffix(run: Runner, plain_steps: dict) -> list[Figure]:
