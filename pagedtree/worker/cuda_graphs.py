@@ -223,18 +223,26 @@ class StepGraphs:
 
     def _prepare(self, step: HostStep, keys: list[Hashable | None],
                  shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        upload = self._uploads.get(shape)
+        if upload is None:
+            upload = self._uploads[shape] = StagedUpload(self.runner.device, torch.long)
+        input_ids, positions, rows, plan = self.stage(step, keys, shape, upload)
+        self.runner.attention.use_plan(plan)
+        return input_ids, positions, rows
+
+    def stage(self, step: HostStep, keys: Sequence[Hashable | None], shape: tuple[int, int], upload: StagedUpload,
+              buffers: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """``step`` padded to ``shape``, its inputs uploaded through ``upload`` and its
+        attention plan built in ``buffers`` (default: the backend's own), not made
+        current: its token ids, positions, logit-row index and plan."""
         runner = self.runner
         requests, tokens = shape
         padded = pad_step(step, requests, tokens, runner.scratch_block, runner.block_size)
-        upload = self._uploads.get(shape)
-        if upload is None:
-            upload = self._uploads[shape] = StagedUpload(runner.device, torch.long)
         input_ids, positions, meta, rows = upload_step(padded, upload, runner.block_size)
         # Every shape's tables are rows of one device table as tall as the largest batch.
-        static = self.static_shape(shape)
-        runner.attention.begin_step(meta, static, runner.model.config.num_attention_heads,
-                                    row_keys=keys + [None] * (requests - len(keys)))
-        return input_ids, positions, rows
+        plan = runner.attention.build_plan(meta, self.static_shape(shape), runner.model.config.num_attention_heads,
+                                           row_keys=list(keys) + [None] * (requests - len(keys)), buffers=buffers)
+        return input_ids, positions, rows, plan
 
     # No autograd, as in every step; not inference mode, whose tensors (the static
     # buffers made here) could not be updated by a step run outside it.

@@ -48,7 +48,7 @@ import torch
 
 from pagedtree.draft_sampling import DraftLevel, DrawnChildren, draw_group, draw_groups
 from pagedtree.uploads import StagedUpload
-from pagedtree.worker.step_inputs import host_step, pad_step, query_starts, upload_step
+from pagedtree.worker.step_inputs import host_step, last_token_rows
 
 logger = logging.getLogger("pagedtree")
 
@@ -102,7 +102,6 @@ class _Entry:
 
     levels: list[_Level]
     graph: Any = None
-    uses: int = 0
 
 
 class DraftGraphs:
@@ -114,7 +113,7 @@ class DraftGraphs:
         self.runner = graphs.runner
         self.capture = graphs.capture  # capture CUDA graphs, or run the programs uncaptured
         self._entries: dict[tuple[LevelKey, ...], _Entry] = {}
-        self._uploads: dict[tuple[int, tuple[int, int]], StagedUpload] = {}
+        self._uploads: dict[tuple, StagedUpload] = {}
         self._buffers: list[Any] = []  # PlanBuffers per level index
         self._noise: torch.Tensor | None = None
         self.num_drafts = 0  # drafts run through a draft graph
@@ -181,7 +180,6 @@ class DraftGraphs:
                 return None
         else:
             entry.graph.replay()
-        entry.uses += 1
         self.num_drafts += 1
         runner.num_forward_passes += len(levels)
         self.graphs.num_steps += len(levels)  # each level is a padded static step
@@ -209,36 +207,32 @@ class DraftGraphs:
         """Every level's inputs and attention plan into its own static buffers, the
         coupled rows' noise into theirs (queued on the device, no host read)."""
         runner = self.runner
-        heads = runner.model.config.num_attention_heads
         for level, data in zip(entry.levels, levels):
-            requests, tokens = level.key.shape
             chunks = data.chunks
-            rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
-            padded = pad_step(host_step(chunks, rows), requests, tokens, runner.scratch_block, runner.block_size)
-            upload = self._uploads.get((level.index, level.key.shape))
-            if upload is None:
-                upload = self._uploads[(level.index, level.key.shape)] = StagedUpload(runner.device, torch.long)
-            input_ids, positions, meta, row_index = upload_step(padded, upload, runner.block_size)
+            input_ids, positions, row_index, level.plan = self.graphs.stage(
+                host_step(chunks, last_token_rows(chunks)), [chunk.request.request_id for chunk in chunks],
+                level.key.shape, self._upload((level.index, level.key.shape)), self._buffers[level.index])
             if level.input_ids is not None and input_ids.data_ptr() != level.input_ids.data_ptr():
                 raise RuntimeError("a draft graph's input buffer moved")  # cannot happen: fixed sizes
             level.input_ids, level.positions, level.rows = input_ids, positions, row_index
             if level.key.copies:
                 src, dst = [c.src for c in data.copies], [c.dst for c in data.copies]
                 runner.attention.check_block_copy(src, dst)
-                copy_upload = self._uploads.get((level.index, ("copies", len(src))))
-                if copy_upload is None:
-                    copy_upload = StagedUpload(runner.device, torch.long)
-                    self._uploads[(level.index, ("copies", len(src)))] = copy_upload
+                copy_upload = self._upload((level.index, ("copies", len(src))))
                 level.copy_ids = copy_upload(torch.tensor(src + dst, dtype=torch.long)).view(2, -1)
                 runner.num_block_copies += len(src)
-            keys = [chunk.request.request_id for chunk in chunks]
-            level.plan = runner.attention.build_plan(
-                meta, self.graphs.static_shape(level.key.shape), heads,
-                row_keys=keys + [None] * (requests - len(keys)), buffers=self._buffers[level.index])
             for (group_key, group), span in zip(level.key.groups, level.noise_rows):
                 if span is not None:
                     noise = self._noise_buffer(data.rules[group[0]].noise)
                     torch.stack([data.rules[i].noise for i in group], out=noise[span[0]:span[1]])
+
+    def _upload(self, key: tuple) -> StagedUpload:
+        """The staging of ``key`` (a level and what it uploads): reused, so its device
+        buffer keeps its address for the level's graph."""
+        upload = self._uploads.get(key)
+        if upload is None:
+            upload = self._uploads[key] = StagedUpload(self.runner.device, torch.long)
+        return upload
 
     def _noise_buffer(self, like: torch.Tensor) -> torch.Tensor:
         if self._noise is None:

@@ -20,7 +20,7 @@ import torch
 
 from pagedtree.draft_sampling import DraftLevel, DrawnChildren, draw_level, read_drawn
 from pagedtree.step_data import BlockCopy, ScheduledChunk
-from pagedtree.worker.step_inputs import InputFeed, query_starts
+from pagedtree.worker.step_inputs import InputFeed, last_token_rows
 
 
 class ForwardTimer:
@@ -165,7 +165,7 @@ def draft_forward(runner, chunks: Sequence[ScheduledChunk], copies: Sequence[Blo
     timer = ForwardTimer(getattr(runner, "device", None))  # none: a host-side stand-in
     timer.start()
     runner.copy_blocks([c.src for c in copies], [c.dst for c in copies])
-    rows = [s + c.num_tokens - 1 for c, s in zip(chunks, query_starts(chunks))]
+    rows = last_token_rows(chunks)
     logits = runner.forward(list(chunks), rows) if feed is None else runner.forward(list(chunks), rows, feed=feed)
     timer.stop()
     return logits, timer

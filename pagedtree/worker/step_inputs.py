@@ -25,6 +25,12 @@ def query_starts(chunks: Sequence[ScheduledChunk]) -> list[int]:
     return starts
 
 
+def last_token_rows(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """The row of each chunk's last token in the step's flat run (a draft level's
+    logit rows)."""
+    return [start + chunk.num_tokens - 1 for chunk, start in zip(chunks, query_starts(chunks))]
+
+
 @dataclass(slots=True)
 class HostStep:
     """The step's flat token run and per-request attention metadata, on the host.
