@@ -213,8 +213,10 @@ class CompileService:
                 except Exception as exc:  # noqa: BLE001 - this job fails; the next one tries again
                     self._settle(job, exception=RuntimeError(f"the grammar compiler could not start: {exc}"))
                     continue
+                finally:
+                    self._starts[index] = (began, time.monotonic())
                 with self._lock:
-                    job.deadline += time.monotonic() - began  # its wait for the start is not its time
+                    self._credit_start(job, index)  # its wait for the start is not its time
                     if self._closed:  # shut down while it started
                         worker.close()
                         self._settle(job, exception=RuntimeError("the grammar compiler is shut down"))
