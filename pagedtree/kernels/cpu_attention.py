@@ -148,16 +148,61 @@ def _exp_row(scores, r: int, n: int, shift) -> None:
         scores[r, j] = np.float32(0.0) if k < np.float32(-126.0) else p * power
 
 
-@njit(fastmath=False, inline="never", cache=True)
-def _sum_in_order(total, scores, r: int, n: int):
-    """``total + scores[r, 0] + ... + scores[r, n - 1]``, added one by one in key order
-    (no fast-math: not regrouped into vector lanes). A tree node and the same token
-    decoded plainly see their visible keys at different places of a tile, the
-    others weighing 0: added in order, their sums have the same bits, so tree
-    verification keeps plain decoding's tokens."""
+@njit(fastmath=True, inline="never", cache=True)
+def _tile_scores(query_rows, keys, scores, rows: int, n: int, scale) -> None:
+    """``scores[r, j] = (query_rows[r] . keys[j]) * scale`` for the tile's ``n`` keys.
+
+    Every dot is the same code whatever its key's place in the tile, so a key's score
+    has the same bits in a tree node and in the same token decoded plainly."""
+    head_dim = keys.shape[1]
     for j in range(n):
-        total += scores[r, j]
-    return total
+        for r in range(rows):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += query_rows[r, d] * keys[j, d]
+            scores[r, j] = dot * scale
+
+
+@njit(fastmath=False, inline="never", cache=True)
+def _add_rows_in_order(totals, scores, rows: int, n: int) -> None:
+    """``totals[r] += scores[r, 0] + ... + scores[r, n - 1]`` for every row, added one
+    by one in key order (no fast-math: not regrouped into vector lanes). A tree node
+    and the same token decoded plainly see their visible keys at different places of a
+    tile, the others weighing 0: added in order, their sums have the same bits, so
+    tree verification keeps plain decoding's tokens. The rows' chains interleave, so
+    their add latencies overlap."""
+    for j in range(n):
+        for r in range(rows):
+            totals[r] += scores[r, j]
+
+
+# Fast-math without ``reassoc``: the sums must stay chains in key order (see above),
+# while ``contract`` still fuses each step into one multiply-add.
+@njit(fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, inline="never", cache=True)
+def _accumulate_values(acc, weights, values, rows: int, n: int) -> None:
+    """``acc[r] += weights[r, 0] * values[0] + ... + weights[r, n - 1] * values[n - 1]``,
+    one multiply-add per key in key order, as one key at a time would.
+
+    Four keys go through a row's accumulator at once, so it is loaded and stored a
+    quarter as often (the loop is otherwise bound by those stores); a key of weight 0
+    adds an exact 0."""
+    head_dim = acc.shape[1]
+    for r in range(rows):
+        j = 0
+        while j + 4 <= n:
+            w0 = weights[r, j]
+            w1 = weights[r, j + 1]
+            w2 = weights[r, j + 2]
+            w3 = weights[r, j + 3]
+            for d in range(head_dim):
+                acc[r, d] = w3 * values[j + 3, d] + (w2 * values[j + 2, d] + (
+                    w1 * values[j + 1, d] + (w0 * values[j, d] + acc[r, d])))
+            j += 4
+        while j < n:
+            w0 = weights[r, j]
+            for d in range(head_dim):
+                acc[r, d] = w0 * values[j, d] + acc[r, d]
+            j += 1
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -195,6 +240,19 @@ def paged_attention_kernel(
         context = context_lens[request]
         prefix = context - num_queries
         mask_offset = tree_mask_offset[request]
+        row_stride = num_kv_heads * head_dim
+        block_stride = block_size * row_stride
+        line = 64 // key_cache.itemsize  # elements of a 64-byte cache line
+        # A paged cache's blocks lie anywhere, so the hardware prefetchers meet each one
+        # cold: every row is asked for a while before it is read, the tile's value rows
+        # while its key rows are widened, the next tile's key rows while its value rows
+        # are (16 requests x 1024 keys, the cache in memory: 1.5x faster than asking
+        # for the next tile's rows all at once).
+        for key in range(min(context, KEY_TILE)):  # the first tile's keys, asked for first
+            row = (np.int64(block_tables[request, key // block_size]) * block_stride
+                   + (key % block_size) * row_stride + kv_head * head_dim)
+            for d in range(0, head_dim, line):
+                _prefetch(key_cache, row + d)
         for q in range(num_queries):
             slot = slot_mapping[first_query + q]
             for d in range(head_dim):
@@ -215,41 +273,32 @@ def paged_attention_kernel(
         running_sum = np.zeros(rows, dtype=np.float32)
         acc = np.zeros((rows, head_dim), dtype=np.float32)
         scores = np.empty((rows, KEY_TILE), dtype=np.float32)
-        row_stride = num_kv_heads * head_dim
-        block_stride = block_size * row_stride
-        line = 64 // key_cache.itemsize  # elements of a 64-byte cache line
+        # One tile of key rows, then of value rows, widened to fp32.
+        tile_rows = np.empty((KEY_TILE, head_dim), dtype=np.float32)
+        tile_bits = tile_rows.view(np.uint32)
         for tile_start in range(0, context, KEY_TILE):
             tile_end = min(context, tile_start + KEY_TILE)
-            # The next tile's rows are asked for while this one computes: its blocks
-            # lie anywhere in the cache, so the hardware prefetchers meet each one
-            # cold (32 requests x 1024 keys: 1.5x faster with this).
-            for key in range(tile_end, min(context, tile_end + KEY_TILE)):
-                row = (np.int64(block_tables[request, key // block_size]) * block_stride
-                       + (key % block_size) * row_stride + kv_head * head_dim)
-                for d in range(0, head_dim, line):
-                    _prefetch(key_cache, row + d)
-                    _prefetch(value_cache, row + d)
-            # Scores of the tile: each key row is loaded once for every query row.
+            # Scores of the tile: each key row widened once, then dotted with every
+            # query row.
             for key in range(tile_start, tile_end):
                 block = block_tables[request, key // block_size]
-                _load_cache_row(key_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
+                row = np.int64(block) * block_stride + (key % block_size) * row_stride + kv_head * head_dim
+                for d in range(0, head_dim, line):
+                    _prefetch(value_cache, row + d)
+                _load_cache_row(key_cache, block, key % block_size, kv_head,
+                                tile_rows[key - tile_start], tile_bits[key - tile_start], bf16)
+            _tile_scores(query_rows, tile_rows, scores, rows, tile_end - tile_start, scale32)
+            # Keys among the request's own new tokens: causal, or its tree's ancestor mask.
+            for key in range(max(tile_start, prefix), tile_end):
                 new_index = key - prefix
                 for q in range(num_queries):
-                    if new_index < 0:
-                        visible = True
-                    elif mask_offset < 0:
+                    if mask_offset < 0:
                         visible = new_index <= q
                     else:
                         visible = tree_masks[mask_offset + q * num_queries + new_index] != 0
-                    for h in range(group):
-                        r = q * group + h
-                        if visible:
-                            dot = np.float32(0.0)
-                            for d in range(head_dim):
-                                dot += query_rows[r, d] * row_f32[d]
-                            scores[r, key - tile_start] = dot * scale32
-                        else:
-                            scores[r, key - tile_start] = neg_inf
+                    if not visible:
+                        for h in range(group):
+                            scores[q * group + h, key - tile_start] = neg_inf
             # Online softmax: rescale what came before to the new running maximum.
             for r in range(rows):
                 tile_max = neg_inf
@@ -267,16 +316,19 @@ def paged_attention_kernel(
                     acc[r, d] *= correction
                 running_max[r] = new_max
                 _exp_row(scores, r, tile_end - tile_start, new_max)
-                running_sum[r] = _sum_in_order(running_sum[r], scores, r, tile_end - tile_start)
-            # Values of the tile, each row loaded once.
+            _add_rows_in_order(running_sum, scores, rows, tile_end - tile_start)
+            # Values of the tile, each row widened once.
             for key in range(tile_start, tile_end):
+                ahead = key + KEY_TILE
+                if ahead < context:
+                    row = (np.int64(block_tables[request, ahead // block_size]) * block_stride
+                           + (ahead % block_size) * row_stride + kv_head * head_dim)
+                    for d in range(0, head_dim, line):
+                        _prefetch(key_cache, row + d)
                 block = block_tables[request, key // block_size]
-                _load_cache_row(value_cache, block, key % block_size, kv_head, row_f32, row_bits, bf16)
-                for r in range(rows):
-                    weight = scores[r, key - tile_start]
-                    if weight != 0.0:
-                        for d in range(head_dim):
-                            acc[r, d] += weight * row_f32[d]
+                _load_cache_row(value_cache, block, key % block_size, kv_head,
+                                tile_rows[key - tile_start], tile_bits[key - tile_start], bf16)
+            _accumulate_values(acc, scores, tile_rows, rows, tile_end - tile_start)
         for r in range(rows):
             q = r // group
             head = kv_head * group + r % group
