@@ -113,6 +113,14 @@ def _prefetch(typingctx, array, index):
     return sig, codegen
 
 
+@njit(inline="always")
+def _prefetch_row(cache, block, slot: int, head: int) -> None:
+    """Ask for the cache lines of the row ``cache[block, slot, head, :]``."""
+    start = ((np.int64(block) * cache.shape[1] + slot) * cache.shape[2] + head) * cache.shape[3]
+    for d in range(0, cache.shape[3], 64 // cache.itemsize):  # one per 64-byte line
+        _prefetch(cache, start + d)
+
+
 @intrinsic
 def _f32_from_bits(typingctx, bits):
     """The float32 whose bits are the int32 ``bits``."""
@@ -240,19 +248,13 @@ def paged_attention_kernel(
         context = context_lens[request]
         prefix = context - num_queries
         mask_offset = tree_mask_offset[request]
-        row_stride = num_kv_heads * head_dim
-        block_stride = block_size * row_stride
-        line = 64 // key_cache.itemsize  # elements of a 64-byte cache line
         # A paged cache's blocks lie anywhere, so the hardware prefetchers meet each one
         # cold: every row is asked for a while before it is read, the tile's value rows
         # while its key rows are widened, the next tile's key rows while its value rows
         # are (16 requests x 1024 keys, the cache in memory: 1.5x faster than asking
         # for the next tile's rows all at once).
         for key in range(min(context, KEY_TILE)):  # the first tile's keys, asked for first
-            row = (np.int64(block_tables[request, key // block_size]) * block_stride
-                   + (key % block_size) * row_stride + kv_head * head_dim)
-            for d in range(0, head_dim, line):
-                _prefetch(key_cache, row + d)
+            _prefetch_row(key_cache, block_tables[request, key // block_size], key % block_size, kv_head)
         for q in range(num_queries):
             slot = slot_mapping[first_query + q]
             for d in range(head_dim):
@@ -282,9 +284,7 @@ def paged_attention_kernel(
             # query row.
             for key in range(tile_start, tile_end):
                 block = block_tables[request, key // block_size]
-                row = np.int64(block) * block_stride + (key % block_size) * row_stride + kv_head * head_dim
-                for d in range(0, head_dim, line):
-                    _prefetch(value_cache, row + d)
+                _prefetch_row(value_cache, block, key % block_size, kv_head)
                 _load_cache_row(key_cache, block, key % block_size, kv_head,
                                 tile_rows[key - tile_start], tile_bits[key - tile_start], bf16)
             _tile_scores(query_rows, tile_rows, scores, rows, tile_end - tile_start, scale32)
@@ -321,10 +321,7 @@ def paged_attention_kernel(
             for key in range(tile_start, tile_end):
                 ahead = key + KEY_TILE
                 if ahead < context:
-                    row = (np.int64(block_tables[request, ahead // block_size]) * block_stride
-                           + (ahead % block_size) * row_stride + kv_head * head_dim)
-                    for d in range(0, head_dim, line):
-                        _prefetch(key_cache, row + d)
+                    _prefetch_row(key_cache, block_tables[request, ahead // block_size], ahead % block_size, kv_head)
                 block = block_tables[request, key // block_size]
                 _load_cache_row(value_cache, block, key % block_size, kv_head,
                                 tile_rows[key - tile_start], tile_bits[key - tile_start], bf16)
