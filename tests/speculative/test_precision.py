@@ -84,3 +84,38 @@ def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, t
     plain = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert spec == plain
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("target", [
+    dict(dtype="bfloat16"),
+    dict(quantization="q4"),
+    dict(quantization="ggml"),
+    pytest.param(dict(quantization="q8"), marks=pytest.mark.slow),
+    pytest.param(dict(quantization="int4"), marks=pytest.mark.slow),
+], ids=lambda target: target.get("quantization") or target["dtype"])
+def test_a_prompt_longer_than_a_step_gives_its_one_step_tokens_in_every_format(tiny_llama, tiny_llama_draft, target):
+    """A prompt longer than a step's token budget is prefilled in chunks, and a chunk
+    that does not end the prompt asks the LM head for no rows: every weight format
+    takes an empty product (ONNX Runtime refuses to bind an empty buffer), and the
+    chunked prompt, the target's and the draft's catch-up alike, decodes the tokens it
+    decodes in one step, with speculation and without."""
+    if target.get("quantization") in ("q4", "q8"):
+        pytest.importorskip("onnxruntime")
+    if target.get("quantization") == "ggml":
+        pytest.importorskip("ggml")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 256, 40, 48, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(budget: int, speculate: bool) -> list[list[int]]:
+        llm = LLM(str(tiny_llama.path), device="cpu", block_size=4, max_num_seqs=1, max_num_batched_tokens=budget,
+                  draft_model=str(tiny_llama_draft.path), speculative=SPEC, **target)
+        llm.engine.set_speculation(speculate)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+        assert (llm.stats().get("num_drafts", 0) > 0) == speculate
+        assert_no_leaks(llm)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    whole = tokens(512, speculate=False)
+    assert tokens(16, speculate=False) == whole
+    assert tokens(16, speculate=True) == whole

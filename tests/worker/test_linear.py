@@ -317,3 +317,17 @@ def test_rows_are_made_consistent_in_every_block_layer(tiny_qwen2, monkeypatch):
     monkeypatch.setattr(Linear, "lone_row_needs_padding", lambda self: True)
     assert model.make_rows_consistent() == len(layers)
     assert all(m.pad_single_rows for m in layers)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+def test_a_block_layer_takes_a_product_of_no_rows(mode):
+    """A prefill chunk that does not end its prompt asks the LM head for no rows: an
+    empty product is an empty result, as ``F.linear``'s (ONNX Runtime refuses to bind
+    an empty buffer, whose address is null)."""
+    pytest.importorskip("onnxruntime")
+    layer = _layer(96, 64, bias=True)
+    layer.quantize(mode)
+    with torch.inference_mode():
+        out = layer(torch.empty(0, 64))
+        assert out.shape == (0, 96) and out.dtype == torch.float32
+        assert layer(torch.randn(3, 64)).shape == (3, 96)  # the layer still works after

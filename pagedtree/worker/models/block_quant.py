@@ -365,6 +365,10 @@ class BlockMatMul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
         out = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        if rows.shape[0] == 0:
+            # No rows (a prefill chunk whose logits nobody reads): ONNX Runtime refuses
+            # to bind an empty buffer, whose address is null.
+            return out
         binding = self._binding
         binding.bind_input("A", "cpu", 0, np.float32, list(rows.shape), rows.data_ptr())
         binding.bind_output("Y", "cpu", 0, np.float32, list(out.shape), out.data_ptr())
