@@ -36,6 +36,11 @@ def test_in_row_blocks_calls_one_shape_and_keeps_the_rows():
     assert torch.equal(out, x * 2) and set(shapes) == {(BLOCK, 3)} and len(shapes) == 5
     shapes.clear()
     assert torch.equal(in_row_blocks(x[:1], BLOCK, double), x[:1] * 2) and shapes == [(BLOCK, 3)]
+    # No rows (a prefill chunk that does not end its prompt asks the LM head for none):
+    # an empty result of fn's width, from a call of the same shape.
+    shapes.clear()
+    wide = in_row_blocks(x[:0], BLOCK, lambda block: double(block).repeat(1, 2))
+    assert wide.shape == (0, 6) and shapes == [(BLOCK, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -33,7 +33,9 @@ def in_row_blocks(rows: torch.Tensor, block: int, fn: Callable[[torch.Tensor], t
     """``fn`` over ``rows`` ([n, features]) in blocks of exactly ``block`` rows; the
     first ``n`` rows of the results, concatenated."""
     n = rows.shape[0]
-    padded = -(-n // block) * block
+    # No rows (a prefill chunk whose logits nobody reads) still make one block: the
+    # result's width and dtype are ``fn``'s, and every call keeps the one shape.
+    padded = max(1, -(-n // block)) * block
     if padded != n:
         rows = F.pad(rows, (0, 0, 0, padded - n))
     if padded == block:
