@@ -157,7 +157,11 @@ class OpenAIRoutes:
                     if echo and k not in echoed:
                         echoed.add(k)
                         text = self._prompt_text(out.prompt, out.prompt_token_ids) + text
-                    if not (text or c.just_finished or (c.delta_logprobs and c.delta_token_ids)):
+                    # A step's new tokens make a chunk even when their text is held
+                    # back (a character split across tokens, a possible stop string):
+                    # one chunk per token step, as vLLM streams, so that clients see
+                    # every step and inter-token latencies count tokens, not characters.
+                    if not (text or c.delta_token_ids or c.just_finished):
                         continue
                     logprobs = None
                     if c.delta_logprobs is not None:
@@ -291,7 +295,9 @@ class OpenAIRoutes:
                         if c.just_finished:
                             delta.extend(parser.finish())
                         content, calls = delta.content, delta.calls
-                    if content or calls or (want_logprobs and c.delta_token_ids):
+                    # New tokens make a chunk even with no text yet (see the completions
+                    # stream), unless a tool-call parser holds them back.
+                    if content or calls or (c.delta_token_ids and (parser is None or want_logprobs)):
                         logprobs = None
                         if want_logprobs:
                             logprobs = self._chat_logprobs(list(zip(c.delta_token_ids, c.delta_logprobs or [])), top)

@@ -79,6 +79,30 @@ def test_streamed_completion_joins_to_the_non_streamed_text(server):
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
 
 
+def test_a_streamed_token_makes_a_chunk_while_its_text_is_held_back(server):
+    """A stop string holds back text that may be its start; the token steps still
+    stream, as chunks of empty text (as vLLM's do): one chunk per token, the text
+    joined at the end the same, so inter-token latencies count tokens."""
+    body = {"prompt": "The quick brown", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    _, _, whole = post(server, "/v1/completions", body)
+    text = whole["choices"][0]["text"]
+    stop = text[: len(text) // 2] + "\u2603\u2603"  # the output's first half, then what it never says
+    assert stop not in text
+    _, _, events = post(server, "/v1/completions", body | {"stream": True, "stop": [stop]})
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert len(chunks) == 8 and any(c["text"] == "" for c in chunks[:-1])
+    assert "".join(c["text"] for c in chunks) == text
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    _, _, whole = post(server, "/v1/chat/completions", chat)
+    text = whole["choices"][0]["message"]["content"]
+    stop = text[: len(text) // 2] + "\u2603\u2603"
+    _, _, events = post(server, "/v1/chat/completions", chat | {"stream": True, "stop": [stop]})
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    contents = [d["content"] for d in deltas[1:] if "content" in d]  # after the role chunk
+    assert len(contents) == 8 and "".join(contents) == text
+
+
 def test_n_choices_and_token_prompts(server):
     status, _, body = post(server, "/v1/completions", {
         "prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 1, "ignore_eos": True,
