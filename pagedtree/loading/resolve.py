@@ -17,6 +17,7 @@ import torch
 
 from pagedtree.config import (
     BF16_QUANTIZATIONS,
+    CPU_STREAM_SPECULATION,
     DTYPES,
     OFFLOAD_AUTO,
     OFFLOADED_SPECULATION,
@@ -153,8 +154,11 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         enforce_eager=config.enforce_eager, load_format=config.load_format, offload_weights_gb=offload,
     )
     speculative = config.speculative if config.speculation_enabled else None
-    if offload is not None and speculative == SpeculativeConfig():  # the default, for a resident target
-        speculative = SpeculativeConfig(**OFFLOADED_SPECULATION)
+    if speculative == SpeculativeConfig():  # the default, for a resident target on a GPU or a server
+        if offload is not None:
+            speculative = SpeculativeConfig(**OFFLOADED_SPECULATION)
+        elif device.type == "cpu" and (config.workload or "stream") == "stream":
+            speculative = SpeculativeConfig(**CPU_STREAM_SPECULATION)
     draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
                                 draft_quantization, device)
     drafts = tuple(

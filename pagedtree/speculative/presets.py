@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedtree.config import OFFLOADED_SPECULATION
+from pagedtree.config import CPU_STREAM_SPECULATION, OFFLOADED_SPECULATION
 
 TREE_PRESETS: dict[str, dict[str, Any]] = {
     "chain-5": dict(tree="chain", depth=5, max_nodes=5, adaptive=False),
@@ -32,7 +32,8 @@ TREE_PRESETS: dict[str, dict[str, Any]] = {
     # The model-free suffix drafter alone, and beside a draft model's chain.
     "suffix": dict(drafter="suffix", max_nodes=12, adaptive=True),
     "suffix-16-fixed": dict(drafter="suffix", max_nodes=16, adaptive=False),
-    "adaptive-chain-5+suffix": dict(drafter="model+suffix", tree="chain", depth=5, max_nodes=12, adaptive=True),
+    # A single stream's default on a CPU (``config.CPU_STREAM_SPECULATION``).
+    "adaptive-chain-5+suffix": dict(CPU_STREAM_SPECULATION),
     # 64-node dynamic trees every step (the offloaded default without the adaptive budget).
     "dynamic-64": dict(OFFLOADED_SPECULATION, adaptive=False),
     # An offloaded target's default (``config.OFFLOADED_SPECULATION``).

@@ -56,6 +56,7 @@ class Speculator:
         if config.drafter in ("suffix", "model+suffix"):
             suffix = SuffixDrafter(SuffixConfig(
                 max_depth=2 * config.suffix_max_match, max_match=config.suffix_max_match,
+                min_match=config.suffix_min_match,
                 alpha=config.suffix_alpha, min_prob=config.suffix_min_prob,
                 global_tokens=config.suffix_global_tokens,
             ))

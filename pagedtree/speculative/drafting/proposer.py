@@ -114,12 +114,16 @@ class TreeProposer:
         for request, budget in requests_and_budgets:
             rid = request.request_id
             found = [d[rid] for d in per_source if rid in d]
+            # The draft models' trees (and the tokens a grammar forces, which lead
+            # them) stay whole in a merge; the suffix drafter's fill what is left.
+            preferred = sum(rid in d for d in per_source[:len(self.drafts)])
             try:
                 if request.grammar is not None:
-                    found = self._under_grammar(request, found, budget)
+                    found, preferred = self._under_grammar(request, found, budget, preferred)
                 if not found:
                     continue
-                tree = found[0] if len(found) == 1 and found[0].num_nodes <= budget else merge_trees(found, budget)
+                tree = found[0] if len(found) == 1 and found[0].num_nodes <= budget \
+                    else merge_trees(found, budget, preferred)
             except Exception as exc:  # noqa: BLE001 - this request decodes plainly, the others go on
                 logger.warning("merging the drafts' trees of request %s failed (%s: %s); it decodes "
                                "without speculation this step", rid, type(exc).__name__, exc)
@@ -128,21 +132,24 @@ class TreeProposer:
             trees[rid] = tree
         return trees
 
-    def _under_grammar(self, request: Request, found: list[TokenTree], budget: int) -> list[TokenTree]:
-        """The trees to merge for a request under a grammar: the tokens the grammar
-        forces first (free proposals), then the sources' trees without the proposals
-        it forbids. Random draws cannot share a budget they were not sized for, so
-        where the grammar forces tokens, a request drafting at random proposes those
-        alone this step."""
+    def _under_grammar(self, request: Request, found: list[TokenTree], budget: int,
+                       preferred: int) -> tuple[list[TokenTree], int]:
+        """The trees to merge for a request under a grammar, and how many of them lead
+        (``merge_trees``' ``preferred``): the tokens the grammar forces first (free
+        proposals), then the sources' trees without the proposals it forbids. Random
+        draws cannot share a budget they were not sized for, so where the grammar
+        forces tokens, a request drafting at random proposes those alone this step."""
         grammar = request.grammar
         forced = forced_chain(grammar, request.output_token_ids[-1], budget)
         if forced is not None:
             self.num_forced_tokens += forced.num_nodes
             self.forced.add(request.request_id)
             if proposal_rule(request, self.config) not in DETERMINISTIC_RULES:
-                return [forced]
-        found = [prune_to_grammar(tree, grammar) for tree in found]
-        return ([forced] if forced is not None else []) + [t for t in found if t.num_nodes]
+                return [forced], 1
+        pruned = [prune_to_grammar(tree, grammar) for tree in found]
+        kept = [(i < preferred, t) for i, t in enumerate(pruned) if t.num_nodes]
+        lead = [forced] if forced is not None else []
+        return lead + [t for _, t in kept], len(lead) + sum(first for first, _ in kept)
 
     def _observed(self, drafted: Drafted) -> dict[str, TokenTree]:
         """A source's trees, its forwards taken into the draft cost model."""

@@ -35,6 +35,9 @@ class SuffixConfig:
 
     max_depth: int = 16  # longest substring a tree counts
     max_match: int = 8  # longest suffix matched (leaves max_depth - max_match to propose)
+    # Shortest suffix that proposes: a match of a token or two (a common word, an
+    # operator) continues the way it did before only by chance.
+    min_match: int = 1
     alpha: float = 2.0  # proposed nodes per matched token
     min_prob: float = 0.1  # continuations less frequent than this are not proposed
     global_tokens: int = 16384  # output tokens the global tree keeps
@@ -109,12 +112,15 @@ class SuffixDrafter:
 
     def _matches(self, request: Request) -> list[tuple[SuffixTree, int, int]]:
         """``(tree, node, length)`` of the longest suffix of the request's tokens that
-        its own tree and the global tree have seen continued (length 0: none)."""
+        its own tree and the global tree have seen continued (length 0: none, or
+        shorter than ``min_match``)."""
         cfg = self.config
         stream = self._stream(request)
         own_node, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
         global_node, global_len = self.global_cache.tree.match(request.all_token_ids, cfg.max_match)
-        return [(stream.tree, own_node, own_len), (self.global_cache.tree, global_node, global_len)]
+        return [(tree, node, length if length >= cfg.min_match else 0)
+                for tree, node, length in ((stream.tree, own_node, own_len),
+                                           (self.global_cache.tree, global_node, global_len))]
 
     def reach(self, request: Request) -> int:
         """How many nodes a proposal for ``request`` may have now: ``alpha`` per token

@@ -110,6 +110,29 @@ def test_merge_deduplicates_equal_paths_and_keeps_the_union():
     assert all(tok for d in pruned.draws for tok in d.tokens)
 
 
+def test_a_preferred_tree_is_kept_whole_and_the_others_fill_what_is_left():
+    # A draft model's chain (a confident one, scores near 0 but below the suffix's)
+    # and a suffix tree whose counts score every node above the chain's deep ones.
+    chain = _tree(9, [[1, 2, 3, 4]])
+    chain.scores = [-0.05, -0.2, -0.4, -0.7]
+    suffix = _tree(9, [[1, 5, 6], [7]])
+    suffix.scores = [-0.01, -0.02, -0.03, -0.04]
+    by_scores = merge_trees([chain, suffix], max_nodes=5)
+    assert (1, 2, 3, 4) not in _paths(by_scores)  # the chain cut short
+    for max_nodes in range(1, 8):
+        merged = merge_trees([chain, suffix], max_nodes=max_nodes, preferred=1)
+        paths = _paths(merged)
+        assert merged.num_nodes == min(max_nodes, 7)
+        # The chain's first nodes first, then the suffix's by score.
+        want = [(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), (1, 5), (1, 5, 6), (7,)][:max_nodes]
+        assert paths == set(want)
+        for i, p in enumerate(merged.parents):
+            assert p < i
+        _draws_point_at_children(merged)
+    # Without a preference, the scores alone decide (the earlier behaviour).
+    assert _paths(merge_trees([chain, suffix], max_nodes=5, preferred=0)) == _paths(by_scores)
+
+
 def test_random_draws_merge_within_the_budget_and_are_never_pruned():
     a = _tree(9, [[1, 2], [4]], rule="iid")
     b = _tree(9, [[1, 5]], rule="without_replacement")

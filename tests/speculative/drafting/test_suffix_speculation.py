@@ -119,6 +119,9 @@ def test_suffix_config_is_validated():
         SpeculativeConfig(drafter="suffix", suffix_max_match=0)
     with pytest.raises(ValueError, match="suffix_global_tokens"):
         SpeculativeConfig(drafter="suffix", suffix_global_tokens=-1)
+    for bad in (0, 9, 2.5, True):
+        with pytest.raises(ValueError, match="suffix_min_match"):
+            SpeculativeConfig(drafter="suffix", suffix_max_match=8, suffix_min_match=bad)
     from pagedtree.config import EngineConfig
 
     with pytest.raises(ValueError, match="model\\+suffix"):
@@ -153,4 +156,28 @@ def test_a_confident_suffix_tree_is_verified_without_the_draft_model(tiny_llama,
     assert stats["suffix_num_alone"] > 0
     # Batch 1: every tree came either from a draft-model call or from the suffix alone.
     assert len(calls) + stats["suffix_num_alone"] == stats["num_drafts"]
+    assert_no_leaks(llm)
+
+
+def test_a_single_stream_on_a_cpu_drafts_with_the_suffix_drafter_by_default(tiny_llama, tiny_llama_draft, reference):
+    """With a draft model and no tree asked for, a stream on a CPU (``LLM``) runs the
+    draft's chain beside the suffix drafter; a server's engine (``workload="batch"``)
+    and any tree the caller chose keep what they were given; outputs stay exact."""
+    from pagedtree.config import CPU_STREAM_SPECULATION, EngineConfig
+    from pagedtree.loading.resolve import resolve_config
+
+    def resolved(**kwargs):
+        return resolve_config(EngineConfig(model=str(tiny_llama.path), draft_model=str(tiny_llama_draft.path),
+                                           device="cpu", **kwargs)).speculative
+
+    stream = SpeculativeConfig(**CPU_STREAM_SPECULATION)
+    assert stream.drafter == "model+suffix" and stream.suffix_min_match > 1
+    assert resolved() == resolved(workload="stream") == stream
+    assert resolved(workload="batch") == SpeculativeConfig()
+    chosen = SpeculativeConfig(tree="chain", depth=3, max_nodes=3)
+    assert resolved(speculative=chosen) == chosen
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=6,
+              draft_model=str(tiny_llama_draft.path))
+    assert llm.engine.speculation.config == stream
+    assert _greedy(llm) == reference
     assert_no_leaks(llm)

@@ -170,3 +170,24 @@ def test_a_long_prompt_is_indexed_from_its_newest_tokens():
     request = Request("s", None, list(range(10, 60)) + [7, 8, 9] + list(range(60, 70)) + [7, 8], SamplingParams(), 0)
     tree = drafter.propose_one(request, 4)
     assert tree is not None and tree.tokens[0] == 9
+
+
+def test_a_suffix_shorter_than_the_minimum_match_proposes_nothing():
+    from pagedtree.request import Request
+    from pagedtree.sampling_params import SamplingParams
+    from pagedtree.speculative.drafting.suffix_drafter import SuffixConfig, SuffixDrafter
+
+    # "5 6 7" once continued by 8; the request ends in "6 7" (2 tokens matched) or
+    # "5 6 7" (3 tokens).
+    two = Request("two", None, [1, 5, 6, 7, 8, 2, 6, 7], SamplingParams(), 0)
+    three = Request("three", None, [1, 5, 6, 7, 8, 2, 5, 6, 7], SamplingParams(), 0)
+    for min_match, proposes in ((1, {"two", "three"}), (3, {"three"}), (4, set())):
+        drafter = SuffixDrafter(SuffixConfig(max_depth=8, max_match=4, min_match=min_match, min_prob=0.0))
+        got = {r.request_id for r in (two, three) if drafter.propose_one(r, 4) is not None}
+        assert got == proposes, min_match
+        assert {r.request_id for r in (two, three) if drafter.reach(r) > 0} == proposes
+        for request in (two, three):
+            tree = drafter.plan_tree(request, 4)
+            assert (tree is not None) == (request.request_id in proposes)
+            if tree is not None:
+                assert tree.tokens[0] == 8
