@@ -2,8 +2,11 @@
 
 Loads the target and the draft once, then alternates plain decoding and every
 configuration (a preset of ``pagedtree.speculative.presets``, or ``default`` for the
-engine's own speculative config) round after round, so slow drifts of a noisy
-machine hit every arm alike. Each arm of a round times the first ``--num-prompts``
+engine's own speculative config) round after round, each round starting one arm
+later, so slow drifts of a noisy machine hit every arm alike. A draft model's preset
+on an engine that also runs the suffix drafter (a CPU stream's default) sits the
+suffix drafter out, so ``--configs adaptive-chain-5,default`` compares the chain
+alone with the chain beside the suffix drafter. Each arm of a round times the first ``--num-prompts``
 prompts of each ``--datasets`` one after another at batch 1; the table reports the
 median tokens/s over the rounds, the ratio to plain decoding of the same rounds,
 drafts, accepted tokens and the mean acceptance length.
@@ -76,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[tuple[str, str], list[float]] = {}
     counts: dict[tuple[str, str], list[int]] = {}
     with tqdm(total=args.rounds * len(arms) * len(prompts), desc="A/B", unit="run") as bar:
-        for _ in range(args.rounds):
-            for name, config in arms.items():
+        names = list(arms)
+        for round_index in range(args.rounds):
+            # Each round starts one arm later, so that no arm always follows the same one.
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                config = arms[name]
                 engine.set_speculation(config is not None)
                 if config is not None:
                     speculator.reconfigure(config)

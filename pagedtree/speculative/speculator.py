@@ -52,14 +52,7 @@ class Speculator:
     ):
         if prior is None:
             prior = acceptance_prior(None, [d.name for d in drafts], config.drafter)
-        suffix = None
-        if config.drafter in ("suffix", "model+suffix"):
-            suffix = SuffixDrafter(SuffixConfig(
-                max_depth=2 * config.suffix_max_match, max_match=config.suffix_max_match,
-                min_match=config.suffix_min_match,
-                alpha=config.suffix_alpha, min_prob=config.suffix_min_prob,
-                global_tokens=config.suffix_global_tokens,
-            ))
+        suffix = SuffixDrafter(_suffix_config(config)) if config.drafter in ("suffix", "model+suffix") else None
         drafts = list(drafts)
         self.budget = BudgetPolicy(
             config, prior, num_drafts=len(drafts),
@@ -73,6 +66,7 @@ class Speculator:
         self.metrics = SpecMetrics()
         self._noise = noise
         self._sized_for_nodes = config.max_nodes
+        self._idle_suffix: SuffixDrafter | None = None  # switched off by ``reconfigure``
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -87,11 +81,33 @@ class Speculator:
     def reconfigure(self, config: SpeculativeConfig) -> None:
         """Switch tree settings between runs (benchmarks sweep them on one engine).
 
-        ``max_nodes`` may not exceed the one the drafts' caches were sized for.
+        ``max_nodes`` may not exceed the one the drafts' caches were sized for. Beside
+        draft models the suffix drafter can be switched on and off (``drafter``
+        "model" or "model+suffix"); an engine without draft models keeps "suffix".
         """
         if config.max_nodes > self._sized_for_nodes:
             raise ValueError(f"max_nodes {config.max_nodes} > {self._sized_for_nodes} the draft caches were sized for")
+        allowed = ("model", "model+suffix") if self.drafts else ("suffix",)
+        if config.drafter not in allowed:
+            raise ValueError(f"drafter {config.drafter!r} needs {'no ' if self.drafts else ''}draft models; "
+                             f"this engine takes {' or '.join(allowed)}")
+        if self.drafts:
+            suffix = self._switched_suffix(config)
+            self.proposer.set_suffix(suffix)
+            self.budget.suffix_tree = suffix.plan_tree if suffix is not None else None
         self.budget.reconfigure(config)
+
+    def _switched_suffix(self, config: SpeculativeConfig) -> SuffixDrafter | None:
+        """The suffix drafter beside the draft models under ``config``: the one running
+        if its settings stay, a new one if they change, the last one kept aside (its
+        memory of outputs with it) while switched off."""
+        current = self.proposer.suffix or self._idle_suffix
+        if config.drafter == "model":
+            self._idle_suffix = current
+            return None
+        self._idle_suffix = None
+        wanted = _suffix_config(config)
+        return current if current is not None and current.config == wanted else SuffixDrafter(wanted)
 
     # ----------------------------------------------------------------- step
     def propose(self, plan: StepPlan) -> dict[str, TokenTree]:
@@ -240,3 +256,11 @@ class Speculator:
             "draft_num_cached_blocks": sum(bm.num_cached_blocks for bm in bms),
             "num_forced_tokens": self.proposer.num_forced_tokens,
         }
+
+
+def _suffix_config(config: SpeculativeConfig) -> SuffixConfig:
+    """The suffix drafter's sizes from ``config``'s ``suffix_*`` fields."""
+    return SuffixConfig(
+        max_depth=2 * config.suffix_max_match, max_match=config.suffix_max_match, min_match=config.suffix_min_match,
+        alpha=config.suffix_alpha, min_prob=config.suffix_min_prob, global_tokens=config.suffix_global_tokens,
+    )

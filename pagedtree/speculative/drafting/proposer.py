@@ -69,6 +69,17 @@ class TreeProposer:
     def config(self) -> SpeculativeConfig:
         return self.budget.config
 
+    def set_suffix(self, suffix: SuffixDrafter | None) -> None:
+        """Draft beside the draft models with ``suffix`` from now on (None: without)."""
+        if suffix is None and not self.drafts:
+            raise ValueError("speculation needs a draft model or the suffix drafter")
+        if suffix is not self.suffix and self.suffix is not None:
+            # Its requests' trees are released nowhere while it sits out (a request's
+            # is rebuilt from its tokens when it drafts again).
+            self.suffix.release_all()
+        self.suffix = suffix
+        self.sources = [*self.drafts, *([suffix] if suffix is not None else [])]
+
     def shares(self, request: Request, budget: int) -> list[int]:
         """Each source's node budget for one request: the draft models', then the
         suffix drafter's if there is one.

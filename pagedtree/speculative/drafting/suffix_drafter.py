@@ -188,6 +188,11 @@ class SuffixDrafter:
         self._streams.pop(request_id, None)
         self._planned.pop(request_id, None)
 
+    def release_all(self) -> None:
+        """Forget every request's own tree (the global tree of outputs stays)."""
+        self._streams.clear()
+        self._planned.clear()
+
     @property
     def num_requests(self) -> int:
         """Requests with a tree of their own."""

@@ -3,6 +3,8 @@ when sampling, seeded output equal to plain decoding, nothing leaked."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -180,4 +182,37 @@ def test_a_single_stream_on_a_cpu_drafts_with_the_suffix_drafter_by_default(tiny
               draft_model=str(tiny_llama_draft.path))
     assert llm.engine.speculation.config == stream
     assert _greedy(llm) == reference
+    assert_no_leaks(llm)
+
+
+def test_the_suffix_drafter_switches_off_and_on_beside_a_draft_model(tiny_llama, tiny_llama_draft, reference):
+    """``reconfigure`` to a draft model's preset sits the suffix drafter out (no
+    proposals, its requests' trees released) and back on; outputs stay exact."""
+    from pagedtree.speculative.presets import tree_preset
+
+    spec = SpeculativeConfig(drafter="model+suffix", tree="chain", depth=3, max_nodes=8, adaptive=False)
+    llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=6,
+              draft_model=str(tiny_llama_draft.path), speculative=spec)
+    speculator = llm.engine.speculation
+    suffix = speculator.proposer.suffix
+    assert _greedy(llm) == reference
+    before = llm.stats()["suffix_num_proposals"]
+    assert before > 0
+    speculator.reconfigure(SpeculativeConfig(**tree_preset("chain-3")))
+    assert speculator.proposer.suffix is None and speculator.budget.suffix_tree is None
+    assert suffix.num_requests == 0
+    drafts = llm.stats()["num_drafts"]
+    assert _greedy(llm) == reference
+    stats = llm.stats()
+    assert stats["num_drafts"] > drafts and "suffix_num_proposals" not in stats
+    speculator.reconfigure(spec)
+    assert speculator.proposer.suffix is suffix  # the same drafter, its outputs remembered
+    assert _greedy(llm) == reference
+    assert llm.stats()["suffix_num_proposals"] > before
+    # Other suffix settings: a new drafter with them.
+    speculator.reconfigure(dataclasses.replace(spec, suffix_min_match=2))
+    assert speculator.proposer.suffix is not suffix and speculator.proposer.suffix.config.min_match == 2
+    assert _greedy(llm) == reference
+    with pytest.raises(ValueError, match="drafter 'suffix'"):
+        speculator.reconfigure(SpeculativeConfig(drafter="suffix", max_nodes=8))
     assert_no_leaks(llm)
