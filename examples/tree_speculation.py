@@ -24,8 +24,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=TARGET, help="target model (default: %(default)s)")
     parser.add_argument("--draft-model", default=DRAFT, nargs="+", help="draft model(s) (default: %(default)s)")
-    parser.add_argument("--tree", default="chain", choices=["static", "chain", "dynamic", "sequoia"],
-                        help="tree kind (default: %(default)s, the fastest measured on the 2-core CPU)")
+    parser.add_argument("--tree", default=None, choices=["static", "chain", "dynamic", "sequoia"],
+                        help="tree kind (default: the engine's own speculation; on a CPU, the draft's "
+                             "adaptive chain of 5 beside the suffix drafter)")
+    parser.add_argument("--drafter", default=None, choices=["model", "model+suffix"],
+                        help="where trees come from (default: the engine's own choice)")
     parser.add_argument("--expansion", default=None, help="static expansion, e.g. 2,2,1,1,1,1")
     parser.add_argument("--max-nodes", type=int, default=None, help="node budget per request")
     parser.add_argument("--depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
@@ -38,14 +41,24 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    spec = {"tree": args.tree, "adaptive": not args.no_adaptive}
+    # Only what was asked for: with none of it the engine picks its own default.
+    spec: dict[str, object] = {}
+    if args.tree:
+        spec["tree"] = args.tree
+    if args.drafter:
+        spec["drafter"] = args.drafter
+    if args.no_adaptive:
+        spec["adaptive"] = False
     if args.expansion:
         spec["expansion"] = tuple(int(k) for k in args.expansion.split(","))
     if args.max_nodes:
         spec["max_nodes"] = args.max_nodes
     if args.depth:
         spec["depth"] = args.depth
-    llm = LLM(args.model, draft_model=args.draft_model, speculative=SpeculativeConfig(**spec), max_model_len=2048)
+    llm = LLM(args.model, draft_model=args.draft_model, speculative=SpeculativeConfig(**spec) if spec else None,
+              max_model_len=2048)
+    config = llm.engine.speculation.config
+    described = f"{config.tree}{' + suffix' if config.drafter == 'model+suffix' else ''}, up to {config.max_nodes} nodes"
     tok = llm.get_tokenizer()
     prompts = (PROMPTS * (args.num_prompts // len(PROMPTS) + 1))[: args.num_prompts]
     chats = [
@@ -76,7 +89,7 @@ def main() -> None:
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     mean_len = 1 + accepted / drafts if drafts else 0.0
-    print(f"tree speculation ({args.tree}): {spec_tps:.2f} tokens/s, mean acceptance length {mean_len:.2f}")
+    print(f"tree speculation ({described}): {spec_tps:.2f} tokens/s, mean acceptance length {mean_len:.2f}")
     print(f"plain decoding:   {plain_tps:.2f} tokens/s")
     print(f"speed-up: {spec_tps / plain_tps:.2f}x (same engine, same run, batch 1)")
     if args.temperature == 0:
