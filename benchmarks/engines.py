@@ -156,7 +156,7 @@ def load_pagedtree(options: EngineOptions, max_batch: int | None, max_len: int) 
     if options.draft_model:
         kwargs["draft_model"] = options.draft_model
     if speculating:
-        kwargs["speculative"] = options.spec if options.spec is not None else {}
+        kwargs["speculative"] = options.spec or None  # none given: the engine's default
     started = time.perf_counter()
     llm = LLM(options.model, **kwargs)
     load_seconds = time.perf_counter() - started

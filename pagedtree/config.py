@@ -40,13 +40,13 @@ OFFLOAD_ALL = "all"  # offload_weights_gb: stream every decoder layer from host 
 # A target's resolved offload_weights_gb when it was not given and its GPU cannot hold
 # the weights: stream the fewest layers that leave the rest room.
 OFFLOAD_AUTO = "auto"
-# The speculation an offloaded target runs when the caller gave none (or the default):
+# The speculation an offloaded target runs when the caller gave none:
 # SpecInfer's regime, where a pass streams the weights whatever it verifies, so wide,
 # deep dynamic trees pay; the adaptive budget still sizes each step from the measured
 # (nearly flat) cost curve.
 OFFLOADED_SPECULATION = {"tree": "dynamic", "top_k": 8, "depth": 8, "max_nodes": 64, "adaptive": True}
-# The speculation a single stream on a CPU runs when the caller gave none (or the
-# default): the draft model's adaptive chain of 5 beside the model-free suffix
+# The speculation a single stream on a CPU runs when the caller gave none
+# (``loading.resolve.default_speculation``): the draft model's adaptive chain of 5 beside the model-free suffix
 # drafter, whose trees cost no forward: where the request copies (edits, rewrites of
 # a long prompt) they are verified alone, up to 12 nodes, and the draft model sits the
 # step out, its catch-up of a long prompt never paid. Only suffixes of 3 tokens or
@@ -194,7 +194,9 @@ class EngineConfig:
 
     Tree speculation is on when ``draft_model`` names one draft model or a list of
     them (their trees are merged), or when ``speculative`` picks the suffix drafter; ``speculative`` (a ``SpeculativeConfig`` or a dict
-    of its fields) shapes the trees. Each draft keeps its own KV cache with as many
+    of its fields) shapes the trees, and None leaves them to the engine: a single stream
+    on a CPU runs ``CPU_STREAM_SPECULATION``, an offloaded target
+    ``OFFLOADED_SPECULATION``, anything else ``SpeculativeConfig()``. Each draft keeps its own KV cache with as many
     blocks as the target's plus room for every request's tree branches
     (``num_draft_kv_blocks`` overrides it); on CUDA a cache sized from
     ``gpu_memory_utilization`` leaves room for the drafts' weights, caches and graphs.
@@ -344,8 +346,6 @@ class EngineConfig:
                              "(drafter='suffix' speculates without one)")
         if self.speculative is not None and self.draft_model is not None and self.speculative.drafter == "suffix":
             raise ValueError("drafter='suffix' uses no draft model; pass drafter='model+suffix' to use both")
-        if self.draft_model is not None and self.speculative is None:
-            self.speculative = SpeculativeConfig()
         if self.num_draft_kv_blocks is not None and self.num_draft_kv_blocks < 1:
             raise ValueError(f"num_draft_kv_blocks must be >= 1, got {self.num_draft_kv_blocks}")
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)
@@ -385,7 +385,7 @@ class EngineConfig:
     @property
     def speculation_enabled(self) -> bool:
         """Whether the engine speculates (a draft model, or the suffix drafter)."""
-        return self.speculative is not None and (bool(self.draft_model) or self.speculative.drafter != "model")
+        return bool(self.draft_model) or (self.speculative is not None and self.speculative.drafter != "model")
 
 
 def check_device_name(device: str) -> None:

@@ -79,6 +79,11 @@ def test_spec_options_map_to_the_engine():
     assert kwargs["draft_model"] == ["d"] and kwargs["speculative"]["drafter"] == "model+suffix"
     assert kwargs["speculative"]["max_nodes"] == 6
     assert "speculative" not in engine_kwargs(parser.parse_args(["generate", "x"]))
+    # A draft model and no tree: the engine's own default; a preset: that tree.
+    assert engine_kwargs(parser.parse_args(["generate", "x", "--draft-model", "d"]))["speculative"] is None
+    kwargs = engine_kwargs(parser.parse_args(["generate", "x", "--draft-model", "d", "--spec-preset",
+                                              "adaptive-chain-5"]))
+    assert kwargs["speculative"]["drafter"] == "model" and kwargs["speculative"]["max_nodes"] == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "x", "--spec-preset", "nope"])
 

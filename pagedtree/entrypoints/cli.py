@@ -131,7 +131,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec["max_nodes"] = args.spec_max_nodes
         if getattr(args, "draft_vocab_size", None):
             spec["draft_vocab_size"] = args.draft_vocab_size
-        kwargs["speculative"] = spec
+        kwargs["speculative"] = spec or None  # none asked for: the engine's default
     return kwargs
 
 

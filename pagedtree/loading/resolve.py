@@ -124,6 +124,19 @@ def default_draft_quantization(target_quantization: str | None) -> str | None:
     return "q4-rounded" if target_quantization == "q4" else target_quantization
 
 
+def default_speculation(device: torch.device, workload: str | None, offloaded: bool) -> SpeculativeConfig:
+    """The trees of an engine with draft models whose caller gave none: wide dynamic
+    trees for an offloaded target (a pass streams the weights whatever it verifies),
+    the draft's chain beside the suffix drafter for a single stream on a CPU, the
+    draft's adaptive chain of 5 otherwise (a server, where every request would keep a
+    suffix tree of its prompt, and GPU engines)."""
+    if offloaded:
+        return SpeculativeConfig(**OFFLOADED_SPECULATION)
+    if device.type == "cpu" and (workload or "stream") == "stream":
+        return SpeculativeConfig(**CPU_STREAM_SPECULATION)
+    return SpeculativeConfig()
+
+
 def resolve_config(config: EngineConfig) -> ResolvedConfig:
     """Resolve ``config`` (device, dtypes, formats) and split it by consumer.
 
@@ -153,12 +166,9 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         quantization=target_quantization, device=device, attention_backend=config.attention_backend,
         enforce_eager=config.enforce_eager, load_format=config.load_format, offload_weights_gb=offload,
     )
-    speculative = config.speculative if config.speculation_enabled else None
-    if speculative == SpeculativeConfig():  # the default, for a resident target on a GPU or a server
-        if offload is not None:
-            speculative = SpeculativeConfig(**OFFLOADED_SPECULATION)
-        elif device.type == "cpu" and (config.workload or "stream") == "stream":
-            speculative = SpeculativeConfig(**CPU_STREAM_SPECULATION)
+    speculative = None
+    if config.speculation_enabled:
+        speculative = config.speculative or default_speculation(device, config.workload, offload is not None)
     draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
                                 draft_quantization, device)
     drafts = tuple(

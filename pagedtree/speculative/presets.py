@@ -2,9 +2,9 @@
 
 Each preset is a dict of ``SpeculativeConfig`` fields; the name says the tree kind and
 its node budget, and each says its drafter (switched on one engine, a draft model's
-preset sits the suffix drafter out). ``adaptive`` presets let the engine pick a smaller budget (or none)
-per step from measured costs. (The acceptance priors the budget starts from are in
-``budget/priors.py``.)
+preset sits the suffix drafter out). ``adaptive`` presets let the engine pick a
+smaller budget (or none) per step from measured costs. (The acceptance priors the
+budget starts from are in ``budget/priors.py``.)
 """
 
 from __future__ import annotations

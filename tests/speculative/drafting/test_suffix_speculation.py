@@ -176,8 +176,9 @@ def test_a_single_stream_on_a_cpu_drafts_with_the_suffix_drafter_by_default(tiny
     assert stream.drafter == "model+suffix" and stream.suffix_min_match > 1
     assert resolved() == resolved(workload="stream") == stream
     assert resolved(workload="batch") == SpeculativeConfig()
-    chosen = SpeculativeConfig(tree="chain", depth=3, max_nodes=3)
-    assert resolved(speculative=chosen) == chosen
+    # A tree the caller chose stays as chosen, the chain alone included.
+    for chosen in (SpeculativeConfig(tree="chain", depth=3, max_nodes=3), SpeculativeConfig()):
+        assert resolved(speculative=chosen) == chosen
     llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=6,
               draft_model=str(tiny_llama_draft.path))
     assert llm.engine.speculation.config == stream
