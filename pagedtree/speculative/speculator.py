@@ -66,7 +66,9 @@ class Speculator:
         self.metrics = SpecMetrics()
         self._noise = noise
         self._sized_for_nodes = config.max_nodes
-        self._idle_suffix: SuffixDrafter | None = None  # switched off by ``reconfigure``
+        # The suffix drafter, also while ``reconfigure`` has it sit out (then the
+        # proposer has none): switched back on, it still knows recent outputs.
+        self._suffix = suffix
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -98,16 +100,14 @@ class Speculator:
         self.budget.reconfigure(config)
 
     def _switched_suffix(self, config: SpeculativeConfig) -> SuffixDrafter | None:
-        """The suffix drafter beside the draft models under ``config``: the one running
-        if its settings stay, a new one if they change, the last one kept aside (its
-        memory of outputs with it) while switched off."""
-        current = self.proposer.suffix or self._idle_suffix
+        """The suffix drafter beside the draft models under ``config`` (None: none): the
+        last one while its settings stay, a new one if they change."""
         if config.drafter == "model":
-            self._idle_suffix = current
             return None
-        self._idle_suffix = None
         wanted = _suffix_config(config)
-        return current if current is not None and current.config == wanted else SuffixDrafter(wanted)
+        if self._suffix is None or self._suffix.config != wanted:
+            self._suffix = SuffixDrafter(wanted)
+        return self._suffix
 
     # ----------------------------------------------------------------- step
     def propose(self, plan: StepPlan) -> dict[str, TokenTree]:
