@@ -22,6 +22,7 @@ There is no exploration: the prediction is sane from the first step.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ class CostModel:
 
     prior_seconds_per_forward: float = 0.05
     buckets: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean n, mean s)
+    # The buckets as sorted arrays for ``estimate_many``, rebuilt after a change: the
+    # planner prices a few dozen forwards a step, and rebuilding them each time was
+    # most of its host time.
+    _curve: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def _bucket(num_tokens: float) -> int:
@@ -55,6 +60,7 @@ class CostModel:
         points = [(float(n), float(s)) for n, s in sorted(seconds.items()) if n > 0 and s > 0]
         smoothed = _non_decreasing([s for _, s in points])
         self.buckets = {self._bucket(n): (n, s) for (n, _), s in zip(points, smoothed)}
+        self._curve = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one forward of ``num_tokens`` tokens that took ``seconds``."""
@@ -66,6 +72,7 @@ class CostModel:
             self.buckets[b] = (n0 + _EMA * (num_tokens - n0), s0 + _EMA * (seconds - s0))
         else:
             self.buckets[b] = (float(num_tokens), seconds)
+        self._curve = None
 
     @property
     def has_data(self) -> bool:
@@ -79,12 +86,13 @@ class CostModel:
     def estimate_many(self, num_tokens: np.ndarray) -> np.ndarray:
         """``estimate`` of every entry (0 for entries <= 0)."""
         n = np.asarray(num_tokens, dtype=np.float64)
-        points = sorted(self.buckets.values())
-        if not points:
+        if not self.buckets:
             out = self.prior_seconds_per_forward * np.maximum(1.0, n / 64)
         else:
-            xs = np.asarray([p[0] for p in points])
-            ys = np.asarray([p[1] for p in points])
+            if self._curve is None:
+                points = sorted(self.buckets.values())
+                self._curve = (np.asarray([p[0] for p in points]), np.asarray([p[1] for p in points]))
+            xs, ys = self._curve
             out = np.interp(n, xs, ys)
             # Beyond what was seen: assume compute bound (proportional), never cheaper.
             beyond = n > xs[-1]
@@ -183,40 +191,60 @@ def plan_budgets(
     r = len(ids)
     # Prefill chunks ride along either way; what speculation must beat is decoding's
     # own rate, and what it costs is the pass's growth at the step's actual load.
-    plain_seconds = float(costs.target.estimate(r)) + costs.overhead.plain * r
-    loaded = float(costs.target.estimate(r + other_tokens))
+    plain_seconds, loaded = (float(x) for x in costs.target.estimate_many(np.asarray([r, r + other_tokens])))
+    plain_seconds += costs.overhead.plain * r
     plain_rate = r / max(plain_seconds, 1e-9)
-    best = (plain_rate * margin, 0, 0, plain_seconds)  # (rate to beat, budget, k, seconds)
     candidates = sorted({b for e in expected.values() for b in e if b > 0})
-    ks = np.arange(1, r + 1, dtype=np.float64)
+    if not candidates:
+        return BudgetPlan({i: 0 for i in ids}, plain_rate, plain_rate, plain_seconds, plain_seconds)
+
     def by_gain(b: int) -> list[str]:
         # Most expected tokens first; of equals, those that cost no draft forward.
         return sorted(ids, key=lambda i: (-expected[i].get(b, 0.0), i not in draft_free))
 
-    for b in candidates:
-        order = by_gain(b)
-        gained = np.cumsum([expected[i].get(b, 0.0) for i in order])
-        # The draft models run only for requests that are not draft-free; they feed
-        # those requests' accepted tokens and backlog.
-        drafts_for = np.asarray([i not in draft_free for i in order], dtype=np.float64)
-        drafting = np.cumsum(drafts_for)
-        fed_first = np.cumsum(drafts_for * [expected[i].get(b, 0.0) + (catch_up.get(i, 0.0) if catch_up else 0.0)
-                                            for i in order])
-        seconds = plain_seconds + costs.target.estimate_many(other_tokens + r + ks * b) - loaded
+    # Every candidate budget (rows) and every number k of requests speculating
+    # (columns) priced at once: a step is planned in a few array operations whatever
+    # the candidates and levels, which keeps the planner's host time small beside a
+    # single stream's step.
+    orders = [by_gain(b) for b in candidates]
+    gained = np.cumsum([[expected[i].get(b, 0.0) for i in order] for b, order in zip(candidates, orders)], axis=1)
+    # The draft models run only for requests that are not draft-free; they feed
+    # those requests' accepted tokens and backlog.
+    drafts_for = np.asarray([[i not in draft_free for i in order] for order in orders], dtype=np.float64)
+    drafting = np.cumsum(drafts_for, axis=1)
+    first_feed = [[expected[i].get(b, 0.0) + (catch_up.get(i, 0.0) if catch_up else 0.0) for i in order]
+                  for b, order in zip(candidates, orders)]
+    fed_first = np.cumsum(drafts_for * np.asarray(first_feed), axis=1)
+    ks = np.arange(1, r + 1, dtype=np.float64)
+    budgets_column = np.asarray(candidates, dtype=np.float64)[:, None]
+    seconds = plain_seconds + costs.target.estimate_many(other_tokens + r + ks * budgets_column) - loaded
+    # Draft levels of every candidate in one estimate: the first level also feeds the
+    # tokens accepted last step and any backlog; later levels of one width cost alike
+    # (a chain's are all one node wide).
+    rows, tokens, weights = [], [], []
+    for row, b in enumerate(candidates):
         levels = costs.draft_levels.get(b, ())
-        for level, fed in enumerate(levels):
-            # The first level also feeds the tokens accepted last step and any backlog.
-            tokens = drafting * fed + (fed_first if level == 0 else 0.0)
-            seconds = seconds + costs.draft.estimate_many(tokens)
-        seconds = seconds + costs.overhead.speculating * ks
-        seconds = plain_seconds + (seconds - plain_seconds) * costs.speculation_factor
-        rates = (r + gained) / np.maximum(seconds, 1e-9)
-        k = int(np.argmax(rates))
-        if rates[k] > best[0]:
-            best = (float(rates[k]), b, k + 1, float(seconds[k]))
+        if levels:
+            rows.append(row)
+            tokens.append(drafting[row] * levels[0] + fed_first[row])
+            weights.append(1.0)
+            for fed, count in Counter(levels[1:]).items():
+                rows.append(row)
+                tokens.append(drafting[row] * fed)
+                weights.append(float(count))
+    if rows:
+        draft_seconds = costs.draft.estimate_many(np.asarray(tokens)) * np.asarray(weights)[:, None]
+        np.add.at(seconds, np.asarray(rows), draft_seconds)
+    seconds = seconds + costs.overhead.speculating * ks
+    seconds = plain_seconds + (seconds - plain_seconds) * costs.speculation_factor
+    rates = (r + gained) / np.maximum(seconds, 1e-9)
+    best = (plain_rate * margin, 0, 0, plain_seconds)  # (rate to beat, budget, k, seconds)
+    for row, b in enumerate(candidates):  # the smallest budget of equal rates
+        k = int(np.argmax(rates[row]))
+        if rates[row, k] > best[0]:
+            best = (float(rates[row, k]), b, k + 1, float(seconds[row, k]))
     _, budget, k, chosen_seconds = best
-    order = by_gain(budget) if budget else []
-    chosen = set(order[:k])
+    chosen = set(orders[candidates.index(budget)][:k]) if budget else set()
     budgets = {i: (budget if i in chosen else 0) for i in ids}
     best_rate = best[0] if budget else plain_rate
     return BudgetPlan(budgets, plain_rate, best_rate, plain_seconds, chosen_seconds)

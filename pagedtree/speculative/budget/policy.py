@@ -91,6 +91,7 @@ class BudgetPolicy:
         self.suffix_factor = 1.0
         self._free_predicted: dict[str, float] = {}
         self._shapes: dict[int, TreeShape] = {}
+        self._levels: dict[int, tuple[int, ...]] = {}  # budget -> fed per level (``_draft_levels``)
         self._verifications_since_refresh = 0
         self.num_steps_speculation_off = 0
         self.last_budget = config.max_nodes
@@ -106,6 +107,7 @@ class BudgetPolicy:
         """New tree settings: forget shapes and what was learnt about acceptance (costs stay)."""
         self.config = config
         self._shapes.clear()
+        self._levels.clear()
         self.tables = {c: AcceptanceTable(self.prior[c]) for c in REQUEST_CLASSES}
         self.evidence.clear()
         self.calibration = {c: PlanCalibration() for c in REQUEST_CLASSES}
@@ -125,6 +127,14 @@ class BudgetPolicy:
                 shape = optimal_shape(self._rates(), budget, cfg.depth)
             self._shapes[budget] = shape
         return shape
+
+    def _draft_levels(self, budget: int) -> tuple[int, ...]:
+        """Nodes the draft models feed per level for one request at ``budget`` (cached
+        with the shape it is read from)."""
+        levels = self._levels.get(budget)
+        if levels is None:
+            levels = self._levels[budget] = tuple(self.num_drafts * f for f in fed_per_level(self.shape_for(budget)))
+        return levels
 
     def _rates(self) -> tuple[float, ...]:
         return self.config.acceptance_rates or self.rank_acceptance.rates()
@@ -154,8 +164,7 @@ class BudgetPolicy:
             return {r.request_id: cfg.max_nodes for r in requests}
         candidates = self.candidate_budgets()
         expected = {r.request_id: self._expected(r, candidates) for r in requests}
-        model_levels = {b: [self.num_drafts * f for f in fed_per_level(self.shape_for(b))] for b in candidates} \
-            if self.num_drafts else {}
+        model_levels = {b: self._draft_levels(b) for b in candidates} if self.num_drafts else {}
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
             if self.draft_backlog is not None else None
         costs = StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels, self.speculation_factor)
@@ -307,6 +316,7 @@ class BudgetPolicy:
             if self._verifications_since_refresh >= _SEQUOIA_REFRESH:
                 self._verifications_since_refresh = 0
                 self._shapes.clear()
+                self._levels.clear()
 
     def observe_no_verification(self, request_ids: Sequence[str]) -> None:
         """Requests that decoded without a tree this step: their old evidence fades,
