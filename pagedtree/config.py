@@ -101,6 +101,11 @@ class SpeculativeConfig:
     weights, the target still scores every token, so outputs are unchanged; only
     tokens outside the set cannot be drafted. None keeps the whole vocabulary.
 
+    ``draft_min_prob`` (llama.cpp's ``--draft-p-min``; 0 = off) ends a branch of the
+    draft models' trees below a token the draft proposed with less than this
+    probability: the token is still verified, nothing is drafted below it, so an
+    unsure draft stops early and costs fewer draft forwards and verify rows.
+
     ``draft_sampling`` is how children are drawn for requests that sample
     (temperature > 0) in static/chain/sequoia trees: ``"without_replacement"``,
     ``"iid"`` or ``"topk"`` (deterministic); verification uses the matching rule.
@@ -126,6 +131,7 @@ class SpeculativeConfig:
     suffix_min_prob: float = 0.1
     suffix_global_tokens: int = 16384
     draft_vocab_size: int | None = None
+    draft_min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size is not None and (
@@ -153,6 +159,9 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_alpha must be in (0, 64], got {self.suffix_alpha!r}")
         if not isinstance(self.suffix_min_prob, (int, float)) or not 0 <= self.suffix_min_prob <= 1:
             raise ValueError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob!r}")
+        if isinstance(self.draft_min_prob, bool) or not isinstance(self.draft_min_prob, (int, float)) \
+                or not 0 <= self.draft_min_prob < 1:
+            raise ValueError(f"draft_min_prob must be in [0, 1), got {self.draft_min_prob!r}")
         self.expansion = tuple(self.expansion)
         if not self.expansion or any(not isinstance(k, int) or k < 1 for k in self.expansion):
             raise ValueError(f"expansion must be a non-empty list of positive integers, got {self.expansion}")

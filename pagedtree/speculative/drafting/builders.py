@@ -8,6 +8,7 @@ KV blocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +75,14 @@ class TreeBuilder:
     ``rule`` is how children are proposed: ``"topk"``, ``"iid"``,
     ``"without_replacement"``, or ``"coupled"`` (the top tokens of the draft's
     log-probabilities plus ``noise(depth)``, the request's seeded Gumbel noise).
+
+    ``min_prob`` (llama.cpp's ``--draft-p-min``): a child whose score increment is
+    below ``log(min_prob)`` (a draft probability, or for coupled proposals the
+    probability of being the noisy argmax) stays in the tree but is not fed, so
+    nothing is drafted below it: where the draft is unsure, the levels below would
+    rarely be accepted. Which nodes grow depends only on their own paths, so each
+    node's children are still drawn from the draft's distribution there, which is
+    all verification needs.
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class TreeBuilder:
         generator: torch.Generator | None,
         noise: NoiseForDepth | None = None,
         grammar: RequestGrammar | None = None,
+        min_prob: float = 0.0,
     ):
         # Greedy requests verify by argmax: their children are always the draft's top tokens.
         rule = "topk" if params.greedy else rule
@@ -95,6 +105,7 @@ class TreeBuilder:
         self.generator = generator
         self.noise = noise
         self.grammar = grammar
+        self.min_increment = math.log(min_prob) if min_prob > 0 else -math.inf
 
     def _stage_children(self, node: int, logits: torch.Tensor, k: int) -> StagedChildren:
         """Draw up to ``k`` children below ``node`` on the device (``stage_children``).
@@ -116,6 +127,10 @@ class TreeBuilder:
         noise = self.noise(depth) if self.rule == "coupled" else None
         tokens, increments, draw = stage_children(logprobs, k, self.rule, self.generator, noise)
         return StagedChildren(node, tokens, increments, draw)
+
+    def _confident(self, staged: StagedChildren, index: int) -> bool:
+        """Whether the ``index``-th child of ``staged`` may be fed (see ``min_prob``)."""
+        return staged.host_increments[index] >= self.min_increment
 
     def _add_children(self, staged: StagedChildren) -> list[int | None]:
         """Add the read-back children below their node; returns, per proposal, its new
@@ -162,8 +177,8 @@ class ShapeTreeBuilder(TreeBuilder):
     """
 
     def __init__(self, shape: TreeShape, root_token: int, params: SamplingParams, rule: str, generator,
-                 noise: NoiseForDepth | None = None, grammar: RequestGrammar | None = None):
-        super().__init__(root_token, params, rule, generator, noise, grammar)
+                 noise: NoiseForDepth | None = None, grammar: RequestGrammar | None = None, min_prob: float = 0.0):
+        super().__init__(root_token, params, rule, generator, noise, grammar, min_prob)
         self.shape = shape
         self._children = {ROOT: []}
         for i, p in enumerate(shape.parents):
@@ -228,11 +243,11 @@ class ShapeTreeBuilder(TreeBuilder):
         to_feed = []
         for children in staged:
             shape_kids = self._children[self._shape_node[children.node]]
-            for tree_node, shape_node in zip(self._add_children(children), shape_kids):
+            for index, (tree_node, shape_node) in enumerate(zip(self._add_children(children), shape_kids)):
                 if tree_node is None:
                     continue
                 self._shape_node[tree_node] = shape_node
-                if self._children[shape_node]:
+                if self._children[shape_node] and self._confident(children, index):
                     to_feed.append(tree_node)
         return to_feed
 
@@ -246,10 +261,11 @@ class DynamicTreeBuilder(TreeBuilder):
     """
 
     def __init__(self, top_k: int, depth: int, max_nodes: int, root_token: int, params: SamplingParams,
-                 rule: str = "topk", noise: NoiseForDepth | None = None, grammar: RequestGrammar | None = None):
+                 rule: str = "topk", noise: NoiseForDepth | None = None, grammar: RequestGrammar | None = None,
+                 min_prob: float = 0.0):
         if rule not in ("topk", "coupled"):
             raise ValueError(f"dynamic trees propose deterministic children, not {rule!r}")
-        super().__init__(root_token, params, rule, None, noise, grammar)
+        super().__init__(root_token, params, rule, None, noise, grammar, min_prob)
         self.top_k = top_k
         self.depth = depth
         self.max_nodes = max_nodes
@@ -260,7 +276,8 @@ class DynamicTreeBuilder(TreeBuilder):
     def grow(self, staged: Sequence[StagedChildren]) -> list[int]:
         frontier = []
         for children in staged:
-            frontier.extend(n for n in self._add_children(children) if n is not None)
+            nodes = self._add_children(children)
+            frontier.extend(n for i, n in enumerate(nodes) if n is not None and self._confident(children, i))
         if not frontier or self.tree.depths[frontier[0]] >= self.depth:
             return []
         scores = self.tree.scores

@@ -212,8 +212,10 @@ class TreeProposer:
         root = request.output_token_ids[-1]
         grammar = request.grammar
         if cfg.tree == "dynamic":
-            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, root, params, rule, noise, grammar)
-        return ShapeTreeBuilder(self.budget.shape_for(budget), root, params, rule, generator, noise, grammar)
+            return DynamicTreeBuilder(cfg.top_k, cfg.depth, budget, root, params, rule, noise, grammar,
+                                      cfg.draft_min_prob)
+        return ShapeTreeBuilder(self.budget.shape_for(budget), root, params, rule, generator, noise, grammar,
+                                cfg.draft_min_prob)
 
     def _noise_for(self, request: Request) -> Callable[[int], torch.Tensor]:
         """Depth of the children to propose -> the request's noise at that position."""

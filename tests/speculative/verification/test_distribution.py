@@ -46,6 +46,12 @@ def _builder(kind: str, rule: str, generator):
         return ShapeTreeBuilder(TreeShape.chain(2), 0, params, rule, generator)
     if kind == "sequoia":
         return ShapeTreeBuilder(optimal_shape((0.5, 0.3, 0.2), 6, 2), 0, params, rule, generator)
+    # Branches that end below a token drawn with less than 0.25 (``draft_min_prob``):
+    # which nodes grow depends on what was drawn.
+    if kind == "static-unsure":
+        return ShapeTreeBuilder(TreeShape.from_expansion((3, 2), 16), 0, params, rule, generator, min_prob=0.25)
+    if kind == "dynamic-unsure":
+        return DynamicTreeBuilder(3, 2, 5, 0, params, min_prob=0.25)
     return DynamicTreeBuilder(3, 2, 5, 0, params)
 
 
@@ -99,10 +105,11 @@ def _pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
 # stream (0.046 per draw) reaches 92 against 43.
 FAST_DRAWS = 2000
 SINGLE_TREE_FAST_DRAWS = 1000
-FAST_CASES = [("static", "iid"), ("static", "without_replacement"), ("static", "topk"), ("dynamic", "topk")]
+FAST_CASES = [("static", "iid"), ("static", "without_replacement"), ("static", "topk"), ("dynamic", "topk"),
+              ("static-unsure", "without_replacement")]
 SLOW_CASES = [
     (k, r) for k, r in itertools.product(["chain", "sequoia"], ["iid", "without_replacement", "topk"])
-]
+] + [("static-unsure", "iid"), ("static-unsure", "topk"), ("dynamic-unsure", "topk")]
 
 
 @pytest.mark.parametrize(
