@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,6 +56,9 @@ OFFLOADED_SPECULATION = {"tree": "dynamic", "top_k": 8, "depth": 8, "max_nodes":
 # 0.14 s of Python for 4,096 tokens).
 CPU_STREAM_SPECULATION = {"drafter": "model+suffix", "tree": "chain", "depth": 5, "max_nodes": 12,
                           "adaptive": True, "suffix_min_match": 3}
+# ``SpeculativeConfig`` fields that say how the draft models draft, not what trees
+# to grow: ``EngineConfig.draft_settings`` takes them over whatever speculation runs.
+DRAFT_SETTINGS = ("draft_vocab_size", "draft_min_prob")
 # Formats whose kernels take bf16 activations (the others take fp32).
 BF16_QUANTIZATIONS = ("int8", "int4")
 MAX_TENSOR_PARALLEL = 64
@@ -209,6 +213,9 @@ class EngineConfig:
     blocks as the target's plus room for every request's tree branches
     (``num_draft_kv_blocks`` overrides it); on CUDA a cache sized from
     ``gpu_memory_utilization`` leaves room for the drafts' weights, caches and graphs.
+    ``draft_settings`` (a dict of ``DRAFT_SETTINGS`` fields: ``draft_vocab_size``,
+    ``draft_min_prob``) applies over the trees, given or the engine's own, so that a
+    cut draft head keeps the default trees.
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
     ``structured_output_limits`` bounds what a request's ``structured_outputs`` may
@@ -289,6 +296,7 @@ class EngineConfig:
     draft_dtype: str | torch.dtype | None = None
     draft_quantization: str | None = None
     speculative: SpeculativeConfig | None = None
+    draft_settings: dict[str, Any] | None = None
     num_draft_kv_blocks: int | None = None
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int | None = None
@@ -350,6 +358,15 @@ class EngineConfig:
             if not self.draft_model or not all(isinstance(d, str) for d in self.draft_model):
                 raise ValueError("draft_model must be a model name/path or a non-empty list of them")
         self.speculative = _as_config(self.speculative, SpeculativeConfig, "speculative")
+        if self.draft_settings is not None:
+            if not isinstance(self.draft_settings, Mapping) or not set(self.draft_settings) <= set(DRAFT_SETTINGS):
+                raise ValueError(f"draft_settings must be a dict of {DRAFT_SETTINGS}, got {self.draft_settings!r}")
+            if self.draft_model is None:
+                raise ValueError("draft_settings are set but no draft_model was given")
+            self.draft_settings = dict(self.draft_settings)
+            _as_config(self.draft_settings, SpeculativeConfig, "draft_settings")  # the values' checks
+            if self.speculative is not None:
+                self.speculative = dataclasses.replace(self.speculative, **self.draft_settings)
         if self.speculative is not None and self.draft_model is None and self.speculative.drafter != "suffix":
             raise ValueError("speculative is set but no draft_model was given "
                              "(drafter='suffix' speculates without one)")

@@ -86,6 +86,13 @@ def test_spec_options_map_to_the_engine():
     assert kwargs["speculative"]["drafter"] == "model" and kwargs["speculative"]["max_nodes"] == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "x", "--spec-preset", "nope"])
+    # How the drafts draft is no tree: the engine's default trees take it.
+    kwargs = engine_kwargs(parser.parse_args(["generate", "x", "--draft-model", "d", "--draft-min-prob", "0.5",
+                                              "--draft-vocab-size", "4096"]))
+    assert kwargs["speculative"] is None
+    assert kwargs["draft_settings"] == {"draft_min_prob": 0.5, "draft_vocab_size": 4096}
+    assert engine_kwargs(parser.parse_args(["serve", "--draft-min-prob", "0.5"]))["draft_settings"] == {
+        "draft_min_prob": 0.5}  # refused by the engine: no draft model
 
 
 def test_models_list(capsys):

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from pagedtree.config import QUANTIZATIONS, WORKLOADS
+from pagedtree.config import DRAFT_SETTINGS, QUANTIZATIONS, WORKLOADS
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
 from pagedtree.speculative.presets import TREE_PRESETS, tree_preset
@@ -75,6 +75,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-vocab-size", type=int, default=None,
                       help="cut the drafts' LM heads to this many of the most frequent token ids plus the special "
                            "tokens (e.g. 65536; default: the whole vocabulary)")
+    spec.add_argument("--draft-min-prob", type=float, default=None,
+                      help="end a draft branch below a token drafted with less than this probability "
+                           "(llama.cpp's --draft-p-min; default 0: off)")
 
 
 def _offload_amount(text: str) -> float | str:
@@ -129,9 +132,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec["depth"] = args.spec_depth
         if args.spec_max_nodes:
             spec["max_nodes"] = args.spec_max_nodes
-        if getattr(args, "draft_vocab_size", None):
-            spec["draft_vocab_size"] = args.draft_vocab_size
-        kwargs["speculative"] = spec or None  # none asked for: the engine's default
+        kwargs["speculative"] = spec or None  # no tree asked for: the engine's default
+    # How the drafts draft, over whichever trees run (the default's too); without a
+    # draft model the engine refuses them.
+    settings = {name: getattr(args, name, None) for name in DRAFT_SETTINGS}
+    settings = {name: value for name, value in settings.items() if value is not None}
+    if settings:
+        kwargs["draft_settings"] = settings
     return kwargs
 
 

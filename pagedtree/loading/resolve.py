@@ -169,6 +169,8 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     speculative = None
     if config.speculation_enabled:
         speculative = config.speculative or default_speculation(device, config.workload, offload is not None)
+        if config.draft_settings:
+            speculative = dataclasses.replace(speculative, **config.draft_settings)
     draft_dtype = resolve_dtype(config.draft_dtype if config.draft_dtype is not None else config.dtype,
                                 draft_quantization, device)
     drafts = tuple(

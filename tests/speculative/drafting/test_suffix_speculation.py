@@ -179,6 +179,16 @@ def test_a_single_stream_on_a_cpu_drafts_with_the_suffix_drafter_by_default(tiny
     # A tree the caller chose stays as chosen, the chain alone included.
     for chosen in (SpeculativeConfig(tree="chain", depth=3, max_nodes=3), SpeculativeConfig()):
         assert resolved(speculative=chosen) == chosen
+    # How the drafts draft applies over either: the default's trees stay the default's.
+    settings = {"draft_min_prob": 0.5, "draft_vocab_size": 64}
+    assert resolved(draft_settings=settings) == SpeculativeConfig(**CPU_STREAM_SPECULATION, **settings)
+    assert resolved(draft_settings=settings, workload="batch") == SpeculativeConfig(**settings)
+    assert resolved(draft_settings=settings, speculative={"depth": 3}) == SpeculativeConfig(depth=3, **settings)
+    for bad in ({"depth": 3}, {"draft_min_prob": 2.0}, [("draft_min_prob", 0.5)]):
+        with pytest.raises(ValueError, match="draft_settings|draft_min_prob"):
+            resolved(draft_settings=bad)
+    with pytest.raises(ValueError, match="no draft_model"):
+        EngineConfig(model=str(tiny_llama.path), draft_settings={"draft_min_prob": 0.5})
     llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=6,
               draft_model=str(tiny_llama_draft.path))
     assert llm.engine.speculation.config == stream
