@@ -2,7 +2,8 @@
 
 Loads the target and the draft once, then alternates plain decoding and every
 configuration (a preset of ``pagedtree.speculative.presets``, or ``default`` for the
-engine's own speculative config) round after round, each round starting one arm
+engine's own speculative config; either followed by ``@field=value`` settings of
+``SpeculativeConfig``, as in ``default@draft_min_prob=0.5``) round after round, each round starting one arm
 later, so slow drifts of a noisy machine hit every arm alike. A draft model's preset
 on an engine that also runs the suffix drafter (a CPU stream's default) sits the
 suffix drafter out, so ``--configs adaptive-chain-5,default`` compares the chain
@@ -12,6 +13,7 @@ median tokens/s over the rounds, the ratio to plain decoding of the same rounds,
 drafts, accepted tokens and the mean acceptance length.
 
     python benchmarks/spec_ab.py --datasets prose --configs default --rounds 5
+    python benchmarks/spec_ab.py --configs default,default@draft_min_prob=0.5 --datasets prose,coding
     python benchmarks/spec_ab.py --dtype bfloat16 --quantization none --datasets prose --rounds 5
 
 Presets that change what is loaded (``draft_vocab_size``) need their own engine:
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default=None, help="default: the model's own (a GGUF file: q4 on CPU)")
     parser.add_argument("--load-spec", default="{}", help="the engine's SpeculativeConfig fields as JSON")
     parser.add_argument("--configs", default="default",
-                        help="comma-separated preset names, or 'default' (the engine's own config)")
+                        help="comma-separated preset names, or 'default' (the engine's own config), each "
+                             "optionally followed by @field=value settings")
     parser.add_argument("--datasets", default="coding,prose", help="from coding, prose, edit")
     parser.add_argument("--num-prompts", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=48)
@@ -65,11 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     arms: dict[str, SpeculativeConfig | None] = {"plain": None}
     for name in args.configs.split(","):
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        if name != "default":
-            fields.update(tree_preset(name))
+        preset, *settings = name.split("@")
+        if preset != "default":
+            fields.update(tree_preset(preset))
+        for setting in settings:
+            field, _, value = setting.partition("=")
+            if field not in fields or not value:
+                parser.error(f"{setting!r} in {name!r} is not a SpeculativeConfig field=value")
+            try:
+                fields[field] = json.loads(value)
+            except json.JSONDecodeError:
+                fields[field] = value  # a string field (tree, drafter, ...)
         if fields.get("draft_vocab_size") != base.draft_vocab_size:
             parser.error(f"{name} cuts the draft vocabulary: load it with --load-spec")
-        arms[name] = SpeculativeConfig(**fields)
+        try:
+            arms[name] = SpeculativeConfig(**fields)
+        except ValueError as exc:
+            parser.error(f"{name}: {exc}")
     tokenizer = llm.get_tokenizer()
     prompts = {d: [chat_token_ids(tokenizer, chat) for chat in PROMPT_SETS[d][: args.num_prompts]]
                for d in args.datasets.split(",")}
