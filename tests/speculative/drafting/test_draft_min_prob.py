@@ -14,7 +14,8 @@ from pagedtree import LLM, SamplingParams
 from pagedtree.speculative import SpeculativeConfig
 from pagedtree.speculative.drafting.builders import DynamicTreeBuilder, ShapeTreeBuilder
 from pagedtree.speculative.tree import ROOT, TreeShape
-from tests.conftest import assert_no_leaks, random_prompts
+from tests.conftest import random_prompts
+from tests.speculative.drafting.test_whole_drafts import _run as run_drafts
 
 
 def _logits(probs: list[float]) -> torch.Tensor:
@@ -55,28 +56,6 @@ def test_draft_min_prob_is_validated(value):
         SpeculativeConfig(draft_min_prob=value)
 
 
-def _run(model, draft, speculative: SpeculativeConfig | None, params, prompts, whole: bool = False):
-    llm = LLM(str(model.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=4, seed=3,
-              draft_model=[str(draft.path)] if speculative is not None else None, speculative=speculative)
-    trees = []
-    if speculative is not None:
-        worker = llm.engine.speculation.drafts[0]
-        worker.whole_drafts = whole
-        proposer = llm.engine.speculation.proposer
-        propose = type(proposer).propose
-
-        def recorded(requests_and_budgets):
-            found = propose(proposer, requests_and_budgets)
-            trees.append(sorted((rid, tuple(t.tokens), tuple(t.parents)) for rid, t in found.items()))
-            return found
-
-        proposer.propose = recorded
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.stats()
-    assert_no_leaks(llm)
-    return [[c.token_ids for c in o.outputs] for o in outs], stats, trees
-
-
 def test_the_engine_drafts_less_where_unsure_and_keeps_its_outputs(tiny_llama, tiny_llama_draft):
     """Greedy and seeded sampling: the tokens of plain decoding (greedy) and of the
     run without the threshold (seeded: the target's draws decide), fewer draft
@@ -90,15 +69,19 @@ def test_the_engine_drafts_less_where_unsure_and_keeps_its_outputs(tiny_llama, t
     # A threshold between the tiny draft's usual top probabilities, so that some
     # branches stop and others go on.
     unsure = SpeculativeConfig(tree="chain", depth=4, max_nodes=4, adaptive=False, draft_min_prob=0.02)
-    plain, _, _ = _run(tiny_llama, tiny_llama_draft, None, params, prompts)
-    full, full_stats, _ = _run(tiny_llama, tiny_llama_draft, chain, params, prompts)
-    cut, cut_stats, cut_trees = _run(tiny_llama, tiny_llama_draft, unsure, params, prompts)
+    plain_llm = LLM(str(tiny_llama.path), dtype="float32", device="cpu", block_size=4, max_num_seqs=4, seed=3)
+    plain = [[c.token_ids for c in o.outputs] for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    full, full_stats, _, _ = run_drafts(tiny_llama, tiny_llama_draft, False, params, prompts, speculative=chain)
+    cut, cut_stats, _, cut_trees = run_drafts(tiny_llama, tiny_llama_draft, False, params, prompts,
+                                              speculative=unsure)
     assert cut[0] == full[0] == plain[0] and cut[2] == full[2] == plain[2]
     assert cut[1] == full[1]  # seeded: the coupled draws give the same tokens whatever is drafted
     assert 0 < cut_stats["num_draft_forward_passes"] < full_stats["num_draft_forward_passes"]
     assert 0 < cut_stats["num_draft_tokens"] < full_stats["num_draft_tokens"]
     depths = {len(tokens) for step in cut_trees for _, tokens, _ in step}
     assert 1 in depths and max(depths) > 1  # some chains stopped at once, some went on
-    whole, whole_stats, whole_trees = _run(tiny_llama, tiny_llama_draft, unsure, params, prompts, whole=True)
+    whole, whole_stats, whole_jobs, whole_trees = run_drafts(tiny_llama, tiny_llama_draft, True, params, prompts,
+                                                             speculative=unsure)
+    assert whole_jobs  # the whole path ran
     assert whole == cut and whole_trees == cut_trees
     assert whole_stats["num_accepted_tokens"] == cut_stats["num_accepted_tokens"]
