@@ -362,7 +362,8 @@ class EngineConfig:
             if not isinstance(self.draft_settings, Mapping) or not set(self.draft_settings) <= set(DRAFT_SETTINGS):
                 raise ValueError(f"draft_settings must be a dict of {DRAFT_SETTINGS}, got {self.draft_settings!r}")
             if self.draft_model is None:
-                raise ValueError("draft_settings are set but no draft_model was given")
+                raise ValueError(f"draft_settings ({', '.join(self.draft_settings)}) are set but no draft_model "
+                                 "was given")
             self.draft_settings = dict(self.draft_settings)
             _as_config(self.draft_settings, SpeculativeConfig, "draft_settings")  # the values' checks
             if self.speculative is not None:
