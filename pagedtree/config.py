@@ -10,9 +10,9 @@ held together in ``ResolvedConfig``. Each component takes only its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
