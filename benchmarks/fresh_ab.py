@@ -15,7 +15,8 @@ host's time between steps.
     python benchmarks/fresh_ab.py --dataset coding --spec '{"draft_min_prob": 0.5}' --rounds 4
 
 One process takes about a minute for the default pair (load included). Run it on a
-quiet machine: processes of a noisy one differ by several percent.
+quiet machine: processes of a noisy one differ by several percent. Steps run in order
+(a CUDA engine's async scheduling off), so that every step is timed and classed.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def run_one(args: argparse.Namespace, speculative: bool) -> list[dict]:
         return result
 
     engine.step_runner.execute = timed
+    # Steps launched ahead of their readback (a CUDA engine's plain steps) bypass
+    # ``execute``: every step runs in order here, so that every step is classed.
+    engine.set_async_scheduling(False)
     prompts = [chat_token_ids(run.llm.get_tokenizer(), chat) for chat in PROMPT_SETS[args.dataset]][:args.num_prompts]
     run([prompts[0]], args.temperatures[0], 8)  # warm-up
     records = []
