@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,12 @@ def test_generate_with_the_suffix_drafter(tiny_text_model, capsys):
     code = main(["generate", "Hello world, hello world, hello", "--model", str(tiny_text_model.path),
                  "--max-tokens", "8", "--ignore-eos", "--dtype", "float32", "--spec-drafter", "suffix"])
     assert code == 0
-    assert "tree speculation: mean acceptance length" in capsys.readouterr().out
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tree speculation:"))
+    match = re.fullmatch(r"tree speculation: (\d+) drafts, mean acceptance length ([\d.]+), (\d+) target passes", line)
+    assert match, line
+    # This run's passes alone (not the load's calibration): the prompt's, then one per
+    # remaining token at most.
+    assert 1 <= int(match[3]) <= 8
 
 
 def test_worker_without_a_rendezvous_is_a_clear_error(capsys, monkeypatch):

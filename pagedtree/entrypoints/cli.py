@@ -208,6 +208,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
+    # The load's calibration and warm-up ran forwards too: report this run's alone.
+    before = llm.stats()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     elapsed = time.perf_counter() - started
@@ -219,8 +221,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"{num_tokens} tokens in {elapsed:.2f}s: {num_tokens / elapsed:.2f} tokens/s")
     stats = llm.stats()
     if "mean_acceptance_length" in stats:
-        print(f"tree speculation: mean acceptance length {stats['mean_acceptance_length']:.2f}, "
-              f"{stats['num_target_forward_passes']} target passes")
+        drafts = stats["num_drafts"] - before["num_drafts"]
+        accepted = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+        passes = stats["num_target_forward_passes"] - before["num_target_forward_passes"]
+        length = 1 + accepted / drafts if drafts else 0.0
+        print(f"tree speculation: {drafts} drafts, mean acceptance length {length:.2f}, {passes} target passes")
     return 0
 
 
