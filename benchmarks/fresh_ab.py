@@ -16,7 +16,9 @@ host's time between steps.
 
 One process takes about a minute for the default pair (load included). Run it on a
 quiet machine: processes of a noisy one differ by several percent. Steps run in order
-(a CUDA engine's async scheduling off), so that every step is timed and classed.
+(a CUDA engine's async scheduling off), so that every step is timed and classed, and
+prefix caching is off, as ``compare.py`` runs every engine (the temperatures repeat
+the same prompts, which a prefix cache would then hold).
 """
 
 from __future__ import annotations
