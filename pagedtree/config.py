@@ -10,7 +10,6 @@ held together in ``ResolvedConfig``. Each component takes only its own.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -214,8 +213,8 @@ class EngineConfig:
     (``num_draft_kv_blocks`` overrides it); on CUDA a cache sized from
     ``gpu_memory_utilization`` leaves room for the drafts' weights, caches and graphs.
     ``draft_settings`` (a dict of ``DRAFT_SETTINGS`` fields: ``draft_vocab_size``,
-    ``draft_min_prob``) applies over the trees, given or the engine's own, so that a
-    cut draft head keeps the default trees.
+    ``draft_min_prob``) applies over the trees, given or the engine's own, when the
+    config is resolved, so that a cut draft head keeps the default trees.
 
     ``max_logprobs`` caps ``SamplingParams.logprobs`` (vLLM's default, 20).
     ``structured_output_limits`` bounds what a request's ``structured_outputs`` may
@@ -366,8 +365,6 @@ class EngineConfig:
                                  "was given")
             self.draft_settings = dict(self.draft_settings)
             _as_config(self.draft_settings, SpeculativeConfig, "draft_settings")  # the values' checks
-            if self.speculative is not None:
-                self.speculative = dataclasses.replace(self.speculative, **self.draft_settings)
         if self.speculative is not None and self.draft_model is None and self.speculative.drafter != "suffix":
             raise ValueError("speculative is set but no draft_model was given "
                              "(drafter='suffix' speculates without one)")
