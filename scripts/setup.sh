@@ -30,15 +30,23 @@ echo "[setup] installing torch==2.13.0, triton==3.7.1 and pagedtree"
 # aiohttp, pydantic 2 and requests at run time, all installed above.
 "${PIP[@]}" --no-deps "text-generation>=0.7"
 # ggml (llama.cpp's kernels, the "ggml" weight format) is built from source for this
-# CPU: -march=native, so the wheel is never cached for another machine. Without
-# OpenMP ggml runs its own thread pool, whose threads sleep between products while
-# torch's OpenMP threads work. About a minute on 2 cores; skipped when this CPU's
-# build is already installed.
-if ! .venv/bin/python -c "import ggml" 2>/dev/null || [ "$(cat .venv/.ggml-cpu 2>/dev/null)" != "$(grep -m1 '^flags' /proc/cpuinfo | md5sum)" ]; then
-  echo "[setup] building ggml-python==0.0.45 for this CPU (about a minute)"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
-    "${PIP[@]}" --no-cache-dir --no-binary ggml-python --force-reinstall --no-deps "ggml-python==0.0.45"
-  grep -m1 '^flags' /proc/cpuinfo | md5sum > .venv/.ggml-cpu
+# CPU: -march=native, so pip's cache never holds it. Without OpenMP ggml runs its own
+# thread pool, whose threads sleep between products while torch's OpenMP threads work.
+# About a minute on 2 cores, once per CPU and Python: the wheel is kept under
+# ~/.cache/pagedtree keyed by both, and a later .venv on this machine installs it.
+cpu_key="$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+if ! .venv/bin/python -c "import ggml" 2>/dev/null || [ "$(cat .venv/.ggml-cpu 2>/dev/null)" != "$cpu_key" ]; then
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/pagedtree/ggml-wheels/ggml-python-0.0.45-$cpu_key"
+  if ! ls "$wheels"/ggml_python-*.whl >/dev/null 2>&1 \
+      || ! "${PIP[@]}" --force-reinstall --no-deps "$wheels"/ggml_python-*.whl; then
+    echo "[setup] building ggml-python==0.0.45 for this CPU (about a minute)"
+    rm -rf "$wheels"
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
+      .venv/bin/python -m pip wheel --disable-pip-version-check -q --no-cache-dir --no-binary ggml-python \
+      --no-deps -w "$wheels" "ggml-python==0.0.45"
+    "${PIP[@]}" --force-reinstall --no-deps "$wheels"/ggml_python-*.whl
+  fi
+  echo "$cpu_key" > .venv/.ggml-cpu
 fi
 
 if [ -n "$models" ]; then
