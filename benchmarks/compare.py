@@ -72,6 +72,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedtree.loadgen.datasets import PROMPT_SETS, chat_token_ids
+from pagedtree.process_env import foreign_environment
 from pagedtree.speculative.presets import tree_preset
 
 HERE = Path(__file__).resolve().parent
@@ -267,7 +268,7 @@ def vllm_env(python: str, reserved_cpus: int | None = None) -> dict[str, str]:
     ``reserved_cpus`` sets ``VLLM_CPU_NUM_OF_RESERVED_CPU``: by default vLLM keeps one
     core per worker for its scheduler process and binds compute threads to the rest.
     """
-    env = dict(os.environ)
+    env = foreign_environment()
     if reserved_cpus is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
     preload = []
@@ -321,7 +322,12 @@ def run_engine(args: argparse.Namespace, spec: EngineSpec, model: Path, draft: P
         cmd += ["--engine-workload", spec.engine_workload]
     if getattr(args, "keep_suffix_cache", False) and spec.engine == "pagedtree":
         cmd.append("--keep-suffix-cache")
-    env = vllm_env(spec.python, args.vllm_reserved_cpus) if spec.engine == "vllm" else dict(os.environ)
+    if spec.engine == "vllm":
+        env = vllm_env(spec.python, args.vllm_reserved_cpus)
+    elif spec.engine == "pagedtree":
+        env = dict(os.environ)
+    else:  # another engine gets the environment as it was before pagedtree's import set its defaults
+        env = foreign_environment()
     if spec.quantization in ("q4", "q8", "ggml") or spec.engine_workload is not None:  # may run q4
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see pagedtree/worker/models/block_quant.py, "Threads"
     started = time.perf_counter()

@@ -1,6 +1,5 @@
 """pagedtree: an LLM inference engine with paged KV cache and tree speculative decoding."""
 
-import os
 import sys
 
 # OpenMP reads its wait policy once, when torch loads it: passive (threads sleep after
@@ -9,8 +8,10 @@ import sys
 # spinning OpenMP threads held the cores they needed (the Qwen2.5 1.5B in q4: 252 ms a
 # token instead of 56 on 2 cores); tensor-parallel ranks sharing cores likewise.
 # Dense fp32/bf16 batches run about 5% faster with OMP_WAIT_POLICY=ACTIVE.
+from pagedtree.process_env import set_default
+
 if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_default("OMP_WAIT_POLICY", "PASSIVE")
 
 # Before any oneDNN operation runs in this process: bound its primitive caches.
 from pagedtree.host_memory import bound_onednn_caches  # noqa: E402

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedtree.process_env import set_default
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameters (glibc's malloc.h).
@@ -78,7 +80,7 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     """Cap both oneDNN primitive caches at ``capacity`` entries, unless the process
     environment already sets them (read once, at the first oneDNN operation)."""
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
-        os.environ.setdefault(name, str(capacity))
+        set_default(name, str(capacity))
 
 
 def _load_libc() -> ctypes.CDLL:

@@ -155,3 +155,30 @@ def test_llamacpp_runner_ignores_eos_and_runs_batch_1_only(tmp_path, monkeypatch
     assert greedy["temp"] == 0.0
     assert sampled["temp"] == 0.8 and sampled["top_k"] == 0 and sampled["top_p"] == 1.0 and sampled["min_p"] == 0.0
     assert greedy["repeat_penalty"] == sampled["repeat_penalty"] == 1.0
+
+
+def test_peers_start_without_the_environment_pagedtree_sets_for_itself(compare, tmp_path, monkeypatch):
+    """llama.cpp's OpenMP threads slept after every operation under the OpenMP wait
+    policy that importing pagedtree sets, a third of its speed: a peer gets the
+    environment as it was before that import; pagedtree's runner keeps it."""
+    from pagedtree import process_env
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    seen = tmp_path / "env.txt"
+    python.write_text(f'#!/bin/sh\necho "${{OMP_WAIT_POLICY:-unset}} ${{USER_SETTING:-unset}}" >> {seen}\n')
+    python.chmod(0o755)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setitem(process_env._SET_HERE, "OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("USER_SETTING", "kept")
+    workload = tmp_path / "w.json"
+    workload.write_text("{}")
+    args = compare.parse_args(["--model", "smollm2-135m-instruct", "--draft-model", "", "--out-dir", str(tmp_path),
+                               "--tag", "t"])
+    for engine in ("llamacpp", "vllm", "transformers", "pagedtree"):
+        spec = compare.EngineSpec(engine, engine, str(python), model="m")
+        assert compare.run_engine(args, spec, tmp_path / "m", None, workload, tmp_path).error is None
+    assert seen.read_text().splitlines() == ["unset kept"] * 3 + ["PASSIVE kept"]
+    # A value the user set, not pagedtree, reaches every engine.
+    monkeypatch.delitem(process_env._SET_HERE, "OMP_WAIT_POLICY")
+    assert process_env.foreign_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
