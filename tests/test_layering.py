@@ -3,7 +3,7 @@
 entrypoints -> loadgen/diagnostics -> engine -> executor -> speculative/loading -> worker ->
 scheduler/attention/distributed -> kernels/draft_sampling -> step_data -> plain data (config,
 sampling_params, request, outputs, uploads, sampling) -> text_checks, numba_cache, devices,
-host_memory. Every import
+host_memory -> process_env. Every import
 (at module level, inside a function, or under ``TYPE_CHECKING``) must point to a
 lower layer or stay in its own package, so there are no import cycles between
 packages; inside a package, the files' imports form no cycle either.
@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedtree"
 
 # Lower numbers are lower layers; each key is a package or a top-level module.
 LAYERS = {
+    "process_env": -1,
     "text_checks": 0, "numba_cache": 0, "devices": 0, "host_memory": 0,
     "structured_params": 1,
     "config": 2, "sampling_params": 2, "outputs": 2, "uploads": 2,

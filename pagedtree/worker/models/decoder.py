@@ -389,13 +389,21 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def enable_fused_cpu_ops(self) -> bool:
-        """Run the forward with numba-fused element-wise ops (``cpu_fused``) from now on.
+        """Run the forward with numba-fused element-wise ops (``cpu_fused``) from now on,
+        or, where every product runs in ggml, as one ggml graph a step (``ggml_graph``).
 
-        Returns whether it could: an fp32 or bf16 model on CPU with numba installed.
+        Returns whether it could: an fp32 or bf16 model on CPU with numba installed
+        (or ggml's products).
         """
         weight = self.model.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             return False
+        from pagedtree.worker.models import ggml_graph
+
+        if ggml_graph.unsupported(self) is None:
+            # Every product in ggml: the whole forward as one ggml graph a step.
+            self.fused_forward = ggml_graph.GgmlGraphForward(self)
+            return True
         try:
             from pagedtree.worker.models.cpu_fused import FusedCpuForward
         except ImportError:  # numba is optional

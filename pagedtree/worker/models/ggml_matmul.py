@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -112,6 +113,11 @@ def ggml_type(type_name: str) -> int:
     return int(value)
 
 
+def _ggml_log(level: int, text: bytes | None, user_data: Any) -> None:
+    if text:
+        logging.getLogger("pagedtree.ggml").debug(text.decode(errors="replace").rstrip())
+
+
 class GgmlRuntime:
     """ggml's CPU device, its repack buffer type and thread pools (one per thread
     count), shared by every layer of the process; calls are serialized (shared pools,
@@ -121,6 +127,10 @@ class GgmlRuntime:
         import ggml
 
         self.ggml = ggml
+        # ggml's log goes to the engine's logger at debug level (it prints a line per
+        # repacked tensor to stderr otherwise); the callback is kept alive here.
+        self._log = ggml.ggml_log_callback(_ggml_log)
+        ggml.ggml_log_set(self._log, None)
         ggml.ggml_cpu_init()
         self.threads = max(1, torch.get_num_threads())
         self._pools: dict[int, int] = {}
@@ -168,12 +178,15 @@ class GgmlRuntime:
 
 class GgmlContext:
     """A ggml context in memory of its own: room for ``tensors`` tensor headers and,
-    with ``graph``, one graph; freed with this object."""
+    with ``graph``, one graph (of ``graph_nodes`` nodes, or ggml's default size);
+    freed with this object."""
 
-    def __init__(self, runtime: GgmlRuntime, tensors: int, graph: bool = False):
+    def __init__(self, runtime: GgmlRuntime, tensors: int, graph: bool = False, graph_nodes: int = 0):
         ggml = runtime.ggml
         size = int(ggml.ggml_tensor_overhead()) * tensors + 256
-        if graph:
+        if graph_nodes:
+            size += int(ggml.ggml_graph_overhead_custom(graph_nodes, False)) + 1024
+        elif graph:
             size += int(ggml.ggml_graph_overhead()) + 1024
         self._memory = ctypes.create_string_buffer(size)
         params = ggml.ggml_init_params(mem_size=size, mem_buffer=ctypes.cast(self._memory, ctypes.c_void_p),

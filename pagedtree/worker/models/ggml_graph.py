@@ -1,0 +1,489 @@
+"""The whole decoder forward as one ggml graph: llama.cpp's way of running a step.
+
+A model whose products all run in ggml (``quantization="ggml"``: a GGUF file's
+blocks as they are) spends a batch-1 step mostly waiting: 113 separate calls into
+ggml a token, each waking ggml's threads, with torch's element-wise ops, the numba
+attention and Python in between. llama.cpp runs the same kernels as one graph per
+step, its threads spinning from one operation to the next. This module builds that
+graph for the decoder, over the engine's own paged KV cache:
+
+- embedding lookup in the file's blocks (``get_rows``), RMSNorm, the q/k/v, output
+  and MLP products in the file's blocks, biases, rotary (``rope_ext``, the half-split
+  layout the loaded weights use), SwiGLU, residuals and the final norm;
+- the new keys and values written into the paged cache at the step's slots
+  (``set_rows`` on the cache's own memory);
+- attention as ``flash_attn_ext`` over each request's context gathered from its
+  blocks (``get_rows`` by slot), with a mask that is causal, or follows the request's
+  token tree, and hides padding. Requests are stacked along ggml's fourth dimension,
+  each padded to the step's longest query and context.
+
+**Rows independent of their batch.** Tree verification needs a token's bits to be
+the same alone and beside others. Every operation here works row by row: products in
+the file's layout are one dot product per row, norms and rotary per row, and the
+attention of a row visits the unmasked entries of its own context in order (masked
+entries, padding included, are skipped, not added as zeros). ggml's faster attention
+paths split one query's context across threads or tile several queries, which rounds
+a lone row differently from a row among others; the graph runs with ggml's reference
+kernels for that reason (``cplan.use_ref``), which also turns off its fusions.
+
+Graphs are cached by their shape (tokens, requests, longest query, context padded to
+``CONTEXT_BUCKET``): decoding reuses one graph for ``CONTEXT_BUCKET`` tokens.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedtree.step_data import AttentionMetadata
+from pagedtree.worker.models.ggml_matmul import (
+    GgmlBlocks,
+    GgmlContext,
+    GgmlMatMul,
+    GgmlRuntime,
+    GgmlWeight,
+    shared_runtime,
+)
+
+# Contexts are padded up to a multiple of this many entries (masked): a decoded
+# stream builds a new graph once per this many tokens.
+CONTEXT_BUCKET = 256
+# Graph shapes kept (least recently used dropped).
+GRAPH_CACHE = 24
+# Tensor headers per decoder layer in a graph (about 40 are used; the rest is room).
+_TENSORS_PER_LAYER = 64
+
+_CACHE_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def unsupported(model) -> str | None:
+    """Why ``model`` cannot run as one ggml graph (None: it can)."""
+    body = model.model
+    if model.group is not None:
+        return "a sharded model"
+    if model.layer_streamer is not None:
+        return "streamed layers"
+    if body.embed_tokens.quantized_rows is None:
+        return "a dense embedding table"
+    if model.rotary.attention_scaling != 1.0 or not _default_rope(model.config):
+        return "a scaled rotary embedding"
+    if model.config.hidden_act not in ("silu", "swish"):
+        return f"activation {model.config.hidden_act!r}"
+    for layer in body.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(linear.block_matmul, GgmlMatMul):
+                return "a product outside ggml"
+        if [w.n for w in attn.qkv_proj.block_matmul._weights] != list(attn.qkv_sizes):
+            return "q/k/v not stored as three tensors"
+        if len(mlp.gate_up_proj.block_matmul._weights) != 2:
+            return "gate/up not stored as two tensors"
+        for linear in (attn.o_proj, mlp.down_proj):
+            if len(linear.block_matmul._weights) != 1:
+                return "an output product in several tensors"
+    return None
+
+
+def _default_rope(config) -> bool:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("rope_type", rope.get("type", "default")) == "default"
+
+
+def _rope_base(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _file_mapping(array: np.ndarray) -> np.memmap | None:
+    """The file mapping ``array`` is a view of (None: memory of its own)."""
+    base = array
+    while base is not None:
+        if isinstance(base, np.memmap) and getattr(base, "_mmap", None) is not None:
+            return base
+        base = getattr(base, "base", None)
+    return None
+
+
+def _f32(values: torch.Tensor | None) -> np.ndarray | None:
+    return None if values is None else values.detach().float().contiguous().numpy().copy()
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights as the graph reads them."""
+
+    input_norm: np.ndarray
+    post_norm: np.ndarray
+    q: Any
+    k: Any
+    v: Any
+    q_bias: np.ndarray | None
+    k_bias: np.ndarray | None
+    v_bias: np.ndarray | None
+    o: Any
+    o_bias: np.ndarray | None
+    gate: Any
+    up: Any
+    gate_bias: np.ndarray | None
+    up_bias: np.ndarray | None
+    down: Any
+    down_bias: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a graph is built for: ``tokens`` new tokens of ``requests`` requests, each
+    padded to ``queries`` queries and ``context`` entries of context; the first
+    ``chunk_tokens`` of the graph's token order belong to prompt chunks."""
+
+    tokens: int
+    requests: int
+    queries: int
+    context: int
+    chunk_tokens: int  # the first this many (reordered) tokens are prompt chunks
+
+
+@dataclass
+class StepInputs:
+    """One step's index and mask arrays, in the layout the graph reads."""
+
+    shape: StepShape
+    order: np.ndarray  # [T] int64 the step's flat token at each place of the graph's order
+    positions: np.ndarray  # [T] int32, in the graph's order (so are slots)
+    slots: np.ndarray  # [T] int64 cache slot of each new token
+    query_rows: np.ndarray  # [B * queries] int32 token (graph order) of each padded query (0 for padding)
+    context_slots: np.ndarray  # [B * context] int32 cache slot of each padded context entry
+    mask: np.ndarray  # [B, queries, context] float16: 0 visible, -inf hidden
+    output_rows: np.ndarray  # [T] int32 padded query row of each token (graph order)
+    restore: np.ndarray  # [T] int32 place in the graph's order of each flat token
+
+
+def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int) -> StepInputs:
+    """Pack ``meta`` for the graph (raises ``ValueError`` on metadata that would index
+    outside the cache: ggml checks no bounds)."""
+    starts = list(meta.query_start_loc)
+    context_lens = list(meta.context_lens)
+    requests = len(context_lens)
+    if len(starts) != requests + 1 or len(meta.block_tables) != requests or len(meta.tree_parents) != requests:
+        raise ValueError("query_start_loc, block_tables and tree_parents must match context_lens")
+    tokens = starts[-1] if requests else 0
+    query_lens = [starts[i + 1] - starts[i] for i in range(requests)]
+    if requests == 0 or starts[0] != 0 or min(query_lens) < 1:
+        raise ValueError("a step needs requests, each with at least one token")
+    if any(c < q for c, q in zip(context_lens, query_lens)):
+        raise ValueError("a request's context is shorter than its queries")
+    queries = max(query_lens)
+    context = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
+    # Prompt chunks (several tokens, causal) first: their products may group rows;
+    # decodes and trees after, a row at a time (see ``_Graph``).
+    chunk = [q > 1 and meta.tree_parents[i] is None for i, q in enumerate(query_lens)]
+    requests_in_order = [i for i in range(requests) if chunk[i]] + [i for i in range(requests) if not chunk[i]]
+    order = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in requests_in_order]).astype(np.int64)
+    place = np.empty(tokens, np.int64)
+    place[order] = np.arange(tokens)
+    shape = StepShape(tokens, requests, queries, context, sum(q for q, c in zip(query_lens, chunk) if c))
+    bs = meta.block_size
+    slots = meta.slot_mapping.numpy().astype(np.int64, copy=False)
+    if slots.shape != (tokens,) or (tokens and (slots.min() < 0 or slots.max() >= num_slots)):
+        raise ValueError(f"slot_mapping must hold {tokens} slots in [0, {num_slots})")
+    query_rows = np.zeros(requests * queries, np.int32)
+    output_rows = np.empty(tokens, np.int32)
+    context_slots = np.zeros(requests * context, np.int32)
+    mask = np.full((requests, queries, context), -np.inf, np.float16)
+    mask[:, :, 0] = 0  # padded queries see one entry: no empty softmax
+    for i in range(requests):
+        start, q, c = starts[i], query_lens[i], context_lens[i]
+        table = np.asarray(meta.block_tables[i], np.int64)
+        needed = -(-c // bs)
+        if len(table) < needed:
+            raise ValueError(f"request {i}: block table too short for context_len {c}")
+        table = table[:needed]
+        if table.size and (table.min() < 0 or table.max() * bs >= num_slots):
+            raise ValueError(f"request {i}: block ids outside the cache")
+        pos = np.arange(c)
+        context_slots[i * context: i * context + c] = table[pos // bs] * bs + pos % bs
+        rows = np.arange(i * queries, i * queries + q, dtype=np.int32)
+        query_rows[rows] = place[start:start + q]
+        output_rows[place[start:start + q]] = rows
+        prefix = c - q
+        mask[i, :q, :prefix] = 0
+        parents = meta.tree_parents[i]
+        if parents is None:
+            visible = np.tril(np.ones((q, q), bool))
+        else:
+            if len(parents) != q:
+                raise ValueError(f"request {i}: {len(parents)} tree parents for {q} tokens")
+            from pagedtree.attention.torch_backend import ancestor_mask
+
+            visible = ancestor_mask(parents).numpy()
+        mask[i, :q, prefix:c] = np.where(visible, 0, -np.inf).astype(np.float16)
+    return StepInputs(shape, order, positions.numpy().astype(np.int32)[order], slots[order], query_rows, context_slots,
+                      mask, output_rows, place.astype(np.int32))
+
+
+class _Graph:
+    """The forward of one ``StepShape``: input arrays it reads, the hidden states it
+    writes (``out``, fp32 ``[tokens, hidden]``)."""
+
+    def __init__(self, forward: GgmlGraphForward, shape: StepShape):
+        ggml = forward.ggml
+        rt = forward.runtime
+        n_layers = len(forward.layers)
+        nodes = max(ggml.GGML_DEFAULT_GRAPH_SIZE, 48 * n_layers + 64)
+        self._context = GgmlContext(rt, tensors=_TENSORS_PER_LAYER * (n_layers + 2), graph_nodes=nodes)
+        ctx = self._context.context
+        T, B, Q, L = shape.tokens, shape.requests, shape.queries, shape.context
+        D, Hq, Hkv, hidden = forward.head_dim, forward.num_heads, forward.num_kv_heads, forward.hidden
+        self.shape = shape
+        self._keep: list[Any] = []
+
+        def tensor(type_id: int, *ne: int, array: np.ndarray | None = None):
+            t = getattr(ggml, f"ggml_new_tensor_{len(ne)}d")(ctx, type_id, *ne)
+            if array is not None:
+                t.contents.data = array.ctypes.data
+                self._keep.append(array)
+            return t
+
+        def const(array: np.ndarray | None):
+            return None if array is None else tensor(ggml.GGML_TYPE_F32, array.shape[0], array=array)
+
+        # Inputs, at addresses the step fills in.
+        self.ids = np.zeros(T, np.int32)
+        self.positions = np.zeros(T, np.int32)
+        self.slots = np.zeros(T, np.int64)
+        self.query_rows = np.zeros(B * Q, np.int32)
+        self.context_slots = np.zeros(B * L, np.int32)
+        self.mask = np.zeros((B, Q, L), np.float16)
+        self.output_rows = np.zeros(T, np.int32)
+        self.restore = np.zeros(T, np.int32)
+        self.out = torch.empty(T, hidden, dtype=torch.float32)
+        t_ids = tensor(ggml.GGML_TYPE_I32, T, array=self.ids)
+        t_pos = tensor(ggml.GGML_TYPE_I32, T, array=self.positions)
+        t_slots = tensor(ggml.GGML_TYPE_I64, T, array=self.slots)
+        t_qrows = tensor(ggml.GGML_TYPE_I32, B * Q, array=self.query_rows)
+        t_ctx = tensor(ggml.GGML_TYPE_I32, B * L, array=self.context_slots)
+        t_mask = tensor(ggml.GGML_TYPE_F16, L, Q, 1, B, array=self.mask)
+        t_orows = tensor(ggml.GGML_TYPE_I32, T, array=self.output_rows)
+        t_restore = tensor(ggml.GGML_TYPE_I32, T, array=self.restore)
+        P = shape.chunk_tokens
+        S = T - P
+
+        def linear(weight, bias, x):
+            # A prompt chunk's rows as one matrix: a repacked weight runs groups of 4
+            # rows through its GEMM kernel. Every other row alone (ggml's planes: a
+            # batch of one-row products), through the kernel a lone row takes, so a
+            # decoded or verified token gets the same bits whatever shares its step.
+            k = x.contents.ne[0]
+            parts = []
+            if P:
+                rows = x if not S else ggml.ggml_view_2d(ctx, x, k, P, x.contents.nb[1], 0)
+                parts.append(ggml.ggml_mul_mat(ctx, weight, rows))
+            if S:
+                stride = x.contents.nb[1]
+                planes = ggml.ggml_view_3d(ctx, x, k, 1, S, stride, stride, P * stride)
+                y = ggml.ggml_mul_mat(ctx, weight, planes)
+                parts.append(ggml.ggml_reshape_2d(ctx, y, y.contents.ne[0], S))
+            y = parts[0] if len(parts) == 1 else ggml.ggml_concat(ctx, parts[0], parts[1], 1)
+            return y if bias is None else ggml.ggml_add(ctx, y, const(bias))
+
+        def norm(x, weight):
+            return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, forward.eps), const(weight))
+
+        def rope(x, heads):
+            x = ggml.ggml_reshape_3d(ctx, x, D, heads, T)
+            return ggml.ggml_rope_ext(ctx, x, t_pos, None, D, ggml.GGML_ROPE_TYPE_NEOX, forward.max_positions,
+                                      forward.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+        h = forward.embedding_rows(ctx, t_ids)
+        for index, layer in enumerate(forward.layers):
+            x = norm(h, layer.input_norm)
+            q = rope(linear(layer.q, layer.q_bias, x), Hq)
+            k = rope(linear(layer.k, layer.k_bias, x), Hkv)
+            v = linear(layer.v, layer.v_bias, x)
+            key_cache, value_cache = forward.cache_tensors[index]
+            # The cache written before it is read: the gathers take set_rows' results.
+            key_cache = ggml.ggml_set_rows(ctx, key_cache, ggml.ggml_reshape_2d(ctx, k, D * Hkv, T), t_slots)
+            value_cache = ggml.ggml_set_rows(ctx, value_cache, v, t_slots)
+            keys = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, key_cache, t_ctx), D, Hkv, L, B)
+            values = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, value_cache, t_ctx), D, Hkv, L, B)
+            queries = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, q, D * Hq, T), t_qrows)
+            queries = ggml.ggml_reshape_4d(ctx, queries, D, Hq, Q, B)
+            attended = ggml.ggml_flash_attn_ext(
+                ctx, ggml.ggml_permute(ctx, queries, 0, 2, 1, 3), ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
+                ggml.ggml_permute(ctx, values, 0, 2, 1, 3), t_mask, forward.scale, 0.0, 0.0)
+            attended = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, attended, D * Hq, Q * B), t_orows)
+            h = ggml.ggml_add(ctx, h, linear(layer.o, layer.o_bias, attended))
+            x = norm(h, layer.post_norm)
+            gate = linear(layer.gate, layer.gate_bias, x)
+            up = linear(layer.up, layer.up_bias, x)
+            h = ggml.ggml_add(ctx, h, linear(layer.down, layer.down_bias, ggml.ggml_swiglu_split(ctx, gate, up)))
+        result = ggml.ggml_get_rows(ctx, norm(h, forward.final_norm), t_restore)  # back to the step's order
+        result.contents.data = self.out.data_ptr()
+        self.graph = ggml.ggml_new_graph_custom(ctx, nodes, False)
+        ggml.ggml_build_forward_expand(self.graph, result)
+        self.plan = ggml.ggml_graph_plan(self.graph, rt.threads, rt.pool(rt.threads))
+        # ggml's reference attention: one row's result never depends on the others
+        # (see the module docstring).
+        self.plan.use_ref = True
+
+    def fill(self, ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Copy one step's inputs into the graph's arrays."""
+        self.ids[:] = ids.numpy()[inputs.order]
+        self.positions[:] = inputs.positions
+        self.slots[:] = inputs.slots
+        self.query_rows[:] = inputs.query_rows
+        self.context_slots[:] = inputs.context_slots
+        self.mask[...] = inputs.mask
+        self.output_rows[:] = inputs.output_rows
+        self.restore[:] = inputs.restore
+
+
+class GgmlGraphForward:
+    """``DecoderForCausalLM.forward`` as one ggml graph a step (see the module
+    docstring); set as the model's ``fused_forward``. The LM head stays the model's."""
+
+    def __init__(self, model):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the model cannot run as one ggml graph: {why}")
+        import ggml
+
+        self.ggml = ggml
+        self.runtime: GgmlRuntime = shared_runtime()
+        body = model.model
+        config = model.config
+        attn0 = body.layers[0].self_attn
+        self.head_dim, self.num_heads, self.num_kv_heads = attn0.head_dim, attn0.num_heads, attn0.num_kv_heads
+        self.hidden = config.hidden_size
+        self.eps = float(body.norm.eps)
+        self.scale = self.head_dim ** -0.5
+        self.rope_base = _rope_base(config)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 4096))
+        self.dtype = body.embed_tokens.weight.dtype
+        self._embedding = body.embed_tokens.quantized_rows
+        self._repacked: list[GgmlWeight] = []
+        self._sources: dict[int, np.memmap] = {}
+        self.layers = [self._layer(layer) for layer in body.layers]
+        # The repacked weights are copies: the file's pages they were read from leave
+        # the process's resident memory (pages read again come back from the file).
+        for mapping in self._sources.values():
+            if hasattr(mmap, "MADV_DONTNEED"):
+                mapping._mmap.madvise(mmap.MADV_DONTNEED)
+        self.final_norm = _f32(body.norm.weight)
+        self._graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cache_tensors: list[tuple[Any, Any]] = []
+        self._cache_context: GgmlContext | None = None
+        self._allocator = ggml.ggml_gallocr_new(self.runtime.plain_buffer_type)
+        self._allocated: _Graph | None = None
+
+    def _weight(self, weight: GgmlWeight) -> Any:
+        """The graph's tensor for a layer's weight: repacked into ggml's interleaved
+        layout where this CPU has one for its type (llama.cpp's default; a lone row's
+        product there reads the weight faster), the file's blocks otherwise."""
+        if weight.repacked or self.runtime.repack_buffer_type is None:
+            return weight.tensor
+        name = self.ggml.ggml_type_name(weight.type_id).decode()
+        repacked = GgmlWeight(self.runtime, GgmlBlocks(name, weight._data, weight.k), repack=True)
+        if not repacked.repacked:
+            return weight.tensor
+        self._repacked.append(repacked)
+        mapping = _file_mapping(weight._data)
+        if mapping is not None:
+            self._sources[id(mapping)] = mapping
+        return repacked.tensor
+
+    def _layer(self, layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = (self._weight(w) for w in attn.qkv_proj.block_matmul._weights)
+        gate, up = (self._weight(w) for w in mlp.gate_up_proj.block_matmul._weights)
+        qkv_bias = _f32(attn.qkv_proj.bias)
+        q_size, kv_size, _ = attn.qkv_sizes
+        gate_up_bias = _f32(mlp.gate_up_proj.bias)
+        inner = mlp.down_proj.in_features
+        return _Layer(
+            input_norm=_f32(layer.input_layernorm.weight), post_norm=_f32(layer.post_attention_layernorm.weight),
+            q=q, k=k, v=v,
+            q_bias=None if qkv_bias is None else qkv_bias[:q_size].copy(),
+            k_bias=None if qkv_bias is None else qkv_bias[q_size:q_size + kv_size].copy(),
+            v_bias=None if qkv_bias is None else qkv_bias[q_size + kv_size:].copy(),
+            o=self._weight(attn.o_proj.block_matmul._weights[0]), o_bias=_f32(attn.o_proj.bias),
+            gate=gate, up=up,
+            gate_bias=None if gate_up_bias is None else gate_up_bias[:inner].copy(),
+            up_bias=None if gate_up_bias is None else gate_up_bias[inner:].copy(),
+            down=self._weight(mlp.down_proj.block_matmul._weights[0]), down_bias=_f32(mlp.down_proj.bias),
+        )
+
+    def embedding_rows(self, ctx, ids):
+        """The embedding lookup node for ``ids`` (fp32 rows of the file's table)."""
+        return self.ggml.ggml_get_rows(ctx, self._embedding._table.tensor, ids)
+
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """ggml tensors over the paged cache's own memory (``[slots, kv_heads * head_dim]``)."""
+        if self._caches is kv_caches:
+            return
+        ggml = self.ggml
+        first = kv_caches[0][0]
+        if first.dtype not in _CACHE_TYPES:
+            raise ValueError(f"a ggml graph needs an fp32, fp16 or bf16 KV cache, got {first.dtype}")
+        type_id = getattr(ggml, f"GGML_TYPE_{_CACHE_TYPES[first.dtype]}")
+        width = self.num_kv_heads * self.head_dim
+        context = GgmlContext(self.runtime, tensors=2 * len(kv_caches) + 2)
+        tensors = []
+        for key_cache, value_cache in kv_caches:
+            pair = []
+            for cache in (key_cache, value_cache):
+                if not cache.is_contiguous() or cache.device.type != "cpu" or cache.numel() % width:
+                    raise ValueError("a ggml graph needs contiguous CPU KV caches")
+                t = ggml.ggml_new_tensor_2d(context.context, type_id, width, cache.numel() // width)
+                t.contents.data = cache.data_ptr()
+                pair.append(t)
+            tensors.append(tuple(pair))
+        self._graphs.clear()  # built over the previous caches
+        self._allocated = None
+        self._cache_context, self.cache_tensors, self._caches = context, tensors, kv_caches
+        self._num_slots = first.numel() // width
+
+    def _graph(self, shape: StepShape) -> _Graph:
+        graph = self._graphs.get(shape)
+        if graph is None:
+            graph = self._graphs[shape] = _Graph(self, shape)
+            if len(self._graphs) > GRAPH_CACHE:
+                dropped = self._graphs.popitem(last=False)[1]
+                if dropped is self._allocated:
+                    self._allocated = None
+        else:
+            self._graphs.move_to_end(shape)
+        return graph
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm (the model's dtype); writes
+        the step's keys and values into ``attention``'s paged cache."""
+        meta: AttentionMetadata | None = getattr(attention, "_meta", None)
+        if meta is None:
+            raise ValueError("the attention backend has no step metadata (begin_step first)")
+        self._bind_caches(attention.kv_caches)
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self._embedding.n):
+            raise IndexError(f"token ids must be in [0, {self._embedding.n})")
+        inputs = step_inputs(meta, positions.cpu(), self._num_slots)
+        ggml = self.ggml
+        with self.runtime.lock:
+            graph = self._graph(inputs.shape)
+            graph.fill(input_ids.cpu().to(torch.int32), inputs)
+            if self._allocated is not graph:
+                if not ggml.ggml_gallocr_alloc_graph(self._allocator, graph.graph):
+                    raise RuntimeError("ggml could not allocate the forward's buffers")
+                self._allocated = graph
+            self.runtime.compute(graph.graph, graph.plan)
+            out = graph.out.clone()
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+    def __del__(self) -> None:
+        allocator = getattr(self, "_allocator", None)
+        if allocator:
+            self.ggml.ggml_gallocr_free(allocator)
