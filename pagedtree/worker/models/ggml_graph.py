@@ -53,10 +53,14 @@ from pagedtree.worker.models.ggml_matmul import (
 # Contexts are padded up to a multiple of this many entries (masked): a decoded
 # stream builds a new graph once per this many tokens.
 CONTEXT_BUCKET = 256
-# Graph shapes kept (least recently used dropped).
+# Graph shapes kept (least recently used dropped), and the most their buffers of
+# intermediate results may hold together (a graph builds in about 2 ms; its buffer
+# takes 0.5 MiB for a decode of the 1.5B, 58 MiB for a 512-token prompt chunk).
 GRAPH_CACHE = 24
-# Tensor headers per decoder layer in a graph (about 40 are used; the rest is room).
-_TENSORS_PER_LAYER = 64
+GRAPH_CACHE_BYTES = 256 * 2**20
+# Tensor headers per decoder layer in a graph (40-80 are used, the most with fused
+# projections and prompt chunks beside single rows; the rest is room).
+_TENSORS_PER_LAYER = 96
 
 _CACHE_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -68,8 +72,6 @@ def unsupported(model) -> str | None:
         return "a sharded model"
     if model.layer_streamer is not None:
         return "streamed layers"
-    if body.embed_tokens.quantized_rows is None:
-        return "a dense embedding table"
     if model.rotary.attention_scaling != 1.0 or not _default_rope(model.config):
         return "a scaled rotary embedding"
     if model.config.hidden_act not in ("silu", "swish"):
@@ -79,14 +81,23 @@ def unsupported(model) -> str | None:
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(linear.block_matmul, GgmlMatMul):
                 return "a product outside ggml"
-        if [w.n for w in attn.qkv_proj.block_matmul._weights] != list(attn.qkv_sizes):
-            return "q/k/v not stored as three tensors"
-        if len(mlp.gate_up_proj.block_matmul._weights) != 2:
-            return "gate/up not stored as two tensors"
+        if _split(attn.qkv_proj, attn.qkv_sizes) is None:
+            return "q/k/v stored in parts of other sizes"
+        if _split(mlp.gate_up_proj, (mlp.down_proj.in_features,) * 2) is None:
+            return "gate/up stored in parts of other sizes"
         for linear in (attn.o_proj, mlp.down_proj):
             if len(linear.block_matmul._weights) != 1:
                 return "an output product in several tensors"
     return None
+
+
+def _split(linear, sizes: tuple[int, ...]) -> str | None:
+    """How a fused projection's output splits: ``"parts"`` (one stored tensor per
+    output), ``"whole"`` (one tensor for all of them), None (neither)."""
+    rows = [w.n for w in linear.block_matmul._weights]
+    if rows == list(sizes):
+        return "parts"
+    return "whole" if len(rows) == 1 else None
 
 
 def _default_rope(config) -> bool:
@@ -114,25 +125,24 @@ def _f32(values: torch.Tensor | None) -> np.ndarray | None:
 
 
 @dataclass
+class _Projection:
+    """A (fused) projection's stored tensors and bias, and the outputs it splits into."""
+
+    weights: list[Any]
+    bias: np.ndarray | None
+    sizes: tuple[int, ...]
+
+
+@dataclass
 class _Layer:
     """One decoder layer's weights as the graph reads them."""
 
     input_norm: np.ndarray
     post_norm: np.ndarray
-    q: Any
-    k: Any
-    v: Any
-    q_bias: np.ndarray | None
-    k_bias: np.ndarray | None
-    v_bias: np.ndarray | None
-    o: Any
-    o_bias: np.ndarray | None
-    gate: Any
-    up: Any
-    gate_bias: np.ndarray | None
-    up_bias: np.ndarray | None
-    down: Any
-    down_bias: np.ndarray | None
+    qkv: _Projection
+    o: _Projection
+    gate_up: _Projection
+    down: _Projection
 
 
 @dataclass(frozen=True)
@@ -262,6 +272,8 @@ class _Graph:
         self.output_rows = np.zeros(T, np.int32)
         self.restore = np.zeros(T, np.int32)
         self.out = torch.empty(T, hidden, dtype=torch.float32)
+        # A dense embedding table is looked up by torch; its rows come in here.
+        self.embedded = None if forward.quantized_embedding else np.zeros((T, hidden), np.float32)
         t_ids = tensor(ggml.GGML_TYPE_I32, T, array=self.ids)
         t_pos = tensor(ggml.GGML_TYPE_I32, T, array=self.positions)
         t_slots = tensor(ggml.GGML_TYPE_I64, T, array=self.slots)
@@ -273,7 +285,7 @@ class _Graph:
         P = shape.chunk_tokens
         S = T - P
 
-        def linear(weight, bias, x):
+        def product(weight, x):
             # A prompt chunk's rows as one matrix: a repacked weight runs groups of 4
             # rows through its GEMM kernel. Every other row alone (ggml's planes: a
             # batch of one-row products), through the kernel a lone row takes, so a
@@ -288,8 +300,31 @@ class _Graph:
                 planes = ggml.ggml_view_3d(ctx, x, k, 1, S, stride, stride, P * stride)
                 y = ggml.ggml_mul_mat(ctx, weight, planes)
                 parts.append(ggml.ggml_reshape_2d(ctx, y, y.contents.ne[0], S))
-            y = parts[0] if len(parts) == 1 else ggml.ggml_concat(ctx, parts[0], parts[1], 1)
-            return y if bias is None else ggml.ggml_add(ctx, y, const(bias))
+            return parts[0] if len(parts) == 1 else ggml.ggml_concat(ctx, parts[0], parts[1], 1)
+
+        def linear(projection: _Projection, x) -> list:
+            """The projection's outputs ``[size, T]``, one per size."""
+            bias, sizes = projection.bias, projection.sizes
+            if len(projection.weights) == len(sizes):
+                outputs, start = [], 0
+                for weight, size in zip(projection.weights, sizes):
+                    y = product(weight, x)
+                    if bias is not None:
+                        y = ggml.ggml_add(ctx, y, const(bias[start:start + size].copy()))
+                    outputs.append(y)
+                    start += size
+                return outputs
+            y = product(projection.weights[0], x)
+            if bias is not None:
+                y = ggml.ggml_add(ctx, y, const(bias))
+            if len(sizes) == 1:
+                return [y]
+            outputs, start = [], 0
+            for size in sizes:
+                view = ggml.ggml_view_2d(ctx, y, size, T, y.contents.nb[1], 4 * start)
+                outputs.append(ggml.ggml_cont(ctx, view))
+                start += size
+            return outputs
 
         def norm(x, weight):
             return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, forward.eps), const(weight))
@@ -299,12 +334,14 @@ class _Graph:
             return ggml.ggml_rope_ext(ctx, x, t_pos, None, D, ggml.GGML_ROPE_TYPE_NEOX, forward.max_positions,
                                       forward.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
 
-        h = forward.embedding_rows(ctx, t_ids)
+        if self.embedded is None:
+            h = ggml.ggml_get_rows(ctx, forward.embedding_table, t_ids)  # fp32 rows of the file's blocks
+        else:
+            h = tensor(ggml.GGML_TYPE_F32, hidden, T, array=self.embedded)
         for index, layer in enumerate(forward.layers):
             x = norm(h, layer.input_norm)
-            q = rope(linear(layer.q, layer.q_bias, x), Hq)
-            k = rope(linear(layer.k, layer.k_bias, x), Hkv)
-            v = linear(layer.v, layer.v_bias, x)
+            q, k, v = linear(layer.qkv, x)
+            q, k = rope(q, Hq), rope(k, Hkv)
             key_cache, value_cache = forward.cache_tensors[index]
             # The cache written before it is read: the gathers take set_rows' results.
             key_cache = ggml.ggml_set_rows(ctx, key_cache, ggml.ggml_reshape_2d(ctx, k, D * Hkv, T), t_slots)
@@ -317,23 +354,37 @@ class _Graph:
                 ctx, ggml.ggml_permute(ctx, queries, 0, 2, 1, 3), ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
                 ggml.ggml_permute(ctx, values, 0, 2, 1, 3), t_mask, forward.scale, 0.0, 0.0)
             attended = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, attended, D * Hq, Q * B), t_orows)
-            h = ggml.ggml_add(ctx, h, linear(layer.o, layer.o_bias, attended))
+            h = ggml.ggml_add(ctx, h, linear(layer.o, attended)[0])
             x = norm(h, layer.post_norm)
-            gate = linear(layer.gate, layer.gate_bias, x)
-            up = linear(layer.up, layer.up_bias, x)
-            h = ggml.ggml_add(ctx, h, linear(layer.down, layer.down_bias, ggml.ggml_swiglu_split(ctx, gate, up)))
+            gate, up = linear(layer.gate_up, x)
+            h = ggml.ggml_add(ctx, h, linear(layer.down, ggml.ggml_swiglu_split(ctx, gate, up))[0])
         result = ggml.ggml_get_rows(ctx, norm(h, forward.final_norm), t_restore)  # back to the step's order
         result.contents.data = self.out.data_ptr()
         self.graph = ggml.ggml_new_graph_custom(ctx, nodes, False)
         ggml.ggml_build_forward_expand(self.graph, result)
+        # Intermediate results in a buffer of the graph's own, laid out once by ggml's
+        # allocator (which reuses memory between layers): a tensor keeps its address
+        # for as long as the graph lives.
+        self._allocator = ggml.ggml_gallocr_new(rt.plain_buffer_type)
+        if not ggml.ggml_gallocr_alloc_graph(self._allocator, self.graph):
+            raise RuntimeError("ggml could not allocate a forward's intermediate results")
+        self.buffer_bytes = int(ggml.ggml_gallocr_get_buffer_size(self._allocator, 0))
+        self._ggml = ggml
         self.plan = ggml.ggml_graph_plan(self.graph, rt.threads, rt.pool(rt.threads))
         # ggml's reference attention: one row's result never depends on the others
         # (see the module docstring).
         self.plan.use_ref = True
 
-    def fill(self, ids: torch.Tensor, inputs: StepInputs) -> None:
+    def __del__(self) -> None:
+        allocator = getattr(self, "_allocator", None)
+        if allocator:
+            self._ggml.ggml_gallocr_free(allocator)
+
+    def fill(self, ids: torch.Tensor, embedded: torch.Tensor | None, inputs: StepInputs) -> None:
         """Copy one step's inputs into the graph's arrays."""
         self.ids[:] = ids.numpy()[inputs.order]
+        if embedded is not None:
+            self.embedded[:] = embedded.numpy()[inputs.order]
         self.positions[:] = inputs.positions
         self.slots[:] = inputs.slots
         self.query_rows[:] = inputs.query_rows
@@ -365,7 +416,11 @@ class GgmlGraphForward:
         self.rope_base = _rope_base(config)
         self.max_positions = int(getattr(config, "max_position_embeddings", 4096))
         self.dtype = body.embed_tokens.weight.dtype
-        self._embedding = body.embed_tokens.quantized_rows
+        self._embed = body.embed_tokens
+        rows = body.embed_tokens.quantized_rows
+        self.quantized_embedding = rows is not None
+        self.embedding_table = rows._table.tensor if rows is not None else None
+        self.vocab_size = body.embed_tokens.num_embeddings
         self._repacked: list[GgmlWeight] = []
         self._sources: dict[int, np.memmap] = {}
         self.layers = [self._layer(layer) for layer in body.layers]
@@ -379,8 +434,6 @@ class GgmlGraphForward:
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.cache_tensors: list[tuple[Any, Any]] = []
         self._cache_context: GgmlContext | None = None
-        self._allocator = ggml.ggml_gallocr_new(self.runtime.plain_buffer_type)
-        self._allocated: _Graph | None = None
 
     def _weight(self, weight: GgmlWeight) -> Any:
         """The graph's tensor for a layer's weight: repacked into ggml's interleaved
@@ -398,30 +451,19 @@ class GgmlGraphForward:
             self._sources[id(mapping)] = mapping
         return repacked.tensor
 
+    def _projection(self, linear, sizes: tuple[int, ...]) -> _Projection:
+        return _Projection([self._weight(w) for w in linear.block_matmul._weights], _f32(linear.bias), sizes)
+
     def _layer(self, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = (self._weight(w) for w in attn.qkv_proj.block_matmul._weights)
-        gate, up = (self._weight(w) for w in mlp.gate_up_proj.block_matmul._weights)
-        qkv_bias = _f32(attn.qkv_proj.bias)
-        q_size, kv_size, _ = attn.qkv_sizes
-        gate_up_bias = _f32(mlp.gate_up_proj.bias)
         inner = mlp.down_proj.in_features
         return _Layer(
             input_norm=_f32(layer.input_layernorm.weight), post_norm=_f32(layer.post_attention_layernorm.weight),
-            q=q, k=k, v=v,
-            q_bias=None if qkv_bias is None else qkv_bias[:q_size].copy(),
-            k_bias=None if qkv_bias is None else qkv_bias[q_size:q_size + kv_size].copy(),
-            v_bias=None if qkv_bias is None else qkv_bias[q_size + kv_size:].copy(),
-            o=self._weight(attn.o_proj.block_matmul._weights[0]), o_bias=_f32(attn.o_proj.bias),
-            gate=gate, up=up,
-            gate_bias=None if gate_up_bias is None else gate_up_bias[:inner].copy(),
-            up_bias=None if gate_up_bias is None else gate_up_bias[inner:].copy(),
-            down=self._weight(mlp.down_proj.block_matmul._weights[0]), down_bias=_f32(mlp.down_proj.bias),
+            qkv=self._projection(attn.qkv_proj, tuple(attn.qkv_sizes)),
+            o=self._projection(attn.o_proj, (attn.o_proj.out_features,)),
+            gate_up=self._projection(mlp.gate_up_proj, (inner, inner)),
+            down=self._projection(mlp.down_proj, (mlp.down_proj.out_features,)),
         )
-
-    def embedding_rows(self, ctx, ids):
-        """The embedding lookup node for ``ids`` (fp32 rows of the file's table)."""
-        return self.ggml.ggml_get_rows(ctx, self._embedding._table.tensor, ids)
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """ggml tensors over the paged cache's own memory (``[slots, kv_heads * head_dim]``)."""
@@ -445,7 +487,6 @@ class GgmlGraphForward:
                 pair.append(t)
             tensors.append(tuple(pair))
         self._graphs.clear()  # built over the previous caches
-        self._allocated = None
         self._cache_context, self.cache_tensors, self._caches = context, tensors, kv_caches
         self._num_slots = first.numel() // width
 
@@ -453,10 +494,9 @@ class GgmlGraphForward:
         graph = self._graphs.get(shape)
         if graph is None:
             graph = self._graphs[shape] = _Graph(self, shape)
-            if len(self._graphs) > GRAPH_CACHE:
-                dropped = self._graphs.popitem(last=False)[1]
-                if dropped is self._allocated:
-                    self._allocated = None
+            while len(self._graphs) > 1 and (len(self._graphs) > GRAPH_CACHE or sum(
+                    g.buffer_bytes for g in self._graphs.values()) > GRAPH_CACHE_BYTES):
+                self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(shape)
         return graph
@@ -468,22 +508,16 @@ class GgmlGraphForward:
         if meta is None:
             raise ValueError("the attention backend has no step metadata (begin_step first)")
         self._bind_caches(attention.kv_caches)
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self._embedding.n):
-            raise IndexError(f"token ids must be in [0, {self._embedding.n})")
+        input_ids = input_ids.cpu()
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            raise IndexError(f"token ids must be in [0, {self.vocab_size})")
+        embedded = None if self.quantized_embedding else self._embed(input_ids).detach().float().contiguous()
         inputs = step_inputs(meta, positions.cpu(), self._num_slots)
         ggml = self.ggml
         with self.runtime.lock:
             graph = self._graph(inputs.shape)
-            graph.fill(input_ids.cpu().to(torch.int32), inputs)
-            if self._allocated is not graph:
-                if not ggml.ggml_gallocr_alloc_graph(self._allocator, graph.graph):
-                    raise RuntimeError("ggml could not allocate the forward's buffers")
-                self._allocated = graph
+            graph.fill(input_ids.to(torch.int32), embedded, inputs)
             self.runtime.compute(graph.graph, graph.plan)
             out = graph.out.clone()
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
-    def __del__(self) -> None:
-        allocator = getattr(self, "_allocator", None)
-        if allocator:
-            self.ggml.ggml_gallocr_free(allocator)
