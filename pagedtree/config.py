@@ -243,9 +243,11 @@ class EngineConfig:
     ``quantization`` stores linear weights quantized: "int8" or "int4" weight-only
     (torch's CPU kernels, bf16 activations; ``dtype="auto"`` is then bf16), "q4" or
     "q8" in blocks of 32 with int8 activations (ONNX Runtime's MLAS kernels, fp32
-    activations; ``dtype="auto"`` is then fp32 on CPUs without native bf16), "none"
-    dense. Unset, a GGUF model on a CPU with ``dtype="auto"`` runs in "q4" (its own
-    blocks, exactly) and anything else dense (``loading/model_format.py``).
+    activations; ``dtype="auto"`` is then fp32 on CPUs without native bf16), "ggml"
+    the GGUF's own blocks through ggml's kernels (each step one ggml graph), "none"
+    dense. Unset, a GGUF model on a CPU with ``dtype="auto"`` runs one stream in
+    "ggml" (q4 where ggml is not installed) and a server's batches dense or in q4,
+    and anything else dense (``loading/model_format.py``).
     "q4-rounded" is q4 with the file's 5- to 8-bit blocks rounded to 4 bits as well. The
     draft models take the target's dtype and quantization (beside a "q4" target:
     "q4-rounded", since a draft need not reproduce its file) unless ``draft_dtype`` /

@@ -1,30 +1,31 @@
 """Which weight format a model runs in when the caller does not say.
 
-A GGUF file runs by default in the format that represents its own quantization
-exactly, as llama.cpp runs the file it is given: ``"q4"`` (``gguf_blocks``: the
-file's 4-bit blocks as 4-bit codes, its 5- to 8-bit blocks as 8-bit codes, through
-ONNX Runtime's MLAS kernels) when the engine runs on a CPU with ONNX Runtime
-installed, one rank, and ``dtype="auto"``. Everything else keeps its dtype: a
-safetensors model, a GGUF file given an explicit ``dtype`` (dequantized to it), a GPU
-run, a tensor-parallel run (its shards load from safetensors).
+A GGUF file runs by default in a format that represents its own quantization
+exactly, as llama.cpp runs the file it is given, when the engine runs on a CPU, one
+rank, and ``dtype="auto"``. Everything else keeps its dtype: a safetensors model, a
+GGUF file given an explicit ``dtype`` (dequantized to it), a GPU run, a
+tensor-parallel run (its shards load from safetensors).
 
-Unless the machine lacks the memory for it: a q4 engine holds about
-``Q4_BYTES_PER_FILE_BYTE`` times its file's size (ONNX Runtime's prepacked blocks),
-and where the memory available now is short of that the
-default is ``"ggml"`` (the file's blocks as they are, mapped, multiplied by ggml's
-kernels: about the file's size, llama.cpp's footprint) when ggml is installed. q4 is
-the default otherwise because its products stay nearly flat in rows, which trees
-and batches need: on the AVX-512 machine ggml decoded one stream at 17.4 tokens/s
-against q4's 16.0, but batches of 16 at 0.61x q4's, and with the draft its budget
-never drafted, where q4's ran 1.28x its own plain (benchmarks/RESULTS.md, "Third run").
+A single stream (``workload="stream"``, what ``LLM`` builds) runs in ``"ggml"``: the
+file's blocks multiplied by ggml's kernels, llama.cpp's own, the 4-bit ones repacked
+into the layout llama.cpp uses on the CPU, and each step's whole forward one ggml
+graph (``worker/models/ggml_graph.py``). On the AVX-512 machine that decodes one
+stream at llama.cpp's speed (28-30 tokens/s for the Qwen2.5 1.5B, 0.94-0.98x
+llama.cpp) in less memory than llama.cpp (1.6 GB), where q4 ran at 17 tokens/s and
+held 2.6 GB (benchmarks/RESULTS.md, "One stream as one ggml graph"). Without ggml
+installed, a stream runs in ``"q4"`` (``gguf_blocks``: the file's 4-bit blocks as
+4-bit codes, its 5- to 8-bit blocks as 8-bit codes, through ONNX Runtime's MLAS
+kernels) where the memory for it is there (about ``Q4_BYTES_PER_FILE_BYTE`` times
+the file).
 
 A server is built for another load (``workload="batch"``): steps of 16 to 32
-requests, which are compute bound, where q4's int8-activation products grow with rows
-and a CPU with native bf16 runs them 1.5-1.8 times as fast in dense bf16. For that
-load the default is dense weights (``"none"``) where a measured product of the model's
+requests, which are compute bound. ggml's products grow with rows (each row's dot
+products in the file's layout), q4's int8-activation products grow more slowly, and
+a CPU with native bf16 runs them 1.5-1.8 times as fast in dense bf16. For that load
+the default is dense weights (``"none"``) where a measured product of the model's
 shape at the batch's rows says they win clearly and the memory for them is there
 (``batch_format``); q4 otherwise (dense losing, as it may on a CPU without native
-bf16 where dense means fp32, or a machine short of memory).
+bf16 where dense means fp32), and ggml on a machine short of memory for q4.
 
 ``quantization="none"`` forces dense weights; ``"q4"``, ``"q8"``, ``"ggml"``,
 ``"int4"``, ``"int8"`` force those formats (``EngineConfig``; resolved in
@@ -75,8 +76,9 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
                          workload: str = "stream", max_num_seqs: int = 64,
                          dense_dtype: torch.dtype = torch.bfloat16) -> str:
     """The format a target runs in when ``quantization`` is unset (``"none"``: dense).
-    ``workload="batch"`` weighs dense ``dense_dtype`` weights against q4 at
-    ``min(max_num_seqs, BATCH_ROWS)`` rows (measured once per CPU, cached)."""
+    A stream runs a GGUF in ggml where it is installed; ``workload="batch"`` weighs
+    dense ``dense_dtype`` weights against q4 at ``min(max_num_seqs, BATCH_ROWS)`` rows
+    (measured once per CPU, cached)."""
     if not (dtype == "auto" and tensor_parallel_size == 1 and device.type == "cpu"):
         return "none"
     gguf_file = gguf_source(model)
@@ -84,6 +86,8 @@ def default_quantization(model: str | None, dtype: object, device: torch.device,
         return "none"
     from pagedtree.worker.models.ggml_matmul import ggml_available
 
+    if workload != "batch" and ggml_available():
+        return "ggml"
     if workload == "batch" and block_quant_available() and _dense_serves_batches(model, gguf_file, max_num_seqs, dense_dtype):
         return "none"
 

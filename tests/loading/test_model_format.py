@@ -20,8 +20,10 @@ needs_gguf = pytest.mark.skipif(not pm.is_installed(pm.SMOLLM2_135M), reason="sm
 
 @needs_gguf
 def test_a_gguf_runs_in_its_own_blocks_unless_told_otherwise():
+    from pagedtree.worker.models.ggml_matmul import ggml_available
+
     name = pm.SMOLLM2_135M.name
-    expected = "q4" if block_quant_available() else "none"
+    expected = "ggml" if ggml_available() else "q4" if block_quant_available() else "none"
     assert default_quantization(EngineConfig(model=name, device="cpu")) == expected
     assert default_quantization(EngineConfig(model=str(pm.gguf_path(pm.SMOLLM2_135M)), device="cpu")) == expected
     # an explicit dtype, "none", another format or several ranks: as asked
@@ -32,22 +34,24 @@ def test_a_gguf_runs_in_its_own_blocks_unless_told_otherwise():
 
 
 @needs_gguf
-def test_a_machine_short_of_memory_for_q4_runs_a_gguf_in_ggml(monkeypatch):
-    """q4 holds about twice its file; with less memory available than that the
-    default is ggml (the file's blocks as they are, about its own size), when ggml is
-    installed (else q4 still, and the load says what it needs)."""
+def test_a_stream_runs_a_gguf_in_ggml_and_in_q4_without_it(monkeypatch):
+    """One stream: ggml where it is installed, whatever the memory (it holds about the
+    file's size); without ggml, q4 (a load short of memory says what it needs), dense
+    without ONNX Runtime either."""
     from pagedtree.loading import model_format
-    from pagedtree.worker.models.ggml_matmul import ggml_available
+    from pagedtree.worker.models import ggml_matmul
 
     name = pm.SMOLLM2_135M.name
     size = pm.gguf_path(pm.SMOLLM2_135M).stat().st_size
     plenty = int(model_format.Q4_BYTES_PER_FILE_BYTE * size) + 1
-    monkeypatch.setattr(model_format, "available_memory", lambda: plenty)
-    assert default_quantization(EngineConfig(model=name, device="cpu")) == ("q4" if block_quant_available() else
-                                                                           "ggml" if ggml_available() else "none")
-    monkeypatch.setattr(model_format, "available_memory", lambda: 2 * size)
-    short = default_quantization(EngineConfig(model=name, device="cpu"))
-    assert short == ("ggml" if ggml_available() else "q4" if block_quant_available() else "none")
+    for memory in (plenty, 2 * size):
+        monkeypatch.setattr(model_format, "available_memory", lambda: memory)
+        monkeypatch.setattr(ggml_matmul, "ggml_available", lambda: True)
+        assert default_quantization(EngineConfig(model=name, device="cpu")) == "ggml"
+        assert default_quantization(EngineConfig(model=name, device="cpu", workload="stream")) == "ggml"
+        monkeypatch.setattr(ggml_matmul, "ggml_available", lambda: False)
+        want = "q4" if block_quant_available() else "none"
+        assert default_quantization(EngineConfig(model=name, device="cpu")) == want
     # asked for explicitly, q4 is q4 whatever the memory
     assert default_quantization(EngineConfig(model=name, device="cpu", quantization="q4")) == "q4"
 
@@ -58,17 +62,24 @@ def test_a_safetensors_model_keeps_its_dtype(tiny_text_model):
 
 @needs_gguf
 def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
-    pytest.importorskip("onnxruntime")
+    from pagedtree.worker.models.ggml_matmul import ggml_available
+
+    if not ggml_available():
+        pytest.importorskip("onnxruntime")
+    want = "ggml" if ggml_available() else "q4"
     llm = LLM(pm.SMOLLM2_135M.name, max_model_len=128, kv_cache_memory=2**25)
-    assert llm.engine.config.quantization == "q4"
-    assert llm.engine.runner.model.lm_head.quantization == "q8"  # the file's Q8_0 head, exactly
+    assert llm.engine.config.quantization == want
+    head = llm.engine.runner.model.lm_head
+    if want == "ggml":
+        assert head.block_matmul.types == ["Q8_0"]  # the file's Q8_0 head, as it is
+    else:
+        assert head.quantization == "q8"  # the file's Q8_0 head, exactly
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4
     # a resolved config stays resolved (the engine may be rebuilt from it)
-    assert default_quantization(llm.engine.config) == "q4" == llm.engine.resolved.target.quantization
-    assert resolve_config(llm.engine.config).target.quantization == "q4"
-
+    assert default_quantization(llm.engine.config) == want == llm.engine.resolved.target.quantization
+    assert resolve_config(llm.engine.config).target.quantization == want
 
 
 @needs_gguf
@@ -78,6 +89,7 @@ def test_a_server_runs_a_gguf_dense_where_this_cpu_serves_batches_faster_in_it(m
     short, and for a single stream whatever the probe would say."""
     pytest.importorskip("onnxruntime")
     from pagedtree.loading import batch_format, model_format
+    from pagedtree.worker.models.ggml_matmul import ggml_available
 
     name = pm.SMOLLM2_135M.name
     asked = []
@@ -92,8 +104,9 @@ def test_a_server_runs_a_gguf_dense_where_this_cpu_serves_batches_faster_in_it(m
     assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch")) == "none"
     assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch", max_num_seqs=4)) == "none"
     assert [rows for rows, _ in asked] == [batch_format.BATCH_ROWS, 4]  # a batch's rows, at most max_num_seqs
-    assert default_quantization(EngineConfig(model=name, device="cpu", workload="stream")) == "q4"
-    assert default_quantization(EngineConfig(model=name, device="cpu")) == "q4"  # unset: one stream
+    stream = "ggml" if ggml_available() else "q4"
+    assert default_quantization(EngineConfig(model=name, device="cpu", workload="stream")) == stream
+    assert default_quantization(EngineConfig(model=name, device="cpu")) == stream  # unset: one stream
     # explicit choices stand
     assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch", quantization="q4")) == "q4"
     assert default_quantization(EngineConfig(model=name, device="cpu", workload="batch", dtype="float32")) == "none"
