@@ -88,8 +88,12 @@ def main() -> None:
         print(f"### {prompt}\n{out.outputs[0].text}\n")
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    mean_len = 1 + accepted / drafts if drafts else 0.0
-    print(f"tree speculation ({described}): {spec_tps:.2f} tokens/s, mean acceptance length {mean_len:.2f}")
+    if drafts:
+        outcome = f"{drafts} trees verified, mean acceptance length {1 + accepted / drafts:.2f}"
+    else:  # the adaptive budget priced every tree above what it would save
+        outcome = "no tree drafted: on this machine verifying one costs more than it would save"
+    print(f"weights: {llm.engine.resolved.target.quantization or llm.engine.resolved.target.dtype}")
+    print(f"tree speculation ({described}): {spec_tps:.2f} tokens/s, {outcome}")
     print(f"plain decoding:   {plain_tps:.2f} tokens/s")
     print(f"speed-up: {spec_tps / plain_tps:.2f}x (same engine, same run, batch 1)")
     if args.temperature == 0:
