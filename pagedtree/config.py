@@ -477,8 +477,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int | None = 4096
+    # A prompt chunk that stops mid-prompt ends at a multiple of this many positions
+    # (set where the target's products group a chunk's rows: see ``Scheduler``).
+    prompt_chunk_multiple: int = 1
 
     def __post_init__(self) -> None:
+        if self.prompt_chunk_multiple < 1:
+            raise ValueError(f"prompt_chunk_multiple must be >= 1, got {self.prompt_chunk_multiple}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -31,6 +31,7 @@ from pagedtree.config import (
 )
 from pagedtree.devices import indexed_device
 from pagedtree.loading.model_format import block_quant_available, default_quantization
+from pagedtree.worker.models.ggml_graph import ROW_GROUP
 from pagedtree.worker.models.ggml_matmul import ggml_available
 
 
@@ -193,6 +194,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, max_model_len=None,
+            prompt_chunk_multiple=ROW_GROUP if config.quantization == "ggml" else 1,
         ),
         max_model_len=config.max_model_len,
         parallel=ParallelConfig(

@@ -12,6 +12,7 @@ from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import Phase, ScheduledChunk, StepPlan, StepResult
 
 
+
 class TreeBudget(Protocol):
     """Chooses each decoding request's token-tree node budget for the next step
     (tree speculation's ``BudgetPolicy``)."""
@@ -107,7 +108,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:  # a prompt chunk needs more of the budget than is left
+                index += 1
+                continue
             wanted = node_budgets.get(request.request_id, 0) if isinstance(node_budgets, Mapping) else node_budgets
             nodes = self._nodes_for(request, wanted, budget - num_new) if num_new == 1 else 0
             # Slots up to the computed tokens exist; a decode step needs one for the
@@ -152,10 +156,31 @@ class Scheduler:
             request.num_computed_tokens = request.num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:  # running now; its first chunk comes with the next step
+                break
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return plan
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """The tokens ``request`` computes in a step with ``budget`` tokens left: all it
+        has, or a prompt chunk that stops at a multiple of ``prompt_chunk_multiple``
+        positions (0 where the budget does not reach the next one: a later step's
+        does, unless the step budget itself is smaller than the multiple).
+
+        Products that take a chunk's rows in groups (ggml's repacked 4-bit GEMM: 4
+        rows at a time from the chunk's first, the rest alone) then group a prompt's
+        rows the same way however the budget cut it, so its keys and values have the
+        same bits whatever else shared its steps (speculation changes what does)."""
+        computed = request.num_computed_tokens
+        remaining = request.num_tokens - computed
+        if remaining <= budget:
+            return remaining
+        multiple = self.config.prompt_chunk_multiple
+        if self.config.max_num_batched_tokens < multiple:
+            return budget
+        return max(0, (computed + budget) // multiple * multiple - computed)
 
     def schedule_ahead(self, launched: StepPlan) -> StepPlan | None:
         """The next step of a batch that only decodes, planned before ``launched`` (a

@@ -47,6 +47,30 @@ def test_fcfs_admission_within_the_token_budget_with_chunked_prefill():
     assert [r.request_id for r in decoding] == ["a"] and other == 3
 
 
+def test_a_prompt_chunk_that_stops_mid_prompt_ends_at_the_multiple_asked_for():
+    """``prompt_chunk_multiple`` (4 for ggml's repacked products): a prompt is cut at
+    multiples of 4 positions whatever budget other requests leave, so it is cut the
+    same way with speculation and without; a budget that does not reach the next
+    multiple waits for a step whose budget does."""
+    s = _scheduler(max_num_batched_tokens=10, prompt_chunk_multiple=4)
+    a, b, c = _request("a", 7), _request("b", 13), _request("c", 3)
+    for r in (a, b, c):
+        s.add_request(r)
+    plan = s.schedule()  # a takes 7, b's prompt would be cut at 3: it waits
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 7)]
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 0
+    _finish_step(s, plan)
+    plan = s.schedule()  # a decodes 1; b gets 9 of the budget: cut at 8
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 8)]
+    _finish_step(s, plan)
+    plan = s.schedule()  # b's last 5 fit: a prompt's end needs no multiple; c's 3 likewise
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 5), ("c", 3)]
+    # A step budget below the multiple still moves prompts on, a token at a time.
+    s = _scheduler(max_num_batched_tokens=3, prompt_chunk_multiple=4)
+    s.add_request(_request("d", 7))
+    assert [c.num_tokens for c in s.schedule().chunks] == [3]
+
+
 def test_preemption_by_recompute_frees_the_newest_request():
     s = _scheduler(num_blocks=4, block_size=4)
     a, b = _request("a", 8), _request("b", 8)

@@ -26,12 +26,16 @@ BLOCK = 4
 def q4k_model(tmp_path_factory):
     """A tiny Qwen2 (q/k/v biases, tied embedding) whose products all take Q4_K blocks."""
     return save_tiny_model(tmp_path_factory.mktemp("q4k_qwen2"), "qwen2", seed=5, with_tokenizer=False,
-                           hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+                           hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")
 def engine(q4k_model):
-    llm = LLM(str(q4k_model.path), quantization="ggml", device="cpu", block_size=BLOCK, max_model_len=512)
+    # fp32 activations and cache: a bit that differs inside the graph shows in the
+    # output (bf16 would round most such differences away, not all).
+    llm = LLM(str(q4k_model.path), quantization="ggml", dtype="float32", device="cpu", block_size=BLOCK,
+              max_model_len=1024)
     yield llm
     llm.shutdown()
 
@@ -124,6 +128,32 @@ def test_the_cached_graphs_stay_within_their_memory(engine, monkeypatch):
         _forward(engine, [dict(ids=list(range(n)), start=21, blocks=blocks)])
         assert len(forward._graphs) == 1  # only the graph in use
     assert torch.equal(_forward(engine, [dict(ids=prompt, start=0, blocks=blocks)]), want)
+
+
+def test_a_prompt_gets_the_same_bits_however_it_is_cut_at_multiples_of_the_row_group(engine):
+    """Prompt chunks go through the repacked weights' GEMM in groups of
+    ``ROW_GROUP`` rows from each chunk's first: cut where the scheduler cuts (at
+    multiples of it), beside another request's chunk or alone, a prompt's rows keep
+    their bits."""
+    prompt = [(9 * i + 4) % 256 for i in range(23)]
+    blocks = list(range(60, 70))
+    whole = _forward(engine, [dict(ids=prompt, start=0, blocks=blocks)])
+    other = dict(ids=[(5 * i) % 256 for i in range(6)], start=0, blocks=list(range(70, 74)))
+    cut = ggml_graph.ROW_GROUP * 2
+    first = _forward(engine, [other, dict(ids=prompt[:cut], start=0, blocks=blocks)])[6:]
+    rest = _forward(engine, [dict(ids=prompt[cut:], start=cut, blocks=blocks), other])[:len(prompt) - cut]
+    assert torch.equal(torch.cat([first, rest]), whole)
+
+
+def test_a_long_contexts_decode_equals_its_row_in_a_tree(engine):
+    """Past 512 entries ggml's own attention splits a lone query's context across
+    threads (another rounding than a query among others): the graph's does not."""
+    prompt = [(3 * i + 1) % 256 for i in range(600)]
+    blocks = list(range(100, 100 + 160))
+    _forward(engine, [dict(ids=prompt, start=0, blocks=blocks)])
+    alone = _forward(engine, [dict(ids=[77], start=600, blocks=blocks)])
+    tree = _forward(engine, [dict(ids=[77, 78, 79], start=600, blocks=blocks, parents=[-1, 0, 0])])
+    assert torch.equal(tree[:1], alone)
 
 
 def test_padding_the_context_changes_no_bits(engine, monkeypatch):

@@ -50,6 +50,10 @@ from pagedtree.worker.models.ggml_matmul import (
     shared_runtime,
 )
 
+# A repacked weight's GEMM takes a prompt chunk's rows this many at a time from its
+# first (the rest one at a time): the scheduler ends a chunk that stops mid-prompt at
+# a multiple of it (``SchedulerConfig.prompt_chunk_multiple``).
+ROW_GROUP = 4
 # Contexts are padded up to a multiple of this many entries (masked): a decoded
 # stream builds a new graph once per this many tokens.
 CONTEXT_BUCKET = 256
@@ -148,14 +152,14 @@ class _Layer:
 @dataclass(frozen=True)
 class StepShape:
     """What a graph is built for: ``tokens`` new tokens of ``requests`` requests, each
-    padded to ``queries`` queries and ``context`` entries of context; the first
-    ``chunk_tokens`` of the graph's token order belong to prompt chunks."""
+    padded to ``queries`` queries and ``context`` entries of context; the graph's
+    token order starts with the prompt chunks' tokens, ``chunks`` of them each."""
 
     tokens: int
     requests: int
     queries: int
     context: int
-    chunk_tokens: int  # the first this many (reordered) tokens are prompt chunks
+    chunks: tuple[int, ...]  # the tokens of each prompt chunk, first in the graph's order
 
 
 @dataclass
@@ -196,7 +200,7 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
     order = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in requests_in_order]).astype(np.int64)
     place = np.empty(tokens, np.int64)
     place[order] = np.arange(tokens)
-    shape = StepShape(tokens, requests, queries, context, sum(q for q, c in zip(query_lens, chunk) if c))
+    shape = StepShape(tokens, requests, queries, context, tuple(query_lens[i] for i in requests_in_order if chunk[i]))
     bs = meta.block_size
     slots = meta.slot_mapping.numpy().astype(np.int64, copy=False)
     if slots.shape != (tokens,) or (tokens and (slots.min() < 0 or slots.max() >= num_slots)):
@@ -245,7 +249,9 @@ class _Graph:
         rt = forward.runtime
         n_layers = len(forward.layers)
         nodes = max(ggml.GGML_DEFAULT_GRAPH_SIZE, 48 * n_layers + 64)
-        self._context = GgmlContext(rt, tensors=_TENSORS_PER_LAYER * (n_layers + 2), graph_nodes=nodes)
+        per_layer = _TENSORS_PER_LAYER + 24 * len(shape.chunks)  # each chunk: a view, a product, a concat per product
+        nodes += 24 * len(shape.chunks) * n_layers
+        self._context = GgmlContext(rt, tensors=per_layer * (n_layers + 2), graph_nodes=nodes)
         ctx = self._context.context
         T, B, Q, L = shape.tokens, shape.requests, shape.queries, shape.context
         D, Hq, Hkv, hidden = forward.head_dim, forward.num_heads, forward.num_kv_heads, forward.hidden
@@ -282,25 +288,32 @@ class _Graph:
         t_mask = tensor(ggml.GGML_TYPE_F16, L, Q, 1, B, array=self.mask)
         t_orows = tensor(ggml.GGML_TYPE_I32, T, array=self.output_rows)
         t_restore = tensor(ggml.GGML_TYPE_I32, T, array=self.restore)
-        P = shape.chunk_tokens
+        chunks = shape.chunks
+        P = sum(chunks)
         S = T - P
 
         def product(weight, x):
-            # A prompt chunk's rows as one matrix: a repacked weight runs groups of 4
-            # rows through its GEMM kernel. Every other row alone (ggml's planes: a
-            # batch of one-row products), through the kernel a lone row takes, so a
-            # decoded or verified token gets the same bits whatever shares its step.
-            k = x.contents.ne[0]
-            parts = []
-            if P:
-                rows = x if not S else ggml.ggml_view_2d(ctx, x, k, P, x.contents.nb[1], 0)
-                parts.append(ggml.ggml_mul_mat(ctx, weight, rows))
+            # Each prompt chunk's rows as one matrix of their own: a repacked weight
+            # runs its rows in groups of 4 from the chunk's first through its GEMM
+            # kernel, the rest alone (the scheduler ends a chunk that stops mid-prompt
+            # at a multiple of ``ROW_GROUP`` tokens, so a prompt's rows group the same
+            # way however it is chunked). Every other row alone (ggml's planes: a batch of one-row
+            # products), through the kernel a lone row takes, so a decoded or verified
+            # token gets the same bits whatever shares its step.
+            k, stride = x.contents.ne[0], x.contents.nb[1]
+            parts, start = [], 0
+            for rows in chunks:
+                view = x if rows == T else ggml.ggml_view_2d(ctx, x, k, rows, stride, start * stride)
+                parts.append(ggml.ggml_mul_mat(ctx, weight, view))
+                start += rows
             if S:
-                stride = x.contents.nb[1]
                 planes = ggml.ggml_view_3d(ctx, x, k, 1, S, stride, stride, P * stride)
                 y = ggml.ggml_mul_mat(ctx, weight, planes)
                 parts.append(ggml.ggml_reshape_2d(ctx, y, y.contents.ne[0], S))
-            return parts[0] if len(parts) == 1 else ggml.ggml_concat(ctx, parts[0], parts[1], 1)
+            y = parts[0]
+            for part in parts[1:]:
+                y = ggml.ggml_concat(ctx, y, part, 1)
+            return y
 
         def linear(projection: _Projection, x) -> list:
             """The projection's outputs ``[size, T]``, one per size."""
