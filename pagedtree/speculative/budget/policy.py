@@ -59,6 +59,12 @@ ALONE_MIN_EXPECTED = 2.0
 # which then speaks for it (re-tries after that follow its fading evidence at the
 # usual margin: probing again each time it faded cost prose requests 5-8%).
 PROBE_MARGIN = 0.85
+# ... but only where a tree would pay if every node were accepted: at least this many
+# times plain decoding's rate at full acceptance. Where verifying rows costs nearly a
+# step each (llama.cpp's kernels on two cores: a second row 0.7 of a step), a probe
+# cannot find a tree worth its cost, and the draft's feed of the prompt and the probe
+# itself cost a request 2-5% (benchmarks/RESULTS.md, "One stream as one ggml graph").
+PROBE_CEILING = 1.2
 
 
 def _accepted_path(trials: Sequence[tuple[int, int, bool]]) -> int:
@@ -168,7 +174,9 @@ class BudgetPolicy:
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
             if self.draft_backlog is not None else None
         costs = StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels, self.speculation_factor)
-        margin = PROBE_MARGIN if all(self._unproven(r) for r in requests) else SPECULATE_MARGIN
+        margin = SPECULATE_MARGIN
+        if all(self._unproven(r) for r in requests) and self._a_tree_could_pay(requests, other_tokens, costs, catch_up):
+            margin = PROBE_MARGIN
         plan, free = plan_budgets(expected, other_tokens, costs, margin=margin, catch_up=catch_up), set()
         if suffix_trees:
             # A request with a suffix tree may go draft-free: its own tree, priced by its
@@ -198,6 +206,14 @@ class BudgetPolicy:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
         return plan.budgets
+
+    def _a_tree_could_pay(self, requests: Sequence[Request], other_tokens: int, costs: StepCosts,
+                          catch_up: Mapping[str, float] | None) -> bool:
+        """Whether the draft models' trees would beat plain decoding by
+        ``PROBE_CEILING`` if every node on their deepest path were accepted."""
+        full = {r.request_id: {b: float(self.shape_for(b).depth) for b in self.candidate_budgets()} for r in requests}
+        ceiling = plan_budgets(full, other_tokens, costs, margin=1.0, catch_up=catch_up)
+        return ceiling.best_rate >= PROBE_CEILING * ceiling.plain_rate
 
     def _check_plan(self, requests: Sequence[Request], plan: BudgetPlan,
                     expected: Mapping[str, Mapping[int, float]]) -> None:

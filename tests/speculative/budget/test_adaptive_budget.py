@@ -187,6 +187,32 @@ def test_an_unproven_request_probes_a_tree_predicted_just_short_of_plain():
     assert policy.choose([good], 0)["q1"] > 0
 
 
+def test_no_probe_where_no_tree_could_pay_even_fully_accepted():
+    """Where each verified row costs most of a step (llama.cpp's kernels past one row
+    on two cores), even a tree accepted in full would not beat plain decoding by
+    ``PROBE_CEILING``: an unproven request decodes plainly instead of probing; with
+    near-flat row costs it probes."""
+    from pagedtree.speculative.budget.policy import PROBE_CEILING
+
+    def policy_with(row_cost: float) -> BudgetPolicy:
+        policy = BudgetPolicy(SpeculativeConfig(tree="chain", depth=5, max_nodes=5), DEFAULT_PRIORS["model"])
+        target, draft = CostModel(), CostModel()
+        target.seed({n: 0.03 * (1 + row_cost * (n - 1)) for n in (1, 2, 4, 8, 16, 64)})
+        draft.seed({n: 0.01 * (1 + row_cost * (n - 1)) for n in (1, 2, 4, 8, 16, 64)})
+        policy.target_cost, policy.draft_cost = target, draft
+        policy.overhead = HostOverhead(plain=0.0, speculating=0.0)
+        return policy
+
+    steep = policy_with(0.7)
+    assert steep.choose(_requests(1), 0)["q0"] == 0
+    full = {"q0": {b: float(TreeShape.chain(b).depth) for b in steep.candidate_budgets()}}
+    costs = StepCosts(steep.target_cost, steep.draft_cost, steep.overhead,
+                      {b: fed_per_level(TreeShape.chain(b)) for b in steep.candidate_budgets()})
+    ceiling = plan_budgets(full, 0, costs, margin=1.0)
+    assert ceiling.best_rate < PROBE_CEILING * ceiling.plain_rate
+    assert policy_with(0.05).choose(_requests(1), 0)["q0"] > 0
+
+
 def test_plans_learn_per_class_how_the_trees_they_chose_did():
     """What the plan expected of each tree it chose is checked against its
     verification, per class. A request's estimate is highest just after a lucky
