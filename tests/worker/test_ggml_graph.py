@@ -166,6 +166,19 @@ def test_padding_the_context_changes_no_bits(engine, monkeypatch):
     assert torch.equal(_forward(engine, [step]), bucketed)
 
 
+def test_a_long_context_beside_short_ones_pads_only_itself(engine):
+    """Each request attends over its own context, padded to its own bucket: one long
+    context in a batch of decodes costs the graph its own gathered keys and values,
+    not the batch's (a server's memory stays proportional to what it holds)."""
+    forward = engine.engine.runner.model.fused_forward
+    bucket = ggml_graph.CONTEXT_BUCKET
+    short = ggml_graph._Graph(forward, ggml_graph.StepShape(((1, bucket, False),) * 8))
+    mixed = ggml_graph._Graph(forward, ggml_graph.StepShape(((1, bucket, False),) * 7 + ((1, 8 * bucket, False),)))
+    width = forward.num_kv_heads * forward.head_dim
+    one_long = 2 * 8 * bucket * width * 4  # its keys and values, gathered in fp32
+    assert mixed.buffer_bytes - short.buffer_bytes <= 1.5 * one_long
+
+
 def test_a_step_that_would_index_outside_the_cache_is_refused(engine):
     """ggml checks no bounds: the graph's own check of the step (whatever attention
     backend checked it first), and token ids."""

@@ -14,8 +14,9 @@ graph for the decoder, over the engine's own paged KV cache:
   (``set_rows`` on the cache's own memory);
 - attention as ``flash_attn_ext`` over each request's context gathered from its
   blocks (``get_rows`` by slot), with a mask that is causal, or follows the request's
-  token tree, and hides padding. Requests are stacked along ggml's fourth dimension,
-  each padded to the step's longest query and context.
+  token tree, and hides padding: one attention node per request, its context padded
+  to a multiple of ``CONTEXT_BUCKET`` (a long prompt beside short decodes pads none of
+  them to its length).
 
 **Rows independent of their batch.** Tree verification needs a token's bits to be
 the same alone and beside others. Every operation here works row by row: products in
@@ -26,8 +27,8 @@ paths split one query's context across threads or tile several queries, which ro
 a lone row differently from a row among others; the graph runs with ggml's reference
 kernels for that reason (``cplan.use_ref``), which also turns off its fusions.
 
-Graphs are cached by their shape (tokens, requests, longest query, context padded to
-``CONTEXT_BUCKET``): decoding reuses one graph for ``CONTEXT_BUCKET`` tokens.
+Graphs are cached by their shape (each request's tokens and padded context):
+decoding one stream reuses one graph for ``CONTEXT_BUCKET`` tokens.
 """
 
 from __future__ import annotations
@@ -151,15 +152,20 @@ class _Layer:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a graph is built for: ``tokens`` new tokens of ``requests`` requests, each
-    padded to ``queries`` queries and ``context`` entries of context; the graph's
-    token order starts with the prompt chunks' tokens, ``chunks`` of them each."""
+    """What a graph is built for: per request, in the graph's order (prompt chunks
+    first), its new tokens, its context padded to a multiple of ``CONTEXT_BUCKET``,
+    and whether it is a prompt chunk."""
 
-    tokens: int
-    requests: int
-    queries: int
-    context: int
-    chunks: tuple[int, ...]  # the tokens of each prompt chunk, first in the graph's order
+    requests: tuple[tuple[int, int, bool], ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(q for q, _, _ in self.requests)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The tokens of each prompt chunk (they come first)."""
+        return tuple(q for q, _, chunk in self.requests if chunk)
 
 
 @dataclass
@@ -170,10 +176,8 @@ class StepInputs:
     order: np.ndarray  # [T] int64 the step's flat token at each place of the graph's order
     positions: np.ndarray  # [T] int32, in the graph's order (so are slots)
     slots: np.ndarray  # [T] int64 cache slot of each new token
-    query_rows: np.ndarray  # [B * queries] int32 token (graph order) of each padded query (0 for padding)
-    context_slots: np.ndarray  # [B * context] int32 cache slot of each padded context entry
-    mask: np.ndarray  # [B, queries, context] float16: 0 visible, -inf hidden
-    output_rows: np.ndarray  # [T] int32 padded query row of each token (graph order)
+    context_slots: np.ndarray  # int32 each request's padded context, one after another
+    mask: np.ndarray  # float16 each request's [queries, padded context] mask (0 visible, -inf hidden), flat
     restore: np.ndarray  # [T] int32 place in the graph's order of each flat token
 
 
@@ -191,27 +195,24 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
         raise ValueError("a step needs requests, each with at least one token")
     if any(c < q for c, q in zip(context_lens, query_lens)):
         raise ValueError("a request's context is shorter than its queries")
-    queries = max(query_lens)
-    context = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
     # Prompt chunks (several tokens, causal) first: their products may group rows;
     # decodes and trees after, a row at a time (see ``_Graph``).
     chunk = [q > 1 and meta.tree_parents[i] is None for i, q in enumerate(query_lens)]
-    requests_in_order = [i for i in range(requests) if chunk[i]] + [i for i in range(requests) if not chunk[i]]
-    order = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in requests_in_order]).astype(np.int64)
+    in_order = [i for i in range(requests) if chunk[i]] + [i for i in range(requests) if not chunk[i]]
+    order = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in in_order]).astype(np.int64)
     place = np.empty(tokens, np.int64)
     place[order] = np.arange(tokens)
-    shape = StepShape(tokens, requests, queries, context, tuple(query_lens[i] for i in requests_in_order if chunk[i]))
+    padded = {i: -(-context_lens[i] // CONTEXT_BUCKET) * CONTEXT_BUCKET for i in range(requests)}
+    shape = StepShape(tuple((query_lens[i], padded[i], chunk[i]) for i in in_order))
     bs = meta.block_size
     slots = meta.slot_mapping.numpy().astype(np.int64, copy=False)
     if slots.shape != (tokens,) or (tokens and (slots.min() < 0 or slots.max() >= num_slots)):
         raise ValueError(f"slot_mapping must hold {tokens} slots in [0, {num_slots})")
-    query_rows = np.zeros(requests * queries, np.int32)
-    output_rows = np.empty(tokens, np.int32)
-    context_slots = np.zeros(requests * context, np.int32)
-    mask = np.full((requests, queries, context), -np.inf, np.float16)
-    mask[:, :, 0] = 0  # padded queries see one entry: no empty softmax
-    for i in range(requests):
-        start, q, c = starts[i], query_lens[i], context_lens[i]
+    context_slots = np.zeros(sum(padded.values()), np.int32)
+    mask = np.full(sum(query_lens[i] * padded[i] for i in range(requests)), -np.inf, np.float16)
+    context_at = mask_at = 0
+    for i in in_order:
+        q, c, width = query_lens[i], context_lens[i], padded[i]
         table = np.asarray(meta.block_tables[i], np.int64)
         needed = -(-c // bs)
         if len(table) < needed:
@@ -220,12 +221,10 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
         if table.size and (table.min() < 0 or table.max() * bs >= num_slots):
             raise ValueError(f"request {i}: block ids outside the cache")
         pos = np.arange(c)
-        context_slots[i * context: i * context + c] = table[pos // bs] * bs + pos % bs
-        rows = np.arange(i * queries, i * queries + q, dtype=np.int32)
-        query_rows[rows] = place[start:start + q]
-        output_rows[place[start:start + q]] = rows
+        context_slots[context_at: context_at + c] = table[pos // bs] * bs + pos % bs
+        own = mask[mask_at: mask_at + q * width].reshape(q, width)
         prefix = c - q
-        mask[i, :q, :prefix] = 0
+        own[:, :prefix] = 0
         parents = meta.tree_parents[i]
         if parents is None:
             visible = np.tril(np.ones((q, q), bool))
@@ -235,9 +234,11 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
             from pagedtree.attention.torch_backend import ancestor_mask
 
             visible = ancestor_mask(parents).numpy()
-        mask[i, :q, prefix:c] = np.where(visible, 0, -np.inf).astype(np.float16)
-    return StepInputs(shape, order, positions.numpy().astype(np.int32)[order], slots[order], query_rows, context_slots,
-                      mask, output_rows, place.astype(np.int32))
+        own[:, prefix:c] = np.where(visible, 0, -np.inf).astype(np.float16)
+        context_at += width
+        mask_at += q * width
+    return StepInputs(shape, order, positions.numpy().astype(np.int32)[order], slots[order], context_slots, mask,
+                      place.astype(np.int32))
 
 
 class _Graph:
@@ -248,12 +249,13 @@ class _Graph:
         ggml = forward.ggml
         rt = forward.runtime
         n_layers = len(forward.layers)
-        nodes = max(ggml.GGML_DEFAULT_GRAPH_SIZE, 48 * n_layers + 64)
-        per_layer = _TENSORS_PER_LAYER + 24 * len(shape.chunks)  # each chunk: a view, a product, a concat per product
-        nodes += 24 * len(shape.chunks) * n_layers
+        # Tensors of a layer: about 50, then per request its attention (14) and per
+        # prompt chunk its rows' products (a view, a product, a concat each: 24).
+        per_layer = _TENSORS_PER_LAYER + 14 * len(shape.requests) + 24 * len(shape.chunks)
+        nodes = max(ggml.GGML_DEFAULT_GRAPH_SIZE, per_layer * n_layers + 64)
         self._context = GgmlContext(rt, tensors=per_layer * (n_layers + 2), graph_nodes=nodes)
         ctx = self._context.context
-        T, B, Q, L = shape.tokens, shape.requests, shape.queries, shape.context
+        T = shape.tokens
         D, Hq, Hkv, hidden = forward.head_dim, forward.num_heads, forward.num_kv_heads, forward.hidden
         self.shape = shape
         self._keep: list[Any] = []
@@ -272,10 +274,8 @@ class _Graph:
         self.ids = np.zeros(T, np.int32)
         self.positions = np.zeros(T, np.int32)
         self.slots = np.zeros(T, np.int64)
-        self.query_rows = np.zeros(B * Q, np.int32)
-        self.context_slots = np.zeros(B * L, np.int32)
-        self.mask = np.zeros((B, Q, L), np.float16)
-        self.output_rows = np.zeros(T, np.int32)
+        self.context_slots = np.zeros(sum(width for _, width, _ in shape.requests), np.int32)
+        self.mask = np.zeros(sum(q * width for q, width, _ in shape.requests), np.float16)
         self.restore = np.zeros(T, np.int32)
         self.out = torch.empty(T, hidden, dtype=torch.float32)
         # A dense embedding table is looked up by torch; its rows come in here.
@@ -283,10 +283,8 @@ class _Graph:
         t_ids = tensor(ggml.GGML_TYPE_I32, T, array=self.ids)
         t_pos = tensor(ggml.GGML_TYPE_I32, T, array=self.positions)
         t_slots = tensor(ggml.GGML_TYPE_I64, T, array=self.slots)
-        t_qrows = tensor(ggml.GGML_TYPE_I32, B * Q, array=self.query_rows)
-        t_ctx = tensor(ggml.GGML_TYPE_I32, B * L, array=self.context_slots)
-        t_mask = tensor(ggml.GGML_TYPE_F16, L, Q, 1, B, array=self.mask)
-        t_orows = tensor(ggml.GGML_TYPE_I32, T, array=self.output_rows)
+        t_ctx = tensor(ggml.GGML_TYPE_I32, self.context_slots.size, array=self.context_slots)
+        t_mask = tensor(ggml.GGML_TYPE_F16, self.mask.size, array=self.mask)
         t_restore = tensor(ggml.GGML_TYPE_I32, T, array=self.restore)
         chunks = shape.chunks
         P = sum(chunks)
@@ -347,6 +345,32 @@ class _Graph:
             return ggml.ggml_rope_ext(ctx, x, t_pos, None, D, ggml.GGML_ROPE_TYPE_NEOX, forward.max_positions,
                                       forward.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
 
+        # Each request's attention on its own: its queries (graph order), its context
+        # gathered from its blocks and padded to its bucket, its mask.
+        requests, token_at, context_at, mask_at = [], 0, 0, 0
+        for q, width, _ in shape.requests:
+            requests.append((q, width, token_at, context_at, mask_at))
+            token_at, context_at, mask_at = token_at + q, context_at + width, mask_at + q * width
+
+        def attention(queries, key_cache, value_cache, q, width, token_at, context_at, mask_at):
+            slots = ggml.ggml_view_1d(ctx, t_ctx, width, 4 * context_at)
+            keys = ggml.ggml_reshape_3d(ctx, ggml.ggml_get_rows(ctx, key_cache, slots), D, Hkv, width)
+            values = ggml.ggml_reshape_3d(ctx, ggml.ggml_get_rows(ctx, value_cache, slots), D, Hkv, width)
+            nb = queries.contents.nb
+            own = ggml.ggml_view_3d(ctx, queries, D, Hq, q, nb[1], nb[2], token_at * nb[2])
+            mask = ggml.ggml_view_2d(ctx, t_mask, width, q, 2 * width, 2 * mask_at)
+            out = ggml.ggml_flash_attn_ext(
+                ctx, ggml.ggml_permute(ctx, own, 0, 2, 1, 3), ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
+                ggml.ggml_permute(ctx, values, 0, 2, 1, 3), mask, forward.scale, 0.0, 0.0)
+            return ggml.ggml_reshape_2d(ctx, out, D * Hq, q)
+
+        def concat_rows(parts):
+            # Pairwise, as a balanced tree: each row is copied log2(requests) times.
+            while len(parts) > 1:
+                parts = [ggml.ggml_concat(ctx, parts[i], parts[i + 1], 1) if i + 1 < len(parts) else parts[i]
+                         for i in range(0, len(parts), 2)]
+            return parts[0]
+
         if self.embedded is None:
             h = ggml.ggml_get_rows(ctx, forward.embedding_table, t_ids)  # fp32 rows of the file's blocks
         else:
@@ -359,14 +383,7 @@ class _Graph:
             # The cache written before it is read: the gathers take set_rows' results.
             key_cache = ggml.ggml_set_rows(ctx, key_cache, ggml.ggml_reshape_2d(ctx, k, D * Hkv, T), t_slots)
             value_cache = ggml.ggml_set_rows(ctx, value_cache, v, t_slots)
-            keys = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, key_cache, t_ctx), D, Hkv, L, B)
-            values = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, value_cache, t_ctx), D, Hkv, L, B)
-            queries = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, q, D * Hq, T), t_qrows)
-            queries = ggml.ggml_reshape_4d(ctx, queries, D, Hq, Q, B)
-            attended = ggml.ggml_flash_attn_ext(
-                ctx, ggml.ggml_permute(ctx, queries, 0, 2, 1, 3), ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
-                ggml.ggml_permute(ctx, values, 0, 2, 1, 3), t_mask, forward.scale, 0.0, 0.0)
-            attended = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, attended, D * Hq, Q * B), t_orows)
+            attended = concat_rows([attention(q, key_cache, value_cache, *request) for request in requests])
             h = ggml.ggml_add(ctx, h, linear(layer.o, attended)[0])
             x = norm(h, layer.post_norm)
             gate, up = linear(layer.gate_up, x)
@@ -400,10 +417,8 @@ class _Graph:
             self.embedded[:] = embedded.numpy()[inputs.order]
         self.positions[:] = inputs.positions
         self.slots[:] = inputs.slots
-        self.query_rows[:] = inputs.query_rows
         self.context_slots[:] = inputs.context_slots
-        self.mask[...] = inputs.mask
-        self.output_rows[:] = inputs.output_rows
+        self.mask[:] = inputs.mask
         self.restore[:] = inputs.restore
 
 
