@@ -209,3 +209,14 @@ def assert_no_leaks(llm) -> None:
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     llm.engine.block_manager.check_invariants()
+
+
+def assert_speculation_exact(llm, prompts, params, counter: str = "num_accepted_tokens") -> None:
+    """``prompts`` decoded with speculation give plain decoding's tokens (``counter``
+    of the stats shows speculation ran), and no block is left behind."""
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.stats()[counter] > 0
+    llm.engine.set_speculation(False)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert spec == plain
+    assert_no_leaks(llm)

@@ -12,7 +12,7 @@ from pagedtree.loading import resolve as resolve_module
 from pagedtree.loading.model_format import block_quant_available
 from pagedtree.loading.resolve import resolve_config
 from pagedtree.worker.models.linear import Linear
-from tests.conftest import assert_no_leaks, random_prompts
+from tests.conftest import assert_no_leaks, assert_speculation_exact, random_prompts
 
 SPEC = {"tree": "static", "expansion": (2, 1, 1), "max_nodes": 6, "adaptive": False}
 
@@ -77,13 +77,7 @@ def test_speculation_is_exact_in_every_precision(tiny_llama, tiny_llama_draft, t
                                             llm.engine.resolved.drafts[0].quantization)
     assert all(m.quantization == draft_format for m in draft_layers)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    spec = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    assert llm.stats()["num_accepted_tokens"] > 0
-    llm.engine.set_speculation(False)
-    plain = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    assert spec == plain
-    assert_no_leaks(llm)
+    assert_speculation_exact(llm, [{"prompt_token_ids": p} for p in prompts], params)
 
 
 @pytest.mark.parametrize("target", [

@@ -17,7 +17,7 @@ from pagedtree import LLM, SamplingParams  # noqa: E402
 from pagedtree.step_data import AttentionMetadata  # noqa: E402
 from pagedtree.worker.models import ggml_graph  # noqa: E402
 from pagedtree.worker.models.ggml_graph import GgmlGraphForward  # noqa: E402
-from tests.conftest import assert_no_leaks, save_tiny_model  # noqa: E402
+from tests.conftest import assert_speculation_exact, save_tiny_model  # noqa: E402
 
 BLOCK = 4
 
@@ -211,10 +211,5 @@ def test_speculation_through_the_graph_equals_plain_decoding(q4k_model, tmp_path
               draft_model=str(draft.path), max_num_batched_tokens=32,
               speculative={"tree": "static", "expansion": (2, 1, 1), "max_nodes": 6, "adaptive": False})
     assert isinstance(llm.engine.runner.model.fused_forward, GgmlGraphForward)
-    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.stats()["num_drafts"] > 0
-    llm.engine.set_speculation(False)
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert spec == plain
-    assert_no_leaks(llm)
+    assert_speculation_exact(llm, prompts, params, counter="num_drafts")
     llm.shutdown()
