@@ -247,6 +247,31 @@ def release_mapped_file_pages(path: str) -> int:
     return len(ranges)
 
 
+# Transparent huge pages are 2 MiB on x86-64 (and most Linux machines).
+HUGE_PAGE = 2 * 2**20
+
+
+def advise_huge_pages(address: int, length: int) -> bool:
+    """Ask Linux to back the 2 MiB-aligned part of ``[address, address + length)``
+    with transparent huge pages (``madvise(MADV_HUGEPAGE)``) as it is first written:
+    a stream over a gigabyte of weights then misses the TLB 512 times less often.
+    Call it before the memory is touched. Returns whether the kernel took the advice
+    (False off Linux, with THP off, or for a range under 2 MiB)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + length) // HUGE_PAGE * HUGE_PAGE
+    if advice is None or end <= start:
+        return False
+    try:
+        libc = _glibc() or _load_libc()
+    except OSError:
+        return False
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise(start, end - start, advice) == 0
+
+
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages become resident when first written (see module
     docstring)."""

@@ -42,14 +42,8 @@ import numpy as np
 import torch
 
 from pagedtree.step_data import AttentionMetadata
-from pagedtree.worker.models.ggml_matmul import (
-    GgmlBlocks,
-    GgmlContext,
-    GgmlMatMul,
-    GgmlRuntime,
-    GgmlWeight,
-    shared_runtime,
-)
+from pagedtree.worker.models.ggml_matmul import GgmlContext, GgmlMatMul, GgmlRuntime, shared_runtime
+from pagedtree.worker.models.ggml_repack import RepackedWeights
 
 # A repacked weight's GEMM takes a prompt chunk's rows this many at a time from its
 # first (the rest one at a time): the scheduler ends a chunk that stops mid-prompt at
@@ -449,12 +443,16 @@ class GgmlGraphForward:
         self.quantized_embedding = rows is not None
         self.embedding_table = rows._table.tensor if rows is not None else None
         self.vocab_size = body.embed_tokens.num_embeddings
-        self._repacked: list[GgmlWeight] = []
-        self._sources: dict[int, np.memmap] = {}
+        linears = [linear for layer in body.layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        sources = [w for linear in linears for w in linear.block_matmul._weights if not w.repacked]
+        self.repacked = RepackedWeights(self.runtime, sources)
         self.layers = [self._layer(layer) for layer in body.layers]
         # The repacked weights are copies: the file's pages they were read from leave
         # the process's resident memory (pages read again come back from the file).
-        for mapping in self._sources.values():
+        mappings = {id(m): m for m in (_file_mapping(w._data) for w in sources if self.repacked.tensor(w) is not None)
+                    if m is not None}
+        for mapping in mappings.values():
             if hasattr(mmap, "MADV_DONTNEED"):
                 mapping._mmap.madvise(mmap.MADV_DONTNEED)
         self.final_norm = _f32(body.norm.weight)
@@ -463,21 +461,11 @@ class GgmlGraphForward:
         self.cache_tensors: list[tuple[Any, Any]] = []
         self._cache_context: GgmlContext | None = None
 
-    def _weight(self, weight: GgmlWeight) -> Any:
-        """The graph's tensor for a layer's weight: repacked into ggml's interleaved
-        layout where this CPU has one for its type (llama.cpp's default; a lone row's
-        product there reads the weight faster), the file's blocks otherwise."""
-        if weight.repacked or self.runtime.repack_buffer_type is None:
-            return weight.tensor
-        name = self.ggml.ggml_type_name(weight.type_id).decode()
-        repacked = GgmlWeight(self.runtime, GgmlBlocks(name, weight._data, weight.k), repack=True)
-        if not repacked.repacked:
-            return weight.tensor
-        self._repacked.append(repacked)
-        mapping = _file_mapping(weight._data)
-        if mapping is not None:
-            self._sources[id(mapping)] = mapping
-        return repacked.tensor
+    def _weight(self, weight) -> Any:
+        """The graph's tensor for a layer's weight: its copy repacked into ggml's
+        interleaved layout where this CPU has one for its type (``ggml_repack``), the
+        file's blocks otherwise."""
+        return self.repacked.tensor(weight) or weight.tensor
 
     def _projection(self, linear, sizes: tuple[int, ...]) -> _Projection:
         return _Projection([self._weight(w) for w in linear.block_matmul._weights], _f32(linear.bias), sizes)
