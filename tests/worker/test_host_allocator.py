@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
@@ -177,3 +178,27 @@ def test_mapped_file_pages_are_released_and_read_back_unchanged(tmp_path):
         assert host_allocator.release_mapped_file_pages(str(tmp_path / "other.bin")) == 0
     finally:
         mapping.close()
+
+
+def test_huge_page_advice_covers_only_whole_aligned_huge_pages():
+    import mmap as mmap_module
+
+    from pagedtree.host_memory import HUGE_PAGE, advise_huge_pages
+
+    region = mmap_module.mmap(-1, 3 * HUGE_PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert not advise_huge_pages(base + 1, HUGE_PAGE)  # no whole aligned 2 MiB inside
+    advised = advise_huge_pages(base, 3 * HUGE_PAGE)
+    assert advised == (hasattr(mmap_module, "MADV_HUGEPAGE") and _thp_allowed())
+    region[:4] = b"abcd"  # the memory is ordinary memory either way
+    assert region[:4] == b"abcd"
+    del base
+    region.close()
+
+
+def _thp_allowed() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
