@@ -169,18 +169,22 @@ class CpuPagedAttention(TorchPagedAttention):
         )
 
     def begin_step(self, meta: AttentionMetadata, static: StaticShape | None = None, num_heads: int = 0) -> None:
-        """Validate and pack the step's metadata once for every layer."""
+        """Take the step's metadata; it is validated and packed once for every layer
+        by the first layer that attends (a forward that attends on its own, as the
+        ggml graph does, reads ``meta`` and never needs the kernel's plan)."""
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
         self._meta = meta
-        self._cpu_plan = build_cpu_plan(meta, self.num_blocks)
+        self._cpu_plan = None
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         """Store ``key``/``value`` ``[T, H_kv, D]`` and return attention of ``query`` ``[T, H, D]``."""
+        assert self._meta is not None, "begin_step first"
+        if self._cpu_plan is None:
+            self._cpu_plan = build_cpu_plan(self._meta, self.num_blocks)
         plan = self._cpu_plan
-        assert plan is not None and self._meta is not None, "begin_step first"
         if query.shape[0] != plan.num_tokens:
             raise ValueError(f"{query.shape[0]} query tokens for a step of {plan.num_tokens}")
         key_cache, value_cache = self.kv_caches[layer_index]
