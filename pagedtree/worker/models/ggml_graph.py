@@ -18,14 +18,26 @@ graph for the decoder, over the engine's own paged KV cache:
   to a multiple of ``CONTEXT_BUCKET`` (a long prompt beside short decodes pads none of
   them to its length).
 
+The 4-bit weights are repacked into llama.cpp's interleaved x86 layout
+(``ggml_repack``), whose one-row kernel reads them faster than the file's layout.
+
 **Rows independent of their batch.** Tree verification needs a token's bits to be
-the same alone and beside others. Every operation here works row by row: products in
-the file's layout are one dot product per row, norms and rotary per row, and the
-attention of a row visits the unmasked entries of its own context in order (masked
-entries, padding included, are skipped, not added as zeros). ggml's faster attention
-paths split one query's context across threads or tile several queries, which rounds
-a lone row differently from a row among others; the graph runs with ggml's reference
-kernels for that reason (``cplan.use_ref``), which also turns off its fusions.
+the same alone and beside others. Every decoded or verified token's products run
+through the one-row kernel on their own (ggml's "planes": a batch of one-row
+products), whatever else shares the step; a prompt chunk's rows are a product of
+their own, in groups of ``ROW_GROUP`` from the chunk's first through the repacked
+GEMM, and the scheduler cuts prompts at multiples of ``ROW_GROUP`` so that a prompt's
+rows group the same way however a step budget cut it. Norms and rotary work row by
+row, and the attention of a row visits the unmasked entries of its own context in
+order (masked entries, padding included, are skipped, not added as zeros). ggml's
+faster attention paths split one query's context across threads or tile several
+queries, which rounds a lone row differently from a row among others; the graph runs
+with ggml's reference kernels for that reason (``cplan.use_ref``), which also turns
+off its fusions.
+
+Models this does not cover run layer by layer (``unsupported`` says why): scaled
+rotary embeddings (Llama 3's, for one), activations other than SiLU, sharded or
+streamed weights, a product outside ggml.
 
 Graphs are cached by their shape (each request's tokens and padded context):
 decoding one stream reuses one graph for ``CONTEXT_BUCKET`` tokens.
@@ -529,7 +541,6 @@ class GgmlGraphForward:
             raise IndexError(f"token ids must be in [0, {self.vocab_size})")
         embedded = None if self.quantized_embedding else self._embed(input_ids).detach().float().contiguous()
         inputs = step_inputs(meta, positions.cpu(), self._num_slots)
-        ggml = self.ggml
         with self.runtime.lock:
             graph = self._graph(inputs.shape)
             graph.fill(input_ids.to(torch.int32), embedded, inputs)

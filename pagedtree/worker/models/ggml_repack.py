@@ -49,6 +49,9 @@ class RepackedWeights:
                 data = np.ascontiguousarray(weight._data)
                 ggml.ggml_backend_tensor_set(tensor, data.ctypes.data_as(ctypes.c_void_p), 0, data.nbytes)
                 self._tensors[id(weight)] = tensor
+        if not self._tensors:  # no type this CPU repacks (a model of 8-bit blocks)
+            ggml.ggml_backend_buffer_free(self.buffer)
+            self.buffer, self.nbytes, self.huge_pages = None, 0, False
 
     def tensor(self, weight: GgmlWeight) -> Any | None:
         """The repacked copy of ``weight`` (None: its type is not repacked here)."""
