@@ -83,6 +83,28 @@ def test_the_default_engine_on_a_gguf_is_quantized_and_resolves_once():
 
 
 @needs_gguf
+def test_a_large_batch_to_a_stream_engine_in_ggml_hears_of_the_batch_build(caplog):
+    from pagedtree.engine.llm import BATCH_HINT_PROMPTS
+    from pagedtree.worker.models.ggml_matmul import ggml_available
+
+    if not ggml_available():
+        pytest.skip("ggml is not installed")
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm = LLM(pm.SMOLLM2_135M.name, max_model_len=64, kv_cache_memory=2**25)
+    with caplog.at_level("WARNING", logger="pagedtree"):
+        llm.generate(["a"] * (BATCH_HINT_PROMPTS - 1), params, use_tqdm=False)  # a few: no word
+        llm.generate(["a"] * BATCH_HINT_PROMPTS, params, use_tqdm=False)
+        llm.generate(["a"] * BATCH_HINT_PROMPTS, params, use_tqdm=False)  # said once
+    hints = [r for r in caplog.records if "workload='batch'" in r.getMessage()]
+    assert len(hints) == 1
+    caplog.clear()
+    chosen = LLM(pm.SMOLLM2_135M.name, quantization="ggml", max_model_len=64, kv_cache_memory=2**25)
+    with caplog.at_level("WARNING", logger="pagedtree"):
+        chosen.generate(["a"] * BATCH_HINT_PROMPTS, params, use_tqdm=False)  # ggml asked for: as asked
+    assert not [r for r in caplog.records if "workload='batch'" in r.getMessage()]
+
+
+@needs_gguf
 def test_a_server_runs_a_gguf_dense_where_this_cpu_serves_batches_faster_in_it(monkeypatch):
     """``workload="batch"``: dense weights where the probe finds a batch's products
     clearly faster in them and the memory is there; q4 where they lose, where memory is
