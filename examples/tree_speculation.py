@@ -66,24 +66,35 @@ def main() -> None:
         for p in prompts
     ]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    # Warm up both paths once so neither run pays one-time costs.
-    llm.generate(chats[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    # Warm up on the same prompts and lengths, plainly, so that neither timed run pays
+    # one-time costs (a step shape's first graph, the cache's first pages).
+    llm.engine.set_speculation(False)
+    for chat in chats:
+        llm.generate([chat], params, use_tqdm=False)
+    suffix = getattr(llm.engine.speculation.proposer, "suffix", None)
 
-    def run(speculate: bool):
-        llm.engine.set_speculation(speculate)
-        outs, tokens, seconds = [], 0, 0.0
-        for chat in chats:  # one at a time: the batch-1 latency case
+    # Each prompt one at a time (the batch-1 latency case) with speculation and
+    # without, the order alternating from prompt to prompt: a machine that speeds up
+    # or slows down over the run moves both alike.
+    outs: dict[bool, list] = {True: [], False: []}
+    tokens = {True: 0, False: 0}
+    seconds = {True: 0.0, False: 0.0}
+    before = llm.stats()
+    for index, chat in enumerate(chats):
+        for speculate in ((True, False) if index % 2 == 0 else (False, True)):
+            llm.engine.set_speculation(speculate)
+            if speculate and suffix is not None:
+                # The suffix drafter would otherwise propose the other run's output,
+                # or the warm-up's, back verbatim.
+                suffix.clear_global()
             started = time.perf_counter()
             out = llm.generate([chat], params, use_tqdm=False)[0]
-            seconds += time.perf_counter() - started
-            tokens += len(out.outputs[0].token_ids)
-            outs.append(out)
-        return outs, tokens / seconds
-
-    before = llm.stats()
-    spec_outs, spec_tps = run(True)
+            seconds[speculate] += time.perf_counter() - started
+            tokens[speculate] += len(out.outputs[0].token_ids)
+            outs[speculate].append(out)
     after = llm.stats()
-    plain_outs, plain_tps = run(False)
+    spec_outs, plain_outs = outs[True], outs[False]
+    spec_tps, plain_tps = tokens[True] / seconds[True], tokens[False] / seconds[False]
     for prompt, out in zip(prompts, spec_outs):
         print(f"### {prompt}\n{out.outputs[0].text}\n")
     drafts = after["num_drafts"] - before["num_drafts"]
