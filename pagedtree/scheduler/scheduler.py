@@ -12,7 +12,6 @@ from pagedtree.scheduler.block_manager import BlockManager
 from pagedtree.step_data import Phase, ScheduledChunk, StepPlan, StepResult
 
 
-
 class TreeBudget(Protocol):
     """Chooses each decoding request's token-tree node budget for the next step
     (tree speculation's ``BudgetPolicy``)."""
