@@ -73,6 +73,27 @@ def test_a_ggml_model_runs_as_one_graph_and_computes_what_its_layers_do(engine, 
     """The graph against the same weights' layer-by-layer forward (bf16 activations
     between ggml's products there, fp32 in the graph): close, and as far from the
     fp32 model as the 4-bit weights put both."""
+    _check_against_layers(engine, q4k_model, monkeypatch)
+
+
+def test_llama3_rotary_scaling_runs_in_the_graph(tmp_path, monkeypatch):
+    """Llama 3's rotary scaling divides each frequency by its own factor, which
+    ggml's rotary takes as ``freq_factors``: the graph follows the layers' forward as
+    closely as with plain rotary (without the factors it would not)."""
+    scaled = save_tiny_model(tmp_path / "llama3", "llama", seed=7, with_tokenizer=False, hidden_size=512,
+                             intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    llm = LLM(str(scaled.path), quantization="ggml", dtype="float32", device="cpu", block_size=BLOCK,
+              max_model_len=256)
+    forward = llm.engine.runner.model.fused_forward
+    assert isinstance(forward, GgmlGraphForward) and forward.freq_factors is not None
+    assert forward.freq_factors.max() > 2  # the low frequencies slowed by the factor
+    _check_against_layers(llm, scaled, monkeypatch)
+    llm.shutdown()
+
+
+def _check_against_layers(engine, tiny, monkeypatch) -> None:
     model = engine.engine.runner.model
     assert isinstance(model.fused_forward, GgmlGraphForward)
     prompt = [(7 * i + 3) % 256 for i in range(40)]
@@ -80,7 +101,7 @@ def test_a_ggml_model_runs_as_one_graph_and_computes_what_its_layers_do(engine, 
         graph = model.compute_logits(_forward(engine, [dict(ids=prompt, start=0, blocks=list(range(10)))])).float()
         monkeypatch.setattr(model, "fused_forward", None)
         layers = model.compute_logits(_forward(engine, [dict(ids=prompt, start=0, blocks=list(range(10)))])).float()
-        dense = q4k_model.hf_model(torch.tensor([prompt])).logits[0]
+        dense = tiny.hf_model(torch.tensor([prompt])).logits[0]
 
     def error(a, b):
         return ((a - b).norm() / b.norm()).item()

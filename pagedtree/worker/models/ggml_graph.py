@@ -35,9 +35,10 @@ queries, which rounds a lone row differently from a row among others; the graph 
 with ggml's reference kernels for that reason (``cplan.use_ref``), which also turns
 off its fusions.
 
-Models this does not cover run layer by layer (``unsupported`` says why): scaled
-rotary embeddings (Llama 3's, for one), activations other than SiLU, sharded or
-streamed weights, a product outside ggml.
+Rotary scalings that divide each frequency by a factor (Llama 3's, linear) pass
+those factors to ``rope_ext``. Models this does not cover run layer by layer
+(``unsupported`` says why): a rotary embedding that scales attention (YaRN's),
+activations other than SiLU, sharded or streamed weights, a product outside ggml.
 
 Graphs are cached by their shape (each request's tokens and padded context):
 decoding one stream reuses one graph for ``CONTEXT_BUCKET`` tokens.
@@ -83,8 +84,8 @@ def unsupported(model) -> str | None:
         return "a sharded model"
     if model.layer_streamer is not None:
         return "streamed layers"
-    if model.rotary.attention_scaling != 1.0 or not _default_rope(model.config):
-        return "a scaled rotary embedding"
+    if model.rotary.attention_scaling != 1.0:
+        return "a rotary embedding that scales attention (YaRN's)"
     if model.config.hidden_act not in ("silu", "swish"):
         return f"activation {model.config.hidden_act!r}"
     for layer in body.layers:
@@ -111,14 +112,20 @@ def _split(linear, sizes: tuple[int, ...]) -> str | None:
     return "whole" if len(rows) == 1 else None
 
 
-def _default_rope(config) -> bool:
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return rope.get("rope_type", rope.get("type", "default")) == "default"
-
-
 def _rope_base(config) -> float:
     rope = getattr(config, "rope_parameters", None) or {}
     return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _frequency_factors(model, base: float) -> np.ndarray | None:
+    """What the model's rotary frequencies are divided by against the plain ones at
+    ``base`` (ggml's ``freq_factors``: Llama 3's and linear scaling are such a
+    division per frequency); None where they are the plain ones."""
+    inv_freq = model.rotary.inv_freq.detach().float().cpu()
+    dim = 2 * inv_freq.numel()
+    plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = (plain / inv_freq).numpy().astype(np.float32)
+    return None if np.allclose(factors, 1.0, rtol=1e-6, atol=0) else factors
 
 
 def _file_mapping(array: np.ndarray) -> np.memmap | None:
@@ -346,9 +353,12 @@ class _Graph:
         def norm(x, weight):
             return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, forward.eps), const(weight))
 
+        factors = None if forward.freq_factors is None else tensor(
+            ggml.GGML_TYPE_F32, forward.freq_factors.size, array=forward.freq_factors)
+
         def rope(x, heads):
             x = ggml.ggml_reshape_3d(ctx, x, D, heads, T)
-            return ggml.ggml_rope_ext(ctx, x, t_pos, None, D, ggml.GGML_ROPE_TYPE_NEOX, forward.max_positions,
+            return ggml.ggml_rope_ext(ctx, x, t_pos, factors, D, ggml.GGML_ROPE_TYPE_NEOX, forward.max_positions,
                                       forward.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
 
         # Each request's attention on its own: its queries (graph order), its context
@@ -448,6 +458,7 @@ class GgmlGraphForward:
         self.eps = float(body.norm.eps)
         self.scale = self.head_dim ** -0.5
         self.rope_base = _rope_base(config)
+        self.freq_factors = _frequency_factors(model, self.rope_base)
         self.max_positions = int(getattr(config, "max_position_embeddings", 4096))
         self.dtype = body.embed_tokens.weight.dtype
         self._embed = body.embed_tokens
