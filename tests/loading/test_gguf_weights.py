@@ -281,3 +281,22 @@ def test_dense_weights_come_straight_from_the_file_as_a_converted_checkpoint_giv
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         assert torch.equal(packed.model.embed_tokens(ids), converted.model.embed_tokens(ids))
+
+
+def test_a_real_gguf_speculates_exactly_through_the_ggml_graph():
+    """The packaged SmolLM2 file in ggml (its Q4_1 layers, Q8_0 head), one graph a
+    step: the suffix drafter's trees, verified in batches beside prompt chunks, give
+    plain decoding's tokens."""
+    pytest.importorskip("ggml")
+    if not pm.is_installed(pm.SMOLLM2_135M):
+        pytest.skip("smollm2 not installed")
+    from pagedtree.worker.models.ggml_graph import GgmlGraphForward
+    from tests.conftest import assert_speculation_exact
+
+    llm = LLM(pm.SMOLLM2_135M.name, quantization="ggml", max_model_len=256, kv_cache_memory=2**26,
+              max_num_batched_tokens=48, speculative={"drafter": "suffix", "max_nodes": 8, "adaptive": False})
+    assert isinstance(llm.engine.runner.model.fused_forward, GgmlGraphForward)
+    # Repeated phrases: the suffix drafter finds matches in the prompts and outputs.
+    prompts = ["one two three four one two three four one two three", "def f(x):\n    return x\n\ndef g(x):\n    return",
+               "The cat sat on the mat. The cat sat on the", "A B C D A B C D A B C D A B"]
+    assert_speculation_exact(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
