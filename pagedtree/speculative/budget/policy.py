@@ -174,10 +174,18 @@ class BudgetPolicy:
         catch_up = {r.request_id: self._amortised_backlog(r, expected[r.request_id]) for r in requests} \
             if self.draft_backlog is not None else None
         costs = StepCosts(self.target_cost, self.draft_cost, self.overhead, model_levels, self.speculation_factor)
-        margin = SPECULATE_MARGIN
-        if all(self._unproven(r) for r in requests) and self._a_tree_could_pay(requests, other_tokens, costs, catch_up):
-            margin = PROBE_MARGIN
-        plan, free = plan_budgets(expected, other_tokens, costs, margin=margin, catch_up=catch_up), set()
+        margin, plan = SPECULATE_MARGIN, None
+        if all(self._unproven(r) for r in requests):
+            ceiling = self._ceiling(requests, other_tokens, costs, catch_up)
+            if ceiling.best_rate >= PROBE_CEILING * ceiling.plain_rate:
+                margin = PROBE_MARGIN
+            elif ceiling.best_rate < SPECULATE_MARGIN * ceiling.plain_rate:
+                # Not even trees accepted in full would pay: plain decoding, unpriced.
+                plan = BudgetPlan({rid: 0 for rid in expected}, ceiling.plain_rate, ceiling.plain_rate,
+                                  ceiling.plain_seconds, ceiling.plain_seconds)
+        if plan is None:
+            plan = plan_budgets(expected, other_tokens, costs, margin=margin, catch_up=catch_up)
+        free: set[str] = set()
         if suffix_trees:
             # A request with a suffix tree may go draft-free: its own tree, priced by its
             # counts, at no draft cost. Where that tree is expected to get at least what
@@ -207,13 +215,12 @@ class BudgetPolicy:
         self.last_budget = max(plan.budgets.values(), default=0)
         return plan.budgets
 
-    def _a_tree_could_pay(self, requests: Sequence[Request], other_tokens: int, costs: StepCosts,
-                          catch_up: Mapping[str, float] | None) -> bool:
-        """Whether the draft models' trees would beat plain decoding by
-        ``PROBE_CEILING`` if every node on their deepest path were accepted."""
+    def _ceiling(self, requests: Sequence[Request], other_tokens: int, costs: StepCosts,
+                 catch_up: Mapping[str, float] | None) -> BudgetPlan:
+        """The plan of the draft models' trees if every node on their deepest path were
+        accepted: the most speculation could give this step (``PROBE_CEILING``)."""
         full = {r.request_id: {b: float(self.shape_for(b).depth) for b in self.candidate_budgets()} for r in requests}
-        ceiling = plan_budgets(full, other_tokens, costs, margin=1.0, catch_up=catch_up)
-        return ceiling.best_rate >= PROBE_CEILING * ceiling.plain_rate
+        return plan_budgets(full, other_tokens, costs, margin=1.0, catch_up=catch_up)
 
     def _check_plan(self, requests: Sequence[Request], plan: BudgetPlan,
                     expected: Mapping[str, Mapping[int, float]]) -> None:
