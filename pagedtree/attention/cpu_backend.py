@@ -58,12 +58,24 @@ class CpuKernelPlan:
     num_tokens: int
 
 
-def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
-    """Validate ``meta`` and pack it for the kernel (raises ``ValueError`` on bad metadata).
+@dataclass(slots=True)
+class CheckedStep:
+    """A step's per-request lengths and its slots, checked (``check_step``)."""
 
-    The kernel indexes without bounds checks, so every block id it can read is checked
-    against ``num_blocks`` here, and every table must cover its request's context.
-    """
+    query_start_loc: np.ndarray  # [B + 1] int64
+    query_lens: np.ndarray  # [B] int64
+    context_lens: np.ndarray  # [B] int64
+    slot_mapping: np.ndarray  # [T] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1]) if self.query_lens.size else 0
+
+
+def check_step(meta: AttentionMetadata, num_blocks: int) -> CheckedStep:
+    """``meta``'s request lengths and slots, checked for a cache of ``num_blocks``
+    blocks (``ValueError`` naming the problem): for kernels that index without bounds
+    checks. Each caller checks the block tables and trees it packs."""
     num_requests = len(meta.context_lens)
     query_start_loc = np.asarray(meta.query_start_loc, dtype=np.int64)
     context_lens = np.asarray(meta.context_lens, dtype=np.int64)
@@ -78,6 +90,25 @@ def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
     if short.size:
         i = int(short[0])
         raise ValueError(f"request {i}: context_len {context_lens[i]} shorter than its {query_lens[i]} queries")
+    checked = CheckedStep(query_start_loc, query_lens, context_lens,
+                          meta.slot_mapping.numpy().astype(np.int64, copy=False))
+    num_tokens, slots = checked.num_tokens, checked.slot_mapping
+    if slots.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens and (slots.min() < 0 or slots.max() >= num_blocks * meta.block_size):
+        raise ValueError(f"slot_mapping entries must lie in [0, {num_blocks * meta.block_size})")
+    return checked
+
+
+def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
+    """Validate ``meta`` and pack it for the kernel (raises ``ValueError`` on bad metadata).
+
+    The kernel indexes without bounds checks, so every block id it can read is checked
+    against ``num_blocks`` here, and every table must cover its request's context.
+    """
+    checked = check_step(meta, num_blocks)
+    num_requests = len(meta.context_lens)
+    query_start_loc, query_lens, context_lens = checked.query_start_loc, checked.query_lens, checked.context_lens
     members = np.nonzero(query_lens <= SMALL_QUERY_LEN)[0].astype(np.int64)
     block_size = meta.block_size
     needed = -(-context_lens // block_size)
@@ -101,12 +132,6 @@ def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
             mask_size += mask.size
     if members.size and (block_tables.min() < 0 or block_tables.max() >= num_blocks):
         raise ValueError(f"block table entries must lie in [0, {num_blocks})")
-    num_tokens = int(query_start_loc[-1]) if num_requests else 0
-    slot_mapping = meta.slot_mapping.numpy().astype(np.int64, copy=False)
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
-    if num_tokens and (slot_mapping.min() < 0 or slot_mapping.max() >= num_blocks * block_size):
-        raise ValueError(f"slot_mapping entries must lie in [0, {num_blocks * block_size})")
     return CpuKernelPlan(
         members=members,
         query_start_loc=query_start_loc,
@@ -114,9 +139,9 @@ def build_cpu_plan(meta: AttentionMetadata, num_blocks: int) -> CpuKernelPlan:
         block_tables=block_tables,
         tree_mask_offset=tree_mask_offset,
         tree_masks=np.concatenate(masks) if masks else np.zeros(1, dtype=np.uint8),
-        slot_mapping=slot_mapping,
+        slot_mapping=checked.slot_mapping,
         large=build_reference_plan(meta, small_queries=False),
-        num_tokens=num_tokens,
+        num_tokens=checked.num_tokens,
     )
 
 

@@ -54,6 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedtree.attention.cpu_backend import check_step
+from pagedtree.attention.torch_backend import ancestor_mask
 from pagedtree.step_data import AttentionMetadata
 from pagedtree.worker.models.ggml_matmul import GgmlContext, GgmlMatMul, GgmlRuntime, shared_runtime
 from pagedtree.worker.models.ggml_repack import RepackedWeights
@@ -197,17 +199,13 @@ class StepInputs:
 def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int) -> StepInputs:
     """Pack ``meta`` for the graph (raises ``ValueError`` on metadata that would index
     outside the cache: ggml checks no bounds)."""
-    starts = list(meta.query_start_loc)
-    context_lens = list(meta.context_lens)
-    requests = len(context_lens)
-    if len(starts) != requests + 1 or len(meta.block_tables) != requests or len(meta.tree_parents) != requests:
-        raise ValueError("query_start_loc, block_tables and tree_parents must match context_lens")
-    tokens = starts[-1] if requests else 0
-    query_lens = [starts[i + 1] - starts[i] for i in range(requests)]
-    if requests == 0 or starts[0] != 0 or min(query_lens) < 1:
+    bs = meta.block_size
+    checked = check_step(meta, num_slots // bs)
+    starts, query_lens, context_lens = (checked.query_start_loc.tolist(), checked.query_lens.tolist(),
+                                        checked.context_lens.tolist())
+    requests, tokens = len(context_lens), checked.num_tokens
+    if requests == 0:
         raise ValueError("a step needs requests, each with at least one token")
-    if any(c < q for c, q in zip(context_lens, query_lens)):
-        raise ValueError("a request's context is shorter than its queries")
     # Prompt chunks (several tokens, causal) first: their products may group rows;
     # decodes and trees after, a row at a time (see ``_Graph``).
     chunk = [q > 1 and meta.tree_parents[i] is None for i, q in enumerate(query_lens)]
@@ -217,10 +215,7 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
     place[order] = np.arange(tokens)
     padded = {i: -(-context_lens[i] // CONTEXT_BUCKET) * CONTEXT_BUCKET for i in range(requests)}
     shape = StepShape(tuple((query_lens[i], padded[i], chunk[i]) for i in in_order))
-    bs = meta.block_size
-    slots = meta.slot_mapping.numpy().astype(np.int64, copy=False)
-    if slots.shape != (tokens,) or (tokens and (slots.min() < 0 or slots.max() >= num_slots)):
-        raise ValueError(f"slot_mapping must hold {tokens} slots in [0, {num_slots})")
+    slots = checked.slot_mapping
     context_slots = np.zeros(sum(padded.values()), np.int32)
     mask = np.full(sum(query_lens[i] * padded[i] for i in range(requests)), -np.inf, np.float16)
     context_at = mask_at = 0
@@ -244,8 +239,6 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
         else:
             if len(parents) != q:
                 raise ValueError(f"request {i}: {len(parents)} tree parents for {q} tokens")
-            from pagedtree.attention.torch_backend import ancestor_mask
-
             visible = ancestor_mask(parents).numpy()
         own[:, prefix:c] = np.where(visible, 0, -np.inf).astype(np.float16)
         context_at += width
