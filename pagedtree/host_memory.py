@@ -247,6 +247,28 @@ def release_mapped_file_pages(path: str) -> int:
     return len(ranges)
 
 
+def file_mapping(array):
+    """The ``np.memmap`` of a file that the numpy array ``array`` is (a view of), or
+    None: memory of its own."""
+    base = array
+    while base is not None and getattr(base, "_mmap", None) is None:
+        base = getattr(base, "base", None)
+    return base
+
+
+def release_file_mapping(array) -> bool:
+    """Drop the resident pages of the file mapping that ``array`` is a view of
+    (``madvise(MADV_DONTNEED)`` over the whole mapping); returns whether it found one.
+    The pages stay in the page cache and any view of the mapping stays valid (a page
+    read again comes back from the file). Memory of its own is left alone: advice
+    there would lose data."""
+    mapping = file_mapping(array)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return False
+    mapping._mmap.madvise(mmap.MADV_DONTNEED)
+    return True
+
+
 # Transparent huge pages are 2 MiB on x86-64 (and most Linux machines).
 HUGE_PAGE = 2 * 2**20
 

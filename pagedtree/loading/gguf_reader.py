@@ -11,11 +11,12 @@ the same mapping instead (no copy): the same header, fields, tensors and bytes
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import numpy as np
 from gguf import GGUFReader
+
+from pagedtree.host_memory import release_file_mapping
 
 
 class PlainViewReader(GGUFReader):
@@ -43,6 +44,4 @@ def release_pages(data: np.memmap) -> None:
     the whole file (1.05 GB for the Qwen2.5-Coder 1.5B's) beside the weights it has
     built from it. The pages stay in the page cache (a later read maps them again,
     without disk I/O) and any view of the mapping stays valid."""
-    mapping = getattr(data, "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mapping.madvise(mmap.MADV_DONTNEED)
+    release_file_mapping(data)

@@ -46,7 +46,6 @@ decoding one stream reuses one graph for ``CONTEXT_BUCKET`` tokens.
 
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +55,7 @@ import torch
 
 from pagedtree.attention.cpu_backend import check_step
 from pagedtree.attention.torch_backend import ancestor_mask
+from pagedtree.host_memory import file_mapping, release_file_mapping
 from pagedtree.step_data import AttentionMetadata
 from pagedtree.worker.models.ggml_matmul import GgmlContext, GgmlMatMul, GgmlRuntime, shared_runtime
 from pagedtree.worker.models.ggml_repack import RepackedWeights
@@ -128,16 +128,6 @@ def _frequency_factors(model, base: float) -> np.ndarray | None:
     plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factors = (plain / inv_freq).numpy().astype(np.float32)
     return None if np.allclose(factors, 1.0, rtol=1e-6, atol=0) else factors
-
-
-def _file_mapping(array: np.ndarray) -> np.memmap | None:
-    """The file mapping ``array`` is a view of (None: memory of its own)."""
-    base = array
-    while base is not None:
-        if isinstance(base, np.memmap) and getattr(base, "_mmap", None) is not None:
-            return base
-        base = getattr(base, "base", None)
-    return None
 
 
 def _f32(values: torch.Tensor | None) -> np.ndarray | None:
@@ -466,11 +456,10 @@ class GgmlGraphForward:
         self.layers = [self._layer(layer) for layer in body.layers]
         # The repacked weights are copies: the file's pages they were read from leave
         # the process's resident memory (pages read again come back from the file).
-        mappings = {id(m): m for m in (_file_mapping(w._data) for w in sources if self.repacked.tensor(w) is not None)
+        mappings = {id(m): m for m in (file_mapping(w._data) for w in sources if self.repacked.tensor(w) is not None)
                     if m is not None}
         for mapping in mappings.values():
-            if hasattr(mmap, "MADV_DONTNEED"):
-                mapping._mmap.madvise(mmap.MADV_DONTNEED)
+            release_file_mapping(mapping)
         self.final_norm = _f32(body.norm.weight)
         self._graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
