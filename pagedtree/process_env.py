@@ -27,11 +27,6 @@ def set_default(name: str, value: str) -> None:
         _SET_HERE[name] = value
 
 
-def defaults_set_here() -> dict[str, str]:
-    """The variables this process's import of pagedtree set, with their values."""
-    return dict(_SET_HERE)
-
-
 def foreign_environment() -> dict[str, str]:
     """``os.environ`` without the defaults pagedtree set in this process (a variable
     changed since by someone else is kept as it is now): the environment to start

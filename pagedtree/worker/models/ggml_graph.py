@@ -95,9 +95,9 @@ def unsupported(model) -> str | None:
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(linear.block_matmul, GgmlMatMul):
                 return "a product outside ggml"
-        if _split(attn.qkv_proj, attn.qkv_sizes) is None:
+        if not _stored_as(attn.qkv_proj, attn.qkv_sizes):
             return "q/k/v stored in parts of other sizes"
-        if _split(mlp.gate_up_proj, (mlp.down_proj.in_features,) * 2) is None:
+        if not _stored_as(mlp.gate_up_proj, (mlp.down_proj.in_features,) * 2):
             return "gate/up stored in parts of other sizes"
         for linear in (attn.o_proj, mlp.down_proj):
             if len(linear.block_matmul._weights) != 1:
@@ -105,13 +105,11 @@ def unsupported(model) -> str | None:
     return None
 
 
-def _split(linear, sizes: tuple[int, ...]) -> str | None:
-    """How a fused projection's output splits: ``"parts"`` (one stored tensor per
-    output), ``"whole"`` (one tensor for all of them), None (neither)."""
+def _stored_as(linear, sizes: tuple[int, ...]) -> bool:
+    """Whether a fused projection is stored as one tensor per output of ``sizes``, or
+    as one tensor for all of them (the two layouts the graph splits)."""
     rows = [w.n for w in linear.block_matmul._weights]
-    if rows == list(sizes):
-        return "parts"
-    return "whole" if len(rows) == 1 else None
+    return rows == list(sizes) or len(rows) == 1
 
 
 def _rope_base(config) -> float:
