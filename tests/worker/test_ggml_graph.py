@@ -234,3 +234,24 @@ def test_speculation_through_the_graph_equals_plain_decoding(q4k_model, tmp_path
     assert isinstance(llm.engine.runner.model.fused_forward, GgmlGraphForward)
     assert_speculation_exact(llm, prompts, params, counter="num_drafts")
     llm.shutdown()
+
+
+def test_a_65_query_tree_of_a_qwen_shaped_model_equals_its_tokens_decoded_one_by_one(tmp_path):
+    """The shapes the engine sends a real model: a 64-node tree is 65 queries (where
+    ggml's faster attention would tile 64 queries together), and Qwen2.5 has 6 query
+    heads per KV head. The tree's chain of rows has the bits of the same tokens
+    decoded one at a time."""
+    qwen = save_tiny_model(tmp_path / "qwen", "qwen2", seed=8, with_tokenizer=False, hidden_size=768,
+                           intermediate_size=1536, num_attention_heads=12, num_key_value_heads=2,
+                           num_hidden_layers=1)
+    llm = LLM(str(qwen.path), quantization="ggml", dtype="float32", device="cpu", block_size=BLOCK,
+              max_model_len=256)
+    assert isinstance(llm.engine.runner.model.fused_forward, GgmlGraphForward)
+    blocks = list(range(40))
+    prompt = [(11 * i + 2) % 256 for i in range(20)]
+    _forward(llm, [dict(ids=prompt, start=0, blocks=blocks)])
+    chain = [(7 * i + 5) % 256 for i in range(65)]
+    one_by_one = torch.cat([_forward(llm, [dict(ids=[t], start=20 + i, blocks=blocks)]) for i, t in enumerate(chain)])
+    tree = _forward(llm, [dict(ids=chain, start=20, blocks=blocks, parents=[-1] + list(range(64)))])
+    assert torch.equal(tree, one_by_one)
+    llm.shutdown()
