@@ -151,19 +151,41 @@ def test_the_cached_graphs_stay_within_their_memory(engine, monkeypatch):
     assert torch.equal(_forward(engine, [dict(ids=prompt, start=0, blocks=blocks)]), want)
 
 
-def test_a_prompt_gets_the_same_bits_however_it_is_cut_at_multiples_of_the_row_group(engine):
-    """Prompt chunks go through the repacked weights' GEMM in groups of
-    ``ROW_GROUP`` rows from each chunk's first: cut where the scheduler cuts (at
-    multiples of it), beside another request's chunk or alone, a prompt's rows keep
-    their bits."""
-    prompt = [(9 * i + 4) % 256 for i in range(23)]
-    blocks = list(range(60, 70))
+@pytest.fixture(scope="module")
+def file_layout_engine(q4k_model):
+    """The engine above with its weights in the file's layout (no repacked copies):
+    prompt chunks of 8 rows or more take ggml's tiled K-quant GEMM."""
+    from pagedtree.worker.models.ggml_matmul import shared_runtime
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shared_runtime(), "repack_buffer_type", None)
+        llm = LLM(str(q4k_model.path), quantization="ggml", dtype="float32", device="cpu", block_size=BLOCK,
+                  max_model_len=1024)
+    assert len(llm.engine.runner.model.fused_forward.repacked) == 0
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["repacked", "file"])
+@pytest.mark.parametrize("length", [83, 81])
+def test_a_prompt_gets_the_same_bits_however_it_is_cut_at_multiples_of_the_row_group(
+        request, layout, length):
+    """A prompt chunk's products take its first multiple of ``ROW_GROUP`` rows
+    together (the repacked GEMM, or ggml's tiled GEMM for the file's layout, which
+    needs 8 rows) and its attention runs in pieces below ggml's 64-query tiling. Cut
+    where the scheduler cuts (at multiples of ``ROW_GROUP``), beside another request's
+    chunk or alone, into a last chunk of fewer than 8 rows or of a single token (which
+    runs as a decoded token), a prompt's rows keep their bits."""
+    engine = request.getfixturevalue("engine" if layout == "repacked" else "file_layout_engine")
+    group = ggml_graph.ROW_GROUP
+    prompt = [(9 * i + 4) % 256 for i in range(length)]
+    blocks = list(range(60, 60 + -(-length // BLOCK)))
     whole = _forward(engine, [dict(ids=prompt, start=0, blocks=blocks)])
-    other = dict(ids=[(5 * i) % 256 for i in range(6)], start=0, blocks=list(range(70, 74)))
-    cut = ggml_graph.ROW_GROUP * 2
-    first = _forward(engine, [other, dict(ids=prompt[:cut], start=0, blocks=blocks)])[6:]
-    rest = _forward(engine, [dict(ids=prompt[cut:], start=cut, blocks=blocks), other])[:len(prompt) - cut]
-    assert torch.equal(torch.cat([first, rest]), whole)
+    other = dict(ids=[(5 * i) % 256 for i in range(6)], start=0, blocks=list(range(100, 102)))
+    for cut in (2 * group, length // group * group):
+        first = _forward(engine, [other, dict(ids=prompt[:cut], start=0, blocks=blocks)])[6:]
+        rest = _forward(engine, [dict(ids=prompt[cut:], start=cut, blocks=blocks), other])[:length - cut]
+        assert torch.equal(torch.cat([first, rest]), whole), f"cut at {cut}"
 
 
 def test_a_long_contexts_decode_equals_its_row_in_a_tree(engine):

@@ -22,18 +22,28 @@ The 4-bit weights are repacked into llama.cpp's interleaved x86 layout
 (``ggml_repack``), whose one-row kernel reads them faster than the file's layout.
 
 **Rows independent of their batch.** Tree verification needs a token's bits to be
-the same alone and beside others. Every decoded or verified token's products run
-through the one-row kernel on their own (ggml's "planes": a batch of one-row
-products), whatever else shares the step; a prompt chunk's rows are a product of
-their own, in groups of ``ROW_GROUP`` from the chunk's first through the repacked
-GEMM, and the scheduler cuts prompts at multiples of ``ROW_GROUP`` so that a prompt's
-rows group the same way however a step budget cut it. Norms and rotary work row by
-row, and the attention of a row visits the unmasked entries of its own context in
-order (masked entries, padding included, are skipped, not added as zeros). ggml's
-faster attention paths split one query's context across threads or tile several
-queries, which rounds a lone row differently from a row among others; the graph runs
-with ggml's reference kernels for that reason (``cplan.use_ref``), which also turns
-off its fusions.
+the same alone and beside others, and a prompt's to be the same however a step
+budget cut it. A step runs as two graphs when it holds both kinds of rows:
+
+- Decoded and verified tokens: every product through the one-row kernel on its own
+  (ggml's "planes": a batch of one-row products), whatever else shares the step, and
+  ggml's reference kernels (``cplan.use_ref``): its faster attention paths split a
+  lone query's context across threads or tile 64 queries, which rounds a lone row
+  differently from a row among others (the reference setting also turns off its
+  fusions).
+- Prompt chunks: each chunk's rows a product of their own, with ggml's fast paths.
+  A product's kernel depends on how many rows it gets (the repacked GEMM takes them
+  4 at a time from the first, ggml's tiled K-quant GEMM for the file's layout takes
+  a product of 8 rows or more, the rest go one at a time), so each chunk's product is
+  cut into its first multiple of ``ROW_GROUP`` rows and the rest, and the scheduler
+  cuts prompts at multiples of ``ROW_GROUP``: a prompt's row then meets the same
+  kernel however the prompt was chunked. A chunk's attention runs in pieces of
+  fewer than 64 queries (``ATTENTION_PIECE``), below ggml's tiled attention, so each
+  query row visits its context alone, as a decoded row does.
+
+Norms and rotary work row by row, and the attention of a row visits the unmasked
+entries of its own context in order (masked entries, padding included, are skipped,
+not added as zeros).
 
 Rotary scalings that divide each frequency by a factor (Llama 3's, linear) pass
 those factors to ``rope_ext``. Models this does not cover run layer by layer
@@ -60,10 +70,14 @@ from pagedtree.step_data import AttentionMetadata
 from pagedtree.worker.models.ggml_matmul import GgmlContext, GgmlMatMul, GgmlRuntime, shared_runtime
 from pagedtree.worker.models.ggml_repack import RepackedWeights
 
-# A repacked weight's GEMM takes a prompt chunk's rows this many at a time from its
-# first (the rest one at a time): the scheduler ends a chunk that stops mid-prompt at
-# a multiple of it (``SchedulerConfig.prompt_chunk_multiple``).
-ROW_GROUP = 4
+# A prompt chunk's products take its first multiple of this many rows together (the
+# repacked GEMM groups 4, ggml's tiled K-quant GEMM takes 8 or more) and the rest
+# apart: the scheduler ends a chunk that stops mid-prompt at a multiple of it
+# (``SchedulerConfig.prompt_chunk_multiple``).
+ROW_GROUP = 8
+# A prompt chunk's attention runs in pieces of at most this many queries: ggml tiles
+# 64 queries or more (another rounding than one query at a time).
+ATTENTION_PIECE = 63
 # Contexts are padded up to a multiple of this many entries (masked): a decoded
 # stream builds a new graph once per this many tokens.
 CONTEXT_BUCKET = 256
@@ -155,9 +169,9 @@ class _Layer:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a graph is built for: per request, in the graph's order (prompt chunks
-    first), its new tokens, its context padded to a multiple of ``CONTEXT_BUCKET``,
-    and whether it is a prompt chunk."""
+    """What a graph is built for: per request, its new tokens, its context padded to a
+    multiple of ``CONTEXT_BUCKET``, and whether it is a prompt chunk (a graph holds
+    prompt chunks only, or decoded and verified tokens only)."""
 
     requests: tuple[tuple[int, int, bool], ...]
 
@@ -167,21 +181,39 @@ class StepShape:
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        """The tokens of each prompt chunk (they come first)."""
+        """The tokens of each prompt chunk."""
         return tuple(q for q, _, chunk in self.requests if chunk)
+
+    @property
+    def prompt(self) -> bool:
+        """Whether the graph's requests are prompt chunks (they all are, or none)."""
+        return bool(self.requests) and self.requests[0][2]
+
+
+@dataclass
+class GraphInputs:
+    """One graph's part of a step: its shape and its index and mask arrays."""
+
+    shape: StepShape
+    tokens: slice  # its tokens in the step's graph order
+    positions: np.ndarray  # [tokens] int32
+    slots: np.ndarray  # [tokens] int64 cache slot of each new token
+    context_slots: np.ndarray  # int32 each request's padded context, one after another
+    mask: np.ndarray  # float16 each request's [queries, padded context] mask (0 visible, -inf hidden), flat
 
 
 @dataclass
 class StepInputs:
-    """One step's index and mask arrays, in the layout the graph reads."""
+    """One step's inputs in the graphs' layout: its tokens in graph order (prompt
+    chunks first), the graph or two that run them, and the way back."""
 
-    shape: StepShape
-    order: np.ndarray  # [T] int64 the step's flat token at each place of the graph's order
-    positions: np.ndarray  # [T] int32, in the graph's order (so are slots)
-    slots: np.ndarray  # [T] int64 cache slot of each new token
-    context_slots: np.ndarray  # int32 each request's padded context, one after another
-    mask: np.ndarray  # float16 each request's [queries, padded context] mask (0 visible, -inf hidden), flat
-    restore: np.ndarray  # [T] int32 place in the graph's order of each flat token
+    order: np.ndarray  # [T] int64 the step's flat token at each place of the graph order
+    parts: list[GraphInputs]  # the prompt chunks' graph, then the other tokens' (either may be absent)
+    restore: np.ndarray  # [T] int64 place in the graph order of each flat token
+
+    @property
+    def shapes(self) -> tuple[StepShape, ...]:
+        return tuple(part.shape for part in self.parts)
 
 
 def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int) -> StepInputs:
@@ -202,7 +234,6 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
     place = np.empty(tokens, np.int64)
     place[order] = np.arange(tokens)
     padded = {i: -(-context_lens[i] // CONTEXT_BUCKET) * CONTEXT_BUCKET for i in range(requests)}
-    shape = StepShape(tuple((query_lens[i], padded[i], chunk[i]) for i in in_order))
     slots = checked.slot_mapping
     context_slots = np.zeros(sum(padded.values()), np.int32)
     mask = np.full(sum(query_lens[i] * padded[i] for i in range(requests)), -np.inf, np.float16)
@@ -231,21 +262,38 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
         own[:, prefix:c] = np.where(visible, 0, -np.inf).astype(np.float16)
         context_at += width
         mask_at += q * width
-    return StepInputs(shape, order, positions.numpy().astype(np.int32)[order], slots[order], context_slots, mask,
-                      place.astype(np.int32))
+    positions = positions.numpy().astype(np.int32)[order]
+    slots = slots[order]
+    parts, token_at, context_at, mask_at = [], 0, 0, 0
+    for group in ([i for i in in_order if chunk[i]], [i for i in in_order if not chunk[i]]):
+        if not group:
+            continue
+        tokens = sum(query_lens[i] for i in group)
+        width = sum(padded[i] for i in group)
+        masked = sum(query_lens[i] * padded[i] for i in group)
+        parts.append(GraphInputs(
+            StepShape(tuple((query_lens[i], padded[i], chunk[i]) for i in group)), slice(token_at, token_at + tokens),
+            positions[token_at: token_at + tokens], slots[token_at: token_at + tokens],
+            context_slots[context_at: context_at + width], mask[mask_at: mask_at + masked]))
+        token_at, context_at, mask_at = token_at + tokens, context_at + width, mask_at + masked
+    return StepInputs(order, parts, place)
 
 
 class _Graph:
     """The forward of one ``StepShape``: input arrays it reads, the hidden states it
-    writes (``out``, fp32 ``[tokens, hidden]``)."""
+    writes (``out``, fp32 ``[tokens, hidden]`` in the shape's order)."""
 
     def __init__(self, forward: GgmlGraphForward, shape: StepShape):
+        if len({chunk for _, _, chunk in shape.requests}) > 1:
+            raise ValueError("a graph runs prompt chunks only or other tokens only")
         ggml = forward.ggml
         rt = forward.runtime
         n_layers = len(forward.layers)
-        # Tensors of a layer: about 50, then per request its attention (14) and per
-        # prompt chunk its rows' products (a view, a product, a concat each: 24).
-        per_layer = _TENSORS_PER_LAYER + 14 * len(shape.requests) + 24 * len(shape.chunks)
+        # Tensors of a layer: about 50, then per request its attention (14, and 8 more
+        # per piece of a long prompt chunk's) and per prompt chunk its rows' products
+        # (two views, products and concats each: 48).
+        pieces = sum(-(-q // ATTENTION_PIECE) for q in shape.chunks)
+        per_layer = _TENSORS_PER_LAYER + 14 * len(shape.requests) + 8 * pieces + 48 * len(shape.chunks)
         nodes = max(ggml.GGML_DEFAULT_GRAPH_SIZE, per_layer * n_layers + 64)
         self._context = GgmlContext(rt, tensors=per_layer * (n_layers + 2), graph_nodes=nodes)
         ctx = self._context.context
@@ -270,7 +318,6 @@ class _Graph:
         self.slots = np.zeros(T, np.int64)
         self.context_slots = np.zeros(sum(width for _, width, _ in shape.requests), np.int32)
         self.mask = np.zeros(sum(q * width for q, width, _ in shape.requests), np.float16)
-        self.restore = np.zeros(T, np.int32)
         self.out = torch.empty(T, hidden, dtype=torch.float32)
         # A dense embedding table is looked up by torch; its rows come in here.
         self.embedded = None if forward.quantized_embedding else np.zeros((T, hidden), np.float32)
@@ -279,33 +326,30 @@ class _Graph:
         t_slots = tensor(ggml.GGML_TYPE_I64, T, array=self.slots)
         t_ctx = tensor(ggml.GGML_TYPE_I32, self.context_slots.size, array=self.context_slots)
         t_mask = tensor(ggml.GGML_TYPE_F16, self.mask.size, array=self.mask)
-        t_restore = tensor(ggml.GGML_TYPE_I32, T, array=self.restore)
-        chunks = shape.chunks
-        P = sum(chunks)
-        S = T - P
 
         def product(weight, x):
-            # Each prompt chunk's rows as one matrix of their own: a repacked weight
-            # runs its rows in groups of 4 from the chunk's first through its GEMM
-            # kernel, the rest alone (the scheduler ends a chunk that stops mid-prompt
-            # at a multiple of ``ROW_GROUP`` tokens, so a prompt's rows group the same
-            # way however it is chunked). Every other row alone (ggml's planes: a batch of one-row
-            # products), through the kernel a lone row takes, so a decoded or verified
-            # token gets the same bits whatever shares its step.
+            # A prompt chunk's rows as matrices of their own: its first multiple of
+            # ``ROW_GROUP`` rows, then the rest (see the module docstring). Every other
+            # row alone (ggml's planes: a batch of one-row products), through the
+            # kernel a lone row takes, so a decoded or verified token gets the same
+            # bits whatever shares its step.
             k, stride = x.contents.ne[0], x.contents.nb[1]
-            parts, start = [], 0
-            for rows in chunks:
-                view = x if rows == T else ggml.ggml_view_2d(ctx, x, k, rows, stride, start * stride)
-                parts.append(ggml.ggml_mul_mat(ctx, weight, view))
-                start += rows
-            if S:
-                planes = ggml.ggml_view_3d(ctx, x, k, 1, S, stride, stride, P * stride)
+            if not shape.prompt:
+                planes = ggml.ggml_view_3d(ctx, x, k, 1, T, stride, stride, 0)
                 y = ggml.ggml_mul_mat(ctx, weight, planes)
-                parts.append(ggml.ggml_reshape_2d(ctx, y, y.contents.ne[0], S))
-            y = parts[0]
-            for part in parts[1:]:
-                y = ggml.ggml_concat(ctx, y, part, 1)
-            return y
+                return ggml.ggml_reshape_2d(ctx, y, y.contents.ne[0], T)
+            # The repacked GEMM groups rows the same way in one product (and another
+            # would stream the weight again); the tiled GEMM needs the cut.
+            repacked = bool(weight.contents.extra)
+            parts, start = [], 0
+            for rows in shape.chunks:
+                grouped = rows if repacked else rows // ROW_GROUP * ROW_GROUP
+                for span in (grouped, rows - grouped):
+                    if span:
+                        view = x if span == T else ggml.ggml_view_2d(ctx, x, k, span, stride, start * stride)
+                        parts.append(ggml.ggml_mul_mat(ctx, weight, view))
+                        start += span
+            return concat_rows(parts)
 
         def linear(projection: _Projection, x) -> list:
             """The projection's outputs ``[size, T]``, one per size."""
@@ -351,15 +395,24 @@ class _Graph:
 
         def attention(queries, key_cache, value_cache, q, width, token_at, context_at, mask_at):
             slots = ggml.ggml_view_1d(ctx, t_ctx, width, 4 * context_at)
-            keys = ggml.ggml_reshape_3d(ctx, ggml.ggml_get_rows(ctx, key_cache, slots), D, Hkv, width)
-            values = ggml.ggml_reshape_3d(ctx, ggml.ggml_get_rows(ctx, value_cache, slots), D, Hkv, width)
+            keys = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(
+                ctx, ggml.ggml_get_rows(ctx, key_cache, slots), D, Hkv, width), 0, 2, 1, 3)
+            values = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(
+                ctx, ggml.ggml_get_rows(ctx, value_cache, slots), D, Hkv, width), 0, 2, 1, 3)
             nb = queries.contents.nb
-            own = ggml.ggml_view_3d(ctx, queries, D, Hq, q, nb[1], nb[2], token_at * nb[2])
-            mask = ggml.ggml_view_2d(ctx, t_mask, width, q, 2 * width, 2 * mask_at)
-            out = ggml.ggml_flash_attn_ext(
-                ctx, ggml.ggml_permute(ctx, own, 0, 2, 1, 3), ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
-                ggml.ggml_permute(ctx, values, 0, 2, 1, 3), mask, forward.scale, 0.0, 0.0)
-            return ggml.ggml_reshape_2d(ctx, out, D * Hq, q)
+            # A long prompt chunk in near-equal pieces below ggml's query tiling (a
+            # decode graph's requests keep the reference kernel: see the docstring).
+            count = -(-q // ATTENTION_PIECE) if shape.prompt else 1
+            sizes = [q // count + (j < q % count) for j in range(count)]
+            outs, first = [], 0
+            for rows in sizes:
+                own = ggml.ggml_view_3d(ctx, queries, D, Hq, rows, nb[1], nb[2], (token_at + first) * nb[2])
+                mask = ggml.ggml_view_2d(ctx, t_mask, width, rows, 2 * width, 2 * (mask_at + first * width))
+                out = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_permute(ctx, own, 0, 2, 1, 3), keys, values, mask,
+                                               forward.scale, 0.0, 0.0)
+                outs.append(ggml.ggml_reshape_2d(ctx, out, D * Hq, rows))
+                first += rows
+            return concat_rows(outs)
 
         def concat_rows(parts):
             # Pairwise, as a balanced tree: each row is copied log2(requests) times.
@@ -385,7 +438,7 @@ class _Graph:
             x = norm(h, layer.post_norm)
             gate, up = linear(layer.gate_up, x)
             h = ggml.ggml_add(ctx, h, linear(layer.down, ggml.ggml_swiglu_split(ctx, gate, up))[0])
-        result = ggml.ggml_get_rows(ctx, norm(h, forward.final_norm), t_restore)  # back to the step's order
+        result = norm(h, forward.final_norm)
         result.contents.data = self.out.data_ptr()
         self.graph = ggml.ggml_new_graph_custom(ctx, nodes, False)
         ggml.ggml_build_forward_expand(self.graph, result)
@@ -398,25 +451,24 @@ class _Graph:
         self.buffer_bytes = int(ggml.ggml_gallocr_get_buffer_size(self._allocator, 0))
         self._ggml = ggml
         self.plan = ggml.ggml_graph_plan(self.graph, rt.threads, rt.pool(rt.threads))
-        # ggml's reference attention: one row's result never depends on the others
-        # (see the module docstring).
-        self.plan.use_ref = True
+        # Decoded and verified tokens take ggml's reference kernels: one row's result
+        # never depends on the others (see the module docstring).
+        self.plan.use_ref = not shape.prompt
 
     def __del__(self) -> None:
         allocator = getattr(self, "_allocator", None)
         if allocator:
             self._ggml.ggml_gallocr_free(allocator)
 
-    def fill(self, ids: torch.Tensor, embedded: torch.Tensor | None, inputs: StepInputs) -> None:
-        """Copy one step's inputs into the graph's arrays."""
-        self.ids[:] = ids.numpy()[inputs.order]
+    def fill(self, ids: np.ndarray, embedded: np.ndarray | None, inputs: GraphInputs) -> None:
+        """Copy one graph's inputs (``ids`` and ``embedded`` rows in its order) into its arrays."""
+        self.ids[:] = ids
         if embedded is not None:
-            self.embedded[:] = embedded.numpy()[inputs.order]
+            self.embedded[:] = embedded
         self.positions[:] = inputs.positions
         self.slots[:] = inputs.slots
         self.context_slots[:] = inputs.context_slots
         self.mask[:] = inputs.mask
-        self.restore[:] = inputs.restore
 
 
 class GgmlGraphForward:
@@ -532,10 +584,18 @@ class GgmlGraphForward:
             raise IndexError(f"token ids must be in [0, {self.vocab_size})")
         embedded = None if self.quantized_embedding else self._embed(input_ids).detach().float().contiguous()
         inputs = step_inputs(meta, positions.cpu(), self._num_slots)
+        ids = input_ids.to(torch.int32).numpy()[inputs.order]
+        rows = None if embedded is None else embedded.numpy()[inputs.order]
+        outs = []
         with self.runtime.lock:
-            graph = self._graph(inputs.shape)
-            graph.fill(input_ids.to(torch.int32), embedded, inputs)
-            self.runtime.compute(graph.graph, graph.plan)
-            out = graph.out.clone()
+            # The prompt chunks' graph first, then the other tokens': the two touch
+            # different requests' cache entries.
+            for part in inputs.parts:
+                graph = self._graph(part.shape)
+                graph.fill(ids[part.tokens], None if rows is None else rows[part.tokens], part)
+                self.runtime.compute(graph.graph, graph.plan)
+                outs.append(graph.out)
+            # Back to the step's order (a copy: the graphs' outputs are reused).
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs))[torch.from_numpy(inputs.restore)]
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 

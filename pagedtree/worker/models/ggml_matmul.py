@@ -296,6 +296,9 @@ class _Graph:
             column += weight.n
             ggml.ggml_build_forward_expand(self.graph, y)
         self.plan = ggml.ggml_graph_plan(self.graph, runtime.threads, runtime.pool(runtime.threads))
+        # ggml's reference kernels: its tiled K-quant GEMM (8 rows or more, the file's
+        # layout) would round a row differently from the same row alone.
+        self.plan.use_ref = True
 
 
 class GgmlMatMul:
