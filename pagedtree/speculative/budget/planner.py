@@ -187,6 +187,14 @@ def plan_budgets(
     speculate), as amortised by the caller. Requests in ``draft_free`` have a tree
     that costs no draft forward (the suffix drafter's, verified alone).
     """
+    if len(expected) == 1:
+        return _plan_one(expected, other_tokens, costs, margin, catch_up, draft_free)
+    return _plan_many(expected, other_tokens, costs, margin, catch_up, draft_free)
+
+
+def _plan_many(expected: Mapping[str, Mapping[int, float]], other_tokens: int, costs: StepCosts, margin: float,
+               catch_up: Mapping[str, float] | None, draft_free: Collection[str]) -> BudgetPlan:
+    """``plan_budgets`` for any number of requests, in array operations."""
     ids = list(expected)
     r = len(ids)
     # Prefill chunks ride along either way; what speculation must beat is decoding's
@@ -248,6 +256,51 @@ def plan_budgets(
     budgets = {i: (budget if i in chosen else 0) for i in ids}
     best_rate = best[0] if budget else plain_rate
     return BudgetPlan(budgets, plain_rate, best_rate, plain_seconds, chosen_seconds)
+
+
+def _plan_one(expected: Mapping[str, Mapping[int, float]], other_tokens: int, costs: StepCosts, margin: float,
+              catch_up: Mapping[str, float] | None, draft_free: Collection[str]) -> BudgetPlan:
+    """``plan_budgets`` for a single request (one stream, planned every step): the same
+    arithmetic as ``_plan_many`` in the same order, on scalars, with one cost-curve
+    lookup per model (the array version's few dozen small array operations were most
+    of a single stream's planning time)."""
+    (rid, gains), = expected.items()
+    candidates = sorted(b for b in gains if b > 0)
+    drafts = 0.0 if rid in draft_free else 1.0
+    extra = catch_up.get(rid, 0.0) if catch_up else 0.0
+    # Every forward the plan prices, looked up at once per model.
+    target_tokens = [1.0, 1.0 + other_tokens] + [other_tokens + 1.0 + b for b in candidates]
+    draft_tokens: list[float] = []
+    draft_weights: list[list[float]] = []
+    for b in candidates:
+        levels = costs.draft_levels.get(b, ())
+        weights = []
+        if levels:
+            draft_tokens.append(drafts * levels[0] + drafts * (gains.get(b, 0.0) + extra))
+            weights.append(1.0)
+            for fed, count in Counter(levels[1:]).items():
+                draft_tokens.append(drafts * fed)
+                weights.append(float(count))
+        draft_weights.append(weights)
+    target_seconds = costs.target.estimate_many(np.asarray(target_tokens)).tolist()
+    draft_seconds = costs.draft.estimate_many(np.asarray(draft_tokens)).tolist() if draft_tokens else []
+    plain_seconds, loaded = target_seconds[0], target_seconds[1]
+    plain_seconds += costs.overhead.plain
+    plain_rate = 1.0 / max(plain_seconds, 1e-9)
+    best = (plain_rate * margin, 0, plain_seconds)  # (rate to beat, budget, seconds)
+    at = 0
+    for index, b in enumerate(candidates):
+        seconds = plain_seconds + target_seconds[2 + index] - loaded
+        for weight in draft_weights[index]:
+            seconds += draft_seconds[at] * weight
+            at += 1
+        seconds += costs.overhead.speculating
+        seconds = plain_seconds + (seconds - plain_seconds) * costs.speculation_factor
+        rate = (1.0 + gains.get(b, 0.0)) / max(seconds, 1e-9)
+        if rate > best[0]:
+            best = (rate, b, seconds)
+    rate, budget, chosen_seconds = best
+    return BudgetPlan({rid: budget}, plain_rate, rate if budget else plain_rate, plain_seconds, chosen_seconds)
 
 
 def fed_per_level(shape: TreeShape) -> list[int]:

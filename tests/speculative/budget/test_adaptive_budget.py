@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedtree import LLM, SamplingParams
 from pagedtree.config import SpeculativeConfig
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams as Params
 from pagedtree.speculative.budget.acceptance import AcceptanceTable, RequestEvidence
+from pagedtree.speculative.budget import planner
 from pagedtree.speculative.budget.planner import CostModel, HostOverhead, StepCosts, fed_per_level, plan_budgets
 from pagedtree.speculative.budget.policy import BudgetPolicy
 from pagedtree.speculative.budget.priors import DEFAULT_PRIORS, PAIR_PRIORS, acceptance_prior
@@ -55,6 +58,38 @@ def test_cost_model_seeds_from_a_calibration():
     assert 0.2 < cost.estimate(64) < 0.4
     cost.seed({1: 0.13, 2: 0.11, 4: 0.09, 8: 0.12, 16: 0.2})  # noise: more tokens never cost less
     assert [cost.estimate(n) for n in (1, 2, 4, 8, 16)] == pytest.approx([0.11, 0.11, 0.11, 0.12, 0.2])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_single_request_is_planned_exactly_as_the_array_planner_plans_it(data):
+    """One stream's plan takes a scalar path (``_plan_one``): for any costs, gains,
+    backlog, load and margin it decides what the array planner decides, at the same
+    predicted rates and seconds."""
+    draw = data.draw
+    positive = st.floats(1e-4, 1.0, allow_nan=False)
+    target, draft = CostModel(), CostModel()
+    target.seed({n: draw(positive) for n in draw(st.sets(st.integers(1, 4096), min_size=1, max_size=6))})
+    if draw(st.booleans()):
+        draft.seed({n: draw(positive) for n in draw(st.sets(st.integers(1, 1024), min_size=1, max_size=6))})
+    candidates = sorted(draw(st.sets(st.integers(1, 16), min_size=1, max_size=4)))
+    shapes = {b: draw(st.sampled_from([TreeShape.chain(b), TreeShape.from_expansion((2, 2, 1, 1, 1, 1), b)]))
+              for b in candidates}
+    with_drafts = draw(st.booleans())
+    levels = {b: fed_per_level(shape) for b, shape in shapes.items()} if with_drafts else {}
+    overhead = HostOverhead(plain=draw(st.floats(0, 0.01)), speculating=draw(st.floats(0, 0.01)))
+    costs = StepCosts(target, draft, overhead, levels, speculation_factor=draw(st.floats(0.5, 2.0)))
+    expected = {"r": {b: draw(st.floats(0, float(shapes[b].depth))) for b in candidates}}
+    catch_up = {"r": draw(st.floats(0, 200))} if draw(st.booleans()) else None
+    draft_free = {"r"} if draw(st.booleans()) else set()
+    other, margin = draw(st.integers(0, 512)), draw(st.sampled_from([1.0, 1.05, 1.2]))
+    one = planner._plan_one(expected, other, costs, margin, catch_up, draft_free)
+    many = planner._plan_many(expected, other, costs, margin, catch_up, draft_free)
+    assert one.budgets == many.budgets
+    assert one.plain_rate == pytest.approx(many.plain_rate, rel=1e-12)
+    assert one.best_rate == pytest.approx(many.best_rate, rel=1e-12)
+    assert one.seconds == pytest.approx(many.seconds, rel=1e-12)
+    assert plan_budgets(expected, other, costs, margin, catch_up, draft_free) == one
 
 
 def test_speculation_shrinks_and_turns_off_as_the_batch_grows():
