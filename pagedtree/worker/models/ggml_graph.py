@@ -34,12 +34,12 @@ budget cut it. A step runs as two graphs when it holds both kinds of rows:
 - Prompt chunks: each chunk's rows a product of their own, with ggml's fast paths.
   A product's kernel depends on how many rows it gets (the repacked GEMM takes them
   4 at a time from the first, ggml's tiled K-quant GEMM for the file's layout takes
-  a product of 8 rows or more, the rest go one at a time), so each chunk's product is
-  cut into its first multiple of ``ROW_GROUP`` rows and the rest, and the scheduler
-  cuts prompts at multiples of ``ROW_GROUP``: a prompt's row then meets the same
-  kernel however the prompt was chunked. A chunk's attention runs in pieces of
-  fewer than 64 queries (``ATTENTION_PIECE``), below ggml's tiled attention, so each
-  query row visits its context alone, as a decoded row does.
+  a product of 8 rows or more, the rest go one at a time), so a product over the
+  file's layout takes a chunk's first multiple of ``ROW_GROUP`` rows and the rest
+  apart, and the scheduler cuts prompts at multiples of ``ROW_GROUP``: a prompt's
+  row then meets the same kernel however the prompt was chunked. A chunk's attention
+  runs in pieces of fewer than 64 queries (``ATTENTION_PIECE``), below ggml's tiled
+  attention, so each query row visits its context alone, as a decoded row does.
 
 Norms and rotary work row by row, and the attention of a row visits the unmasked
 entries of its own context in order (masked entries, padding included, are skipped,
@@ -211,10 +211,6 @@ class StepInputs:
     parts: list[GraphInputs]  # the prompt chunks' graph, then the other tokens' (either may be absent)
     restore: np.ndarray  # [T] int64 place in the graph order of each flat token
 
-    @property
-    def shapes(self) -> tuple[StepShape, ...]:
-        return tuple(part.shape for part in self.parts)
-
 
 def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int) -> StepInputs:
     """Pack ``meta`` for the graph (raises ``ValueError`` on metadata that would index
@@ -328,8 +324,8 @@ class _Graph:
         t_mask = tensor(ggml.GGML_TYPE_F16, self.mask.size, array=self.mask)
 
         def product(weight, x):
-            # A prompt chunk's rows as matrices of their own: its first multiple of
-            # ``ROW_GROUP`` rows, then the rest (see the module docstring). Every other
+            # A prompt chunk's rows as matrices of their own (see the module
+            # docstring). Every other
             # row alone (ggml's planes: a batch of one-row products), through the
             # kernel a lone row takes, so a decoded or verified token gets the same
             # bits whatever shares its step.
