@@ -32,7 +32,7 @@ echo "[setup] installing torch==2.13.0, triton==3.7.1 and pagedtree"
 # ggml (llama.cpp's kernels, the "ggml" weight format) is built from source for this
 # CPU: -march=native, so pip's cache never holds it. The Python bindings are
 # ggml-python's; the ggml under them is the one llama-cpp-python 0.3.36 vendors (ggml
-# 0.25: its K-quant GEMM prefills prompts 1.1-1.25x faster than the ggml 0.15 that
+# 0.25: its K-quant GEMM prefills prompts about 1.2x faster than the ggml 0.15 that
 # ggml-python vendors), both sdists from PyPI. Without OpenMP ggml runs its own thread
 # pool, whose threads sleep between products while torch's OpenMP threads work.
 # Under a minute on 2 cores, once per CPU and Python: the wheel is kept under
