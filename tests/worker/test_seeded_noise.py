@@ -31,8 +31,9 @@ def test_first_outputs_are_splitmix64():
         assert u[row].tolist() == pytest.approx(expected, abs=0, rel=0)
 
 
-def test_numba_and_numpy_paths_agree_bit_for_bit():
-    keys = [3, 99, 2**62 + 17, 2**64 - 1]
+@pytest.mark.parametrize("keys", [[2**64 - 1], [3, 99, 2**62 + 17, 2**64 - 1]])
+def test_numba_and_numpy_paths_agree_bit_for_bit(keys):
+    """A single row (drawn on the calling thread) and several (the parallel kernel)."""
     fast = uniform_streams(keys, 4097)
     reference = torch.from_numpy(sampling._splitmix_uniform_numpy(np.asarray(keys, dtype=np.uint64), 4097))
     assert torch.equal(fast, reference)
