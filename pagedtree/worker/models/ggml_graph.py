@@ -325,10 +325,9 @@ class _Graph:
 
         def product(weight, x):
             # A prompt chunk's rows as matrices of their own (see the module
-            # docstring). Every other
-            # row alone (ggml's planes: a batch of one-row products), through the
-            # kernel a lone row takes, so a decoded or verified token gets the same
-            # bits whatever shares its step.
+            # docstring). Every other row alone (ggml's planes: a batch of one-row
+            # products), through the kernel a lone row takes, so a decoded or
+            # verified token gets the same bits whatever shares its step.
             k, stride = x.contents.ne[0], x.contents.nb[1]
             if not shape.prompt:
                 planes = ggml.ggml_view_3d(ctx, x, k, 1, T, stride, stride, 0)
