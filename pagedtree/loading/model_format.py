@@ -9,10 +9,11 @@ tensor-parallel run (its shards load from safetensors).
 A single stream (``workload="stream"``, what ``LLM`` builds) runs in ``"ggml"``: the
 file's blocks multiplied by ggml's kernels, llama.cpp's own, the 4-bit ones repacked
 into the layout llama.cpp uses on the CPU, and each step's whole forward one ggml
-graph (``worker/models/ggml_graph.py``). On the AVX-512 machine that decodes one
-stream near llama.cpp's speed (28-29 tokens/s for the Qwen2.5 1.5B, 0.93-0.98x
-llama.cpp) in less memory than llama.cpp (1.6-1.7 GB), where q4 ran at 17 tokens/s
-and held 2.6 GB with the draft (benchmarks/RESULTS.md, "One stream as one ggml graph"). Without ggml
+graph (``worker/models/ggml_graph.py``). On the AVX-512 machine that runs one
+stream at llama.cpp's speed (28-29 tokens/s for the Qwen2.5 1.5B on prose and code,
+0.99-1.01x llama.cpp) in less memory than llama.cpp (1.6-1.7 GB), where q4 ran at 17
+tokens/s and held 2.6 GB with the draft (benchmarks/RESULTS.md, "Prompts through
+ggml 0.25's tiled GEMM" and "One stream as one ggml graph"). Without ggml
 installed, a stream runs in ``"q4"`` (``gguf_blocks``: the file's 4-bit blocks as
 4-bit codes, its 5- to 8-bit blocks as 8-bit codes, through ONNX Runtime's MLAS
 kernels) where the memory for it is there (about ``Q4_BYTES_PER_FILE_BYTE`` times

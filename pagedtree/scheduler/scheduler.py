@@ -168,10 +168,11 @@ class Scheduler:
         positions (0 where the budget does not reach the next one: a later step's
         does, unless the step budget itself is smaller than the multiple).
 
-        Products that take a chunk's rows in groups (ggml's repacked 4-bit GEMM: 4
-        rows at a time from the chunk's first, the rest alone) then group a prompt's
-        rows the same way however the budget cut it, so its keys and values have the
-        same bits whatever else shared its steps (speculation changes what does)."""
+        Products whose kernel depends on how a chunk's rows group (ggml's repacked
+        4-bit GEMM takes 4 rows at a time from the chunk's first, its tiled K-quant
+        GEMM a product of 8 or more) then meet a prompt's rows the same way however
+        the budget cut it, so its keys and values have the same bits whatever else
+        shared its steps (speculation changes what does)."""
         computed = request.num_computed_tokens
         remaining = request.num_tokens - computed
         if remaining <= budget:

@@ -225,7 +225,8 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
     # Prompt chunks (several tokens, causal) first: their products may group rows;
     # decodes and trees after, a row at a time (see ``_Graph``).
     chunk = [q > 1 and meta.tree_parents[i] is None for i, q in enumerate(query_lens)]
-    in_order = [i for i in range(requests) if chunk[i]] + [i for i in range(requests) if not chunk[i]]
+    groups = [[i for i in range(requests) if chunk[i]], [i for i in range(requests) if not chunk[i]]]
+    in_order = groups[0] + groups[1]
     order = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in in_order]).astype(np.int64)
     place = np.empty(tokens, np.int64)
     place[order] = np.arange(tokens)
@@ -261,9 +262,7 @@ def step_inputs(meta: AttentionMetadata, positions: torch.Tensor, num_slots: int
     positions = positions.numpy().astype(np.int32)[order]
     slots = slots[order]
     parts, token_at, context_at, mask_at = [], 0, 0, 0
-    for group in ([i for i in in_order if chunk[i]], [i for i in in_order if not chunk[i]]):
-        if not group:
-            continue
+    for group in filter(None, groups):
         tokens = sum(query_lens[i] for i in group)
         width = sum(padded[i] for i in group)
         masked = sum(query_lens[i] * padded[i] for i in group)
