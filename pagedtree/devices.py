@@ -9,6 +9,10 @@ a caller's unindexed ``cuda`` never fails a check against its own tensors.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+
 import torch
 
 
@@ -38,11 +42,41 @@ def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.type == "cuda" else 0
 
 
-def cpu_model_name() -> str:
-    """The CPU's model name from /proc/cpuinfo ("" where unreadable): part of the key
-    of every cost measured on a CPU."""
+# Feature flags the engine treats as absent, comma-separated, a trailing "*" matching
+# a prefix ("avx512*,amx*"): scripts/emulate_avx2.sh sets it so that, with the
+# libraries' own ISA limits, an AVX-512 machine decides as an AVX2 one would.
+HIDE_CPU_FLAGS_ENV = "PAGEDTREE_HIDE_CPU_FLAGS"
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name : value`` of /proc/cpuinfo ("" where unreadable)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == name), "")
     except OSError:
         return ""
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where unreadable)."""
+    return _cpuinfo_field("model name")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (none where unreadable), less those
+    ``PAGEDTREE_HIDE_CPU_FLAGS`` hides."""
+    hidden = [h.strip().lower() for h in os.environ.get(HIDE_CPU_FLAGS_ENV, "").split(",") if h.strip()]
+
+    def shown(flag: str) -> bool:
+        return not any(flag.startswith(h[:-1]) if h.endswith("*") else flag == h for h in hidden)
+
+    return frozenset(f for f in _cpuinfo_field("flags").split() if shown(f))
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and a digest of its instruction-set flags: the key of every
+    cost measured on a CPU. Virtual machines of different generations may share a model
+    name ("AMD EPYC" with and without AVX-512); their kernels and costs differ."""
+    isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse", "ssse")))
+    return f"{cpu_model_name()} [{hashlib.md5(' '.join(isa).encode()).hexdigest()[:12]}]"

@@ -29,38 +29,9 @@ echo "[setup] installing torch==2.13.0, triton==3.7.1 and pagedtree"
 # transformers 5 cannot use, so pip cannot resolve it as a dependency. It only needs
 # aiohttp, pydantic 2 and requests at run time, all installed above.
 "${PIP[@]}" --no-deps "text-generation>=0.7"
-# ggml (llama.cpp's kernels, the "ggml" weight format) is built from source for this
-# CPU: -march=native, so pip's cache never holds it. The Python bindings are
-# ggml-python's; the ggml under them is the one llama-cpp-python 0.3.36 vendors (ggml
-# 0.25: its K-quant GEMM prefills prompts about 1.2x faster than the ggml 0.15 that
-# ggml-python vendors), both sdists from PyPI. Without OpenMP ggml runs its own thread
-# pool, whose threads sleep between products while torch's OpenMP threads work.
-# Under a minute on 2 cores, once per CPU and Python: the wheel is kept under
-# ~/.cache/pagedtree keyed by both, and a later .venv on this machine installs it.
-GGML_PYTHON=0.0.45
-GGML_FROM=llama-cpp-python==0.3.36
-ggml_key="$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print("py%d%d" % sys.version_info[:2])')-ggml-from-${GGML_FROM#*==}"
-if ! .venv/bin/python -c "import ggml" 2>/dev/null || [ "$(cat .venv/.ggml-cpu 2>/dev/null)" != "$ggml_key" ]; then
-  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/pagedtree/ggml-wheels/ggml-python-$GGML_PYTHON-$ggml_key"
-  if ! ls "$wheels"/ggml_python-*.whl >/dev/null 2>&1 \
-      || ! "${PIP[@]}" --force-reinstall --no-deps "$wheels"/ggml_python-*.whl; then
-    echo "[setup] building ggml-python==$GGML_PYTHON over the ggml of $GGML_FROM for this CPU (under a minute)"
-    rm -rf "$wheels"
-    build="$(mktemp -d)"
-    trap 'rm -rf "$build"' EXIT
-    .venv/bin/python -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
-      -d "$build/src" "ggml-python==$GGML_PYTHON" "$GGML_FROM"
-    tar xzf "$build"/src/ggml_python-*.tar.gz -C "$build"
-    tar xzf "$build"/src/llama_cpp_python-*.tar.gz -C "$build" --wildcards '*/vendor/llama.cpp/ggml'
-    rm -rf "$build/ggml_python-$GGML_PYTHON/vendor/ggml"
-    mv "$build"/llama_cpp_python-*/vendor/llama.cpp/ggml "$build/ggml_python-$GGML_PYTHON/vendor/ggml"
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
-      .venv/bin/python -m pip wheel --disable-pip-version-check -q --no-cache-dir --no-deps -w "$wheels" \
-      "$build/ggml_python-$GGML_PYTHON"
-    "${PIP[@]}" --force-reinstall --no-deps "$wheels"/ggml_python-*.whl
-  fi
-  echo "$ggml_key" > .venv/.ggml-cpu
-fi
+# ggml (llama.cpp's kernels, the "ggml" weight format), built for this CPU from PyPI's
+# sdists once and then installed from a cached wheel (see the script).
+bash scripts/build_ggml.sh
 
 if [ -n "$models" ]; then
   for name in $models; do

@@ -64,3 +64,37 @@ def test_a_kernel_check_takes_the_same_device_under_another_name():
     _validate_slots(slots, 2, 8, torch.device("cpu", 0), (0, 3))
     with pytest.raises(ValueError, match="slot_mapping is on cpu, the KV cache on meta"):
         _validate_slots(slots, 2, 8, torch.device("meta"), (0, 3))
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch):
+    """A /proc/cpuinfo of an AVX-512 machine with bf16, read afresh by ``cpu_flags``."""
+    from pagedtree import devices
+
+    text = "processor : 0\nmodel name : AMD EPYC\nflags : fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_bf16 amx_tile\n"
+    monkeypatch.setattr(devices, "_cpuinfo_field",
+                        lambda name: next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                                           if line.split(":", 1)[0].strip() == name), ""))
+    monkeypatch.delenv(devices.HIDE_CPU_FLAGS_ENV, raising=False)  # as scripts/emulate_avx2.sh sets it
+    devices.cpu_flags.cache_clear()
+    yield devices
+    devices.cpu_flags.cache_clear()
+
+
+def test_hidden_cpu_flags_make_an_avx512_machine_an_avx2_one_to_the_engine(cpuinfo, monkeypatch):
+    from pagedtree.loading.resolve import cpu_has_native_bf16, resolve_dtype
+
+    native = cpuinfo.cpu_identity()
+    assert "avx512_bf16" in cpuinfo.cpu_flags() and cpu_has_native_bf16()
+    assert resolve_dtype("auto", None, torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setenv(cpuinfo.HIDE_CPU_FLAGS_ENV, "avx512*, AMX*")
+    cpuinfo.cpu_flags.cache_clear()
+    assert cpuinfo.cpu_flags() == {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
+    assert not cpu_has_native_bf16()
+    assert resolve_dtype("auto", None, torch.device("cpu")) == torch.float32
+    # Costs measured under the emulation are not taken for the machine's own, and the
+    # other way round, though the model name is the same.
+    assert cpuinfo.cpu_identity() != native and cpuinfo.cpu_identity().startswith("AMD EPYC [")
+    monkeypatch.setenv(cpuinfo.HIDE_CPU_FLAGS_ENV, "avx512f")  # an exact name hides that flag only
+    cpuinfo.cpu_flags.cache_clear()
+    assert "avx512f" not in cpuinfo.cpu_flags() and "avx512bw" in cpuinfo.cpu_flags()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pagedtree.devices import cpu_model_name
+from pagedtree.devices import cpu_identity
 from pagedtree.loading import packaged_models as pm
 
 logger = logging.getLogger("pagedtree")
@@ -94,7 +94,7 @@ def probe_key(shape: ModelShape, rows: int, dtype: torch.dtype) -> dict:
     """Everything a probe's result depends on."""
     return {"probe": "batch_format", "version": FORMAT_PROBE_VERSION, "hidden": shape.hidden,
             "intermediate": shape.intermediate, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__, "onnxruntime": _library("onnxruntime"), "cpu": cpu_model_name(),
+            "torch": torch.__version__, "onnxruntime": _library("onnxruntime"), "cpu": cpu_identity(),
             "machine": platform.machine(), "threads": torch.get_num_threads()}
 
 

@@ -11,7 +11,6 @@ not say (``model_format.default_quantization``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -29,21 +28,16 @@ from pagedtree.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from pagedtree.devices import indexed_device
+from pagedtree.devices import cpu_flags, indexed_device
 from pagedtree.loading.model_format import block_quant_available, default_quantization
 from pagedtree.worker.models.ggml_graph import ROW_GROUP
 from pagedtree.worker.models.ggml_matmul import ggml_available
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), where bf16
-    linear layers run about twice as fast as fp32; read from /proc/cpuinfo (Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    linear layers run about twice as fast as fp32 (``devices.cpu_flags``)."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pagedtree.devices import cpu_model_name
+from pagedtree.devices import cpu_identity
 from pagedtree.request import Request
 from pagedtree.sampling_params import SamplingParams
 from pagedtree.step_data import Phase, ScheduledChunk
@@ -77,7 +77,7 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "device": str(device),
         # (Not ``platform.processor()``: on Linux it runs ``uname -p`` in a forked child.)
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-        "cpu": cpu_model_name(),
+        "cpu": cpu_identity(),
         "threads": torch.get_num_threads(),
         "dtype": str(dtype),
         "quantization": quantization,
