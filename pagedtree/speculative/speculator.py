@@ -58,6 +58,7 @@ class Speculator:
             config, prior, num_drafts=len(drafts),
             suffix_reach=suffix.reach if suffix is not None and not drafts else None,
             suffix_tree=suffix.plan_tree if suffix is not None and drafts else None,
+            suffix_match=suffix.match_length if suffix is not None else None,
             draft_backlog=(lambda request: max(d.backlog(request) for d in drafts)) if drafts else None,
         )
         noise = NoiseCache(vocab_size, device)
@@ -97,6 +98,7 @@ class Speculator:
             suffix = self._switched_suffix(config)
             self.proposer.set_suffix(suffix)
             self.budget.suffix_tree = suffix.plan_tree if suffix is not None else None
+            self.budget.suffix_match = suffix.match_length if suffix is not None else None
         self.budget.reconfigure(config)
 
     def _switched_suffix(self, config: SpeculativeConfig) -> SuffixDrafter | None:
@@ -242,7 +244,10 @@ class Speculator:
         suffix = self.proposer.suffix.stats() if self.proposer.suffix is not None else {}
         if suffix and self.drafts:
             suffix["suffix_num_alone"] = self.proposer.num_suffix_alone
-            suffix["suffix_plan_factor"] = self.budget.suffix_factor
+        if suffix:
+            # The first proposal's acceptance after a match of each length bucket.
+            suffix["suffix_match_rates"] = {f"{cls}@{bucket}": table.rate(1, 0) for (cls, bucket), table
+                                            in self.budget.suffix_acceptance.tables.items()}
         return self.metrics.stats() | suffix | {
             "num_draft_forward_passes": sum(d.num_forward_passes for d in self.drafts),
             "num_steps_speculation_off": self.budget.num_steps_speculation_off,

@@ -32,7 +32,8 @@ from pagedtree.speculative.budget.planner import (
 )
 from pagedtree.speculative.budget.priors import AcceptancePrior
 from pagedtree.speculative.budget.sequoia import optimal_shape
-from pagedtree.speculative.tree import TokenTree, TreeShape, expected_by_scores
+from pagedtree.speculative.budget.suffix_acceptance import SuffixAcceptance, best_shape
+from pagedtree.speculative.tree import TokenTree, TreeShape
 
 # Weight of each speculative step in the measured/predicted correction.
 _FACTOR_EMA = 0.1
@@ -42,14 +43,17 @@ _SEQUOIA_REFRESH = 64
 # request -> how many nodes the suffix drafter would propose for it now (its matched
 # suffix times alpha; 0 when nothing matched).
 SuffixReach = Callable[[Request], int]
+# request -> how many tokens of its newest suffix the suffix drafter matched (0: none):
+# what its trees' acceptance is priced by (``SuffixAcceptance``).
+SuffixMatch = Callable[[Request], int]
 # request -> tokens the draft models have yet to feed before drafting for it.
 DraftBacklog = Callable[[Request], int]
 # (request, node budget) -> the tree the suffix drafter would propose for it
 # (None: no match). Beside draft models, a request whose suffix tree is chosen alone
 # is "draft-free": the draft models sit it out for the step.
 SuffixTreeOf = Callable[[Request, int], TokenTree | None]
-# With static budgets (no cost model), a suffix tree expected by its own counts to
-# get this many tokens accepted is verified alone.
+# With static budgets (no cost model), a suffix tree expected (by its match) to get
+# this many tokens accepted is verified alone.
 ALONE_MIN_EXPECTED = 2.0
 # A step whose requests have no acceptance of their own on record speculates where
 # predicted at least this fraction of plain decoding's rate (instead of the usual
@@ -77,7 +81,7 @@ class BudgetPolicy:
 
     def __init__(self, config: SpeculativeConfig, prior: AcceptancePrior, num_drafts: int = 1, *,
                  suffix_reach: SuffixReach | None = None, suffix_tree: SuffixTreeOf | None = None,
-                 draft_backlog: DraftBacklog | None = None):
+                 suffix_match: SuffixMatch | None = None, draft_backlog: DraftBacklog | None = None):
         self.config = config
         self.num_drafts = num_drafts
         self.target_cost = CostModel()
@@ -90,12 +94,12 @@ class BudgetPolicy:
         self.suffix_reach = suffix_reach
         self.draft_backlog = draft_backlog
         self.suffix_tree = suffix_tree
+        self.suffix_match = suffix_match
         self.draft_free: set[str] = set()  # this step's requests the draft models sit out
-        # Accepted tokens of draft-free suffix trees over what their counts predicted
-        # (an EMA): counts from a few occurrences (a prompt copied once) under-rate
-        # how often the target follows them; the plan scales them by it.
-        self.suffix_factor = 1.0
-        self._free_predicted: dict[str, float] = {}
+        # Acceptance of suffix trees by match length, and this step's suffix trees to
+        # learn from: request -> the match its tree followed.
+        self.suffix_acceptance = SuffixAcceptance()
+        self._suffix_matches: dict[str, int] = {}
         self._shapes: dict[int, TreeShape] = {}
         self._levels: dict[int, tuple[int, ...]] = {}  # budget -> fed per level (``_draft_levels``)
         self._verifications_since_refresh = 0
@@ -115,6 +119,7 @@ class BudgetPolicy:
         self._shapes.clear()
         self._levels.clear()
         self.tables = {c: AcceptanceTable(self.prior[c]) for c in REQUEST_CLASSES}
+        self.suffix_acceptance = SuffixAcceptance()
         self.evidence.clear()
         self.calibration = {c: PlanCalibration() for c in REQUEST_CLASSES}
         self._plan_expected.clear()
@@ -156,17 +161,25 @@ class BudgetPolicy:
         sets ``draft_free``."""
         cfg = self.config
         self.draft_free = set()
+        self._suffix_matches = {}
         if not requests:
             return {}
         suffix_trees: dict[str, TokenTree] = {}
+        matches: dict[str, int] = {}  # request -> its suffix match (requests with a tree)
         if self.num_drafts and self.suffix_tree is not None:
             for r in requests:
                 tree = self.suffix_tree(r, cfg.max_nodes)
-                if tree is not None:
-                    suffix_trees[r.request_id] = tree
+                match = self._match(r) if tree is not None else 0
+                if match > 0:
+                    suffix_trees[r.request_id], matches[r.request_id] = tree, match
         if not cfg.adaptive:
             self.last_budget = cfg.max_nodes
-            self.draft_free = {rid for rid, t in suffix_trees.items() if expected_by_scores(t) >= ALONE_MIN_EXPECTED}
+            by_class = {r.request_id: request_class(r.params) for r in requests}
+            self.draft_free = {rid for rid, t in suffix_trees.items() if self.suffix_acceptance.expected(
+                best_shape(t), by_class[rid], matches[rid]) >= ALONE_MIN_EXPECTED}
+            self._suffix_matches = {rid: matches[rid] for rid in self.draft_free}
+            if not self.num_drafts:
+                self._suffix_matches = {r.request_id: m for r in requests if (m := self._match(r)) > 0}
             return {r.request_id: cfg.max_nodes for r in requests}
         candidates = self.candidate_budgets()
         expected = {r.request_id: self._expected(r, candidates) for r in requests}
@@ -187,13 +200,13 @@ class BudgetPolicy:
             plan = plan_budgets(expected, other_tokens, costs, margin=margin, catch_up=catch_up)
         free: set[str] = set()
         if suffix_trees:
-            # A request with a suffix tree may go draft-free: its own tree, priced by its
-            # counts, at no draft cost. Where that tree is expected to get at least what
-            # the drafts would, it dominates; whether the others should too (less
-            # gained, no draft levels) is the plans' call.
-            scales = {r.request_id: self._evidence_scale(r) for r in requests}
-            by_suffix = {rid: {b: scales[rid] * self.suffix_factor * expected_by_scores(t, b) for b in candidates}
-                         for rid, t in suffix_trees.items()}
+            # A request with a suffix tree may go draft-free: its own tree, priced by the
+            # match it follows, at no draft cost. Where that tree is expected to get at
+            # least what the drafts would, it dominates; whether the others should too
+            # (less gained, no draft levels) is the plans' call.
+            by_suffix = {r.request_id: self._suffix_expected(r, suffix_trees[r.request_id], matches[r.request_id],
+                                                              candidates)
+                         for r in requests if r.request_id in suffix_trees}
             dominant = {rid for rid, e in by_suffix.items() if e[cfg.max_nodes] >= expected[rid][cfg.max_nodes]}
             for option in (dominant, set(suffix_trees)):
                 mixed = {rid: by_suffix[rid] if rid in option else e for rid, e in expected.items()}
@@ -207,7 +220,11 @@ class BudgetPolicy:
         self._plan_feeds_prompt = self.draft_backlog is not None and any(
             plan.budgets.get(r.request_id, 0) > 0 and r.request_id not in self.draft_free
             and self._unfed(r)[0] > 0 for r in requests)
-        self._free_predicted = {rid: expected_by_scores(suffix_trees[rid], plan.budgets[rid]) for rid in self.draft_free}
+        if self.num_drafts:
+            self._suffix_matches = {rid: matches[rid] for rid in self.draft_free}
+        else:  # every tree is the suffix drafter's
+            self._suffix_matches = {rid: m for r in requests if plan.budgets.get(rid := r.request_id, 0) > 0
+                                    and (m := self._match(r)) > 0}
         self._check_plan(requests, plan, expected)
         self._add_forced_spans(requests, plan.budgets)
         if plan.num_speculating == 0:
@@ -306,34 +323,46 @@ class BudgetPolicy:
             for b in candidates:
                 out[b] = table.expected_accepted(self.shape_for(b), scale) * correction
             return out
-        # Model-free: the suffix drafter proposes only where a suffix matched, and
-        # about alpha nodes per matched token; mostly one branch.
+        # Model-free: the suffix drafter proposes only where a suffix matched, about
+        # alpha nodes per matched token, mostly one branch; priced by its match.
         reach = self.suffix_reach(request) if self.suffix_reach is not None else 0
+        match = self._match(request) if reach else 0
         for b in candidates:
             n = min(b, reach)
-            out[b] = table.expected_accepted(TreeShape.chain(n), scale) if n > 0 else 0.0
+            out[b] = self.suffix_acceptance.expected(TreeShape.chain(n), cls, match, scale) if n and match else 0.0
         return out
+
+    def _match(self, request: Request) -> int:
+        """The suffix drafter's match for ``request`` (0: none, or no drafter said)."""
+        return self.suffix_match(request) if self.suffix_match is not None else 0
+
+    def _suffix_expected(self, request: Request, tree: TokenTree, match: int,
+                         candidates: Sequence[int]) -> dict[int, float]:
+        """Expected accepted tokens of the best nodes of ``request``'s suffix tree at
+        every candidate budget, by the match it follows and the request's evidence."""
+        cls, scale = request_class(request.params), self._evidence_scale(request)
+        return {b: self.suffix_acceptance.expected(best_shape(tree, b), cls, match, scale) for b in candidates}
 
     # -------------------------------------------------------------- observe
     def observe_verification(self, request: Request, trials: Sequence[tuple[int, int, bool]]) -> None:
         """One verified tree: the class's table and the request's evidence learn from it."""
         cls = request_class(request.params)
-        table = self.tables[cls]
+        match = self._suffix_matches.pop(request.request_id, 0)
+        # A suffix tree verified alone teaches its match's table; any other tree (the
+        # draft models', alone or merged with a suffix tree) the class's table.
+        table = self.suffix_acceptance.table(cls, match) if match else self.tables[cls]
         expected = sum(table.rate(depth, rank) for depth, rank, _ in trials)
         hits = sum(1 for _, _, hit in trials if hit)
         table.observe(trials)
         planned = self._plan_expected.pop(request.request_id, None)
         if planned is not None:  # a draft-model tree the plan chose: how its expectation did
             self.calibration[cls].observe(_accepted_path(trials), planned)
-        predicted = self._free_predicted.pop(request.request_id, None)
-        if predicted:  # a draft-free suffix tree: how its counts did
-            ratio = min(max(_accepted_path(trials) / predicted, 0.25), 4.0)
-            self.suffix_factor += _FACTOR_EMA * (ratio - self.suffix_factor)
         evidence = self.evidence.get(request.request_id)
         if evidence is None:
             evidence = self.evidence[request.request_id] = RequestEvidence()
         evidence.observe(hits, expected)
-        self.rank_acceptance.observe([(rank, hit) for _, rank, hit in trials])
+        if not match:
+            self.rank_acceptance.observe([(rank, hit) for _, rank, hit in trials])
         if self.config.tree in ("sequoia", "dynamic") and self.config.acceptance_rates is None:
             self._verifications_since_refresh += 1
             if self._verifications_since_refresh >= _SEQUOIA_REFRESH:
@@ -377,3 +406,4 @@ class BudgetPolicy:
         """Forget a request's evidence."""
         self.evidence.pop(request_id, None)
         self._plan_expected.pop(request_id, None)
+        self._suffix_matches.pop(request_id, None)

@@ -93,6 +93,8 @@ class SuffixDrafter:
         # request id -> (its token count, max_nodes, tree or None): the budget asks
         # ``plan_tree`` once per step for every request.
         self._planned: dict[str, tuple[int, int, TokenTree | None]] = {}
+        # request id -> (its token count, its match length): asked once per step too.
+        self._matched: dict[str, tuple[int, int]] = {}
         self.num_proposals = 0
 
     def _stream(self, request: Request) -> _Stream:
@@ -122,10 +124,20 @@ class SuffixDrafter:
                 for tree, node, length in ((stream.tree, own_node, own_len),
                                            (self.global_cache.tree, global_node, global_len))]
 
+    def match_length(self, request: Request) -> int:
+        """Tokens of the longest suffix of ``request``'s tokens that either tree has seen
+        continued (0: none): what the budget prices its trees' acceptance by."""
+        memo = self._matched.get(request.request_id)
+        if memo is not None and memo[0] == request.num_tokens:
+            return memo[1]
+        length = max(length for _, _, length in self._matches(request))
+        self._matched[request.request_id] = (request.num_tokens, length)
+        return length
+
     def reach(self, request: Request) -> int:
         """How many nodes a proposal for ``request`` may have now: ``alpha`` per token
         of the longest suffix either tree has seen continued (0: no match, no tree)."""
-        longest = max(length for _, _, length in self._matches(request))
+        longest = self.match_length(request)
         return max(1, int(self.config.alpha * longest)) if longest else 0
 
     def propose_one(self, request: Request, budget: int) -> TokenTree | None:
@@ -154,7 +166,7 @@ class SuffixDrafter:
     def plan_tree(self, request: Request, max_nodes: int) -> TokenTree | None:
         """The tree the request would get at ``max_nodes`` now (None: no match), for
         the budget to price; not counted as a proposal."""
-        key = (len(request.all_token_ids), max_nodes)
+        key = (request.num_tokens, max_nodes)
         memo = self._planned.get(request.request_id)
         if memo is not None and memo[:2] == key:
             return memo[2]
@@ -187,11 +199,13 @@ class SuffixDrafter:
         """Forget a request's own tree (finished, preempted or failed)."""
         self._streams.pop(request_id, None)
         self._planned.pop(request_id, None)
+        self._matched.pop(request_id, None)
 
     def release_all(self) -> None:
         """Forget every request's own tree (the global tree of outputs stays)."""
         self._streams.clear()
         self._planned.clear()
+        self._matched.clear()
 
     @property
     def num_requests(self) -> int:

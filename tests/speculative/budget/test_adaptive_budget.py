@@ -466,48 +466,62 @@ def _merged_policy(draft_ratio: float) -> BudgetPolicy:
     return policy
 
 
-def test_the_budget_prices_a_suffix_tree_by_its_own_counts():
-    """Beside a draft model, a request with a sure suffix tree is planned from that
-    tree, draft-free (no draft levels priced), the others from the acceptance table."""
+def _with_suffix(policy: BudgetPolicy, tree, match: int, only=None) -> None:
+    """Give ``policy`` a suffix drafter proposing ``tree`` after a match of ``match``
+    tokens (to ``only`` that request, when given)."""
+    policy.suffix_tree = lambda r, _nodes: tree if only is None or r is only else None
+    policy.suffix_match = lambda r: match if only is None or r is only else 0
+
+
+def test_the_budget_prices_a_suffix_tree_by_the_match_it_follows():
+    """Beside a draft model, a request whose suffix tree follows a long match (the
+    prompt being copied) is planned from that tree, draft-free (no draft levels
+    priced), the others from the acceptance table; the same tree after a one-token
+    match is not worth its rows."""
     policy = _merged_policy(1.0)  # drafting with the model cannot pay
     requests = _requests(2)
-    policy.suffix_tree = lambda r, _nodes: _chain_tree(10, -0.01) if r is requests[1] else None
+    _with_suffix(policy, _chain_tree(10, -0.01), 8, only=requests[1])
     budgets = policy.choose(requests, 0)
-    assert budgets[requests[0].request_id] == 0 and budgets[requests[1].request_id] == 12
+    assert budgets[requests[0].request_id] == 0 and budgets[requests[1].request_id] >= 7
     assert policy.draft_free == {requests[1].request_id}
+    _with_suffix(policy, _chain_tree(10, -0.01), 1, only=requests[1])
+    assert max(policy.choose(requests, 0).values()) == 0 and policy.draft_free == set()
     policy.suffix_tree = None
     assert max(policy.choose(requests, 0).values()) == 0 and policy.draft_free == set()
 
 
 def test_a_weaker_suffix_tree_wins_only_where_drafting_costs_more_than_it_adds():
-    """A suffix tree expected to get less than the draft model's chain is still taken
-    alone when the draft levels cost more than the difference, and not when they
-    are cheap."""
+    """A suffix tree expected to get less than the draft model's chain (after a
+    two-token match) is still taken alone when the draft levels cost more than the
+    difference, and not when they are cheap."""
     requests = _requests(1)
-    weak = _chain_tree(4, -0.4)  # about 1.4 tokens expected, against about 3 for the chain
     costly, cheap = _merged_policy(0.5), _merged_policy(0.02)
     for policy in (costly, cheap):
-        policy.suffix_tree = lambda r, _nodes: weak
+        _with_suffix(policy, _chain_tree(4, -0.4), 2)
         assert max(policy.choose(requests, 0).values()) > 0
     assert costly.draft_free == {requests[0].request_id}
     assert cheap.draft_free == set()
 
 
-def test_suffix_trees_that_beat_their_counts_are_trusted_more():
-    """Counts from a prompt copied once under-rate how often the target follows it:
-    draft-free trees accepted beyond their counts raise the factor the plan scales
-    them by, until such a tree is taken over a cheap draft model's chain."""
+def test_suffix_trees_that_beat_their_match_are_trusted_more_and_teach_only_their_match():
+    """Draft-free trees after two-token matches accepted in full raise that match's
+    rates (not the draft model's, nor other matches'), until such a tree is taken
+    over a cheap draft model's chain."""
     requests = _requests(1)
-    weak = _chain_tree(4, -0.4)  # about 1.6 tokens by its counts
     costly, cheap = _merged_policy(0.5), _merged_policy(0.02)
-    costly.suffix_tree = cheap.suffix_tree = lambda r, _nodes: weak
+    _with_suffix(costly, _chain_tree(4, -0.4), 2)
+    _with_suffix(cheap, _chain_tree(4, -0.4), 2)
+    model_rows = costly.tables["greedy"].rows()
+    one_token = costly.suffix_acceptance.table("greedy", 1).rows()
     for _ in range(30):
         costly.choose(requests, 0)
         assert costly.draft_free == {requests[0].request_id}
         costly.observe_verification(requests[0], [(1, 0, True), (2, 0, True), (3, 0, True), (4, 0, True)])
-    assert costly.suffix_factor > 2.0
+    assert costly.suffix_acceptance.table("greedy", 2).rate(1, 0) > 0.8
+    assert costly.tables["greedy"].rows() == model_rows
+    assert costly.suffix_acceptance.table("greedy", 1).rows() == one_token
     cheap.choose(requests, 0)
     assert cheap.draft_free == set()
-    cheap.suffix_factor = costly.suffix_factor
+    cheap.suffix_acceptance = costly.suffix_acceptance
     cheap.choose(requests, 0)
     assert cheap.draft_free == {requests[0].request_id}
