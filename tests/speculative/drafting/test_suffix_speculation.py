@@ -158,6 +158,13 @@ def test_a_confident_suffix_tree_is_verified_without_the_draft_model(tiny_llama,
     assert stats["suffix_num_alone"] > 0
     # Batch 1: every tree came either from a draft-model call or from the suffix alone.
     assert len(calls) + stats["suffix_num_alone"] == stats["num_drafts"]
+    # The trees verified alone taught the acceptance of their matches, and only it.
+    from pagedtree.speculative.budget.suffix_acceptance import SuffixAcceptance
+
+    prior = {f"{c}@{b}": t.rate(1, 0) for (c, b), t in SuffixAcceptance().tables.items()}
+    assert stats["suffix_match_rates"].keys() == prior.keys()
+    moved = {k for k, rate in stats["suffix_match_rates"].items() if rate != prior[k]}
+    assert moved and all(k.startswith("greedy@") for k in moved)
     assert_no_leaks(llm)
 
 
