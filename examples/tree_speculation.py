@@ -1,9 +1,13 @@
 """Offline generation with tree speculative decoding on the embedded Qwen pair.
 
 Loads the Qwen2.5-Coder-1.5B-Instruct target with the 0.5B draft, generates for a
-few coding prompts with tree speculation, then again with speculation off in the
-same engine, and prints the text, tokens/s of both, the mean acceptance length and
-the speed-up. Greedy outputs of both runs are checked to be identical.
+few chats with tree speculation, then again with speculation off in the same
+engine, and prints the text, tokens/s of both, the mean acceptance length and the
+speed-up, overall and per chat. Greedy outputs of both runs are checked to be
+identical. The default chats are a coding question and a code edit, one after the
+other: where the output is new text a CPU's rows may cost more than trees save, and
+the adaptive budget then keeps decoding plain; where it copies its prompt, the
+suffix drafter's trees are verified.
 """
 
 from __future__ import annotations
@@ -12,12 +16,18 @@ import argparse
 import time
 
 from pagedtree import LLM, SamplingParams
-from pagedtree.loadgen.datasets import CODING_PROMPTS
+from pagedtree.loadgen.datasets import PROMPT_SETS
 from pagedtree.speculative import SpeculativeConfig
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
-PROMPTS = CODING_PROMPTS[:4]
+
+def chats_of(dataset: str) -> list[list[tuple[str, str]]]:
+    """The chats of ``dataset``: a set of compare.py's, or "mixed" (coding and edit
+    chats in turn)."""
+    if dataset != "mixed":
+        return PROMPT_SETS[dataset]
+    return [chat for pair in zip(PROMPT_SETS["coding"], PROMPT_SETS["edit"]) for chat in pair]
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,7 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=None, help="depth of chain/dynamic/sequoia trees")
     parser.add_argument("--no-adaptive", action="store_true", help="always speculate with the full budget")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--num-prompts", type=int, default=2, help="prompts, run one at a time (batch 1)")
+    parser.add_argument("--num-prompts", type=int, default=2, help="chats, run one at a time (batch 1)")
+    parser.add_argument("--dataset", default="mixed", choices=["mixed", *PROMPT_SETS],
+                        help="chats: a coding question and a code edit in turn, or one set (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0)
     return parser.parse_args()
 
@@ -60,10 +72,12 @@ def main() -> None:
     config = llm.engine.speculation.config
     described = f"{config.tree}{' + suffix' if config.drafter == 'model+suffix' else ''}, up to {config.max_nodes} nodes"
     tok = llm.get_tokenizer()
-    prompts = (PROMPTS * (args.num_prompts // len(PROMPTS) + 1))[: args.num_prompts]
+    dialogues = chats_of(args.dataset)
+    dialogues = (dialogues * (args.num_prompts // len(dialogues) + 1))[: args.num_prompts]
     chats = [
-        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in prompts
+        tok.apply_chat_template([{"role": role, "content": text} for role, text in dialogue], tokenize=False,
+                                add_generation_prompt=True)
+        for dialogue in dialogues
     ]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     # Warm up on the same prompts and lengths, plainly, so that neither timed run pays
@@ -79,8 +93,10 @@ def main() -> None:
     outs: dict[bool, list] = {True: [], False: []}
     tokens = {True: 0, False: 0}
     seconds = {True: 0.0, False: 0.0}
+    per_chat: list[dict[bool, float]] = []  # tokens/s of each chat, with and without
     before = llm.stats()
     for index, chat in enumerate(chats):
+        per_chat.append({})
         for speculate in ((True, False) if index % 2 == 0 else (False, True)):
             llm.engine.set_speculation(speculate)
             if speculate and suffix is not None:
@@ -89,20 +105,25 @@ def main() -> None:
                 suffix.clear_global()
             started = time.perf_counter()
             out = llm.generate([chat], params, use_tqdm=False)[0]
-            seconds[speculate] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            seconds[speculate] += elapsed
             tokens[speculate] += len(out.outputs[0].token_ids)
+            per_chat[-1][speculate] = len(out.outputs[0].token_ids) / elapsed
             outs[speculate].append(out)
     after = llm.stats()
     spec_outs, plain_outs = outs[True], outs[False]
     spec_tps, plain_tps = tokens[True] / seconds[True], tokens[False] / seconds[False]
-    for prompt, out in zip(prompts, spec_outs):
-        print(f"### {prompt}\n{out.outputs[0].text}\n")
+    for dialogue, out, rates in zip(dialogues, spec_outs, per_chat):
+        ask = dialogue[-1][1].split("\n")[0]
+        print(f"### {ask}\n{out.outputs[0].text}\n")
+        print(f"(this chat: {rates[True]:.2f} tokens/s with speculation, {rates[False]:.2f} without, "
+              f"{rates[True] / rates[False]:.2f}x; {out.metrics.get('spec_num_drafts', 0):.0f} trees verified)\n")
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     if drafts:
         outcome = f"{drafts} trees verified, mean acceptance length {1 + accepted / drafts:.2f}"
     else:  # the adaptive budget priced every tree above what it would save
-        outcome = "no tree drafted: on this machine verifying one costs more than it would save"
+        outcome = "no tree drafted: on this machine verifying one would cost more than it saves"
     print(f"weights: {llm.engine.resolved.target.quantization or llm.engine.resolved.target.dtype}")
     print(f"tree speculation ({described}): {spec_tps:.2f} tokens/s, {outcome}")
     print(f"plain decoding:   {plain_tps:.2f} tokens/s")
