@@ -177,10 +177,9 @@ class BudgetPolicy:
             by_class = {r.request_id: request_class(r.params) for r in requests}
             self.draft_free = {rid for rid, t in suffix_trees.items() if self.suffix_acceptance.expected(
                 best_shape(t), by_class[rid], matches[rid]) >= ALONE_MIN_EXPECTED}
-            self._suffix_matches = {rid: matches[rid] for rid in self.draft_free}
-            if not self.num_drafts:
-                self._suffix_matches = {r.request_id: m for r in requests if (m := self._match(r)) > 0}
-            return {r.request_id: cfg.max_nodes for r in requests}
+            budgets = {r.request_id: cfg.max_nodes for r in requests}
+            self._keep_suffix_matches(requests, budgets, matches)
+            return budgets
         candidates = self.candidate_budgets()
         expected = {r.request_id: self._expected(r, candidates) for r in requests}
         model_levels = {b: self._draft_levels(b) for b in candidates} if self.num_drafts else {}
@@ -220,17 +219,24 @@ class BudgetPolicy:
         self._plan_feeds_prompt = self.draft_backlog is not None and any(
             plan.budgets.get(r.request_id, 0) > 0 and r.request_id not in self.draft_free
             and self._unfed(r)[0] > 0 for r in requests)
-        if self.num_drafts:
-            self._suffix_matches = {rid: matches[rid] for rid in self.draft_free}
-        else:  # every tree is the suffix drafter's
-            self._suffix_matches = {rid: m for r in requests if plan.budgets.get(rid := r.request_id, 0) > 0
-                                    and (m := self._match(r)) > 0}
+        self._keep_suffix_matches(requests, plan.budgets, matches)
         self._check_plan(requests, plan, expected)
         self._add_forced_spans(requests, plan.budgets)
         if plan.num_speculating == 0:
             self.num_steps_speculation_off += 1
         self.last_budget = max(plan.budgets.values(), default=0)
         return plan.budgets
+
+    def _keep_suffix_matches(self, requests: Sequence[Request], budgets: Mapping[str, int],
+                             matches: Mapping[str, int]) -> None:
+        """Remember the match each suffix tree verified alone this step follows, for its
+        verification to teach (``observe_verification``): beside draft models the
+        draft-free requests; without them every speculating request."""
+        if self.num_drafts:
+            self._suffix_matches = {rid: matches[rid] for rid in self.draft_free}
+        else:
+            self._suffix_matches = {rid: m for r in requests if budgets.get(rid := r.request_id, 0) > 0
+                                    and (m := self._match(r)) > 0}
 
     def _ceiling(self, requests: Sequence[Request], other_tokens: int, costs: StepCosts,
                  catch_up: Mapping[str, float] | None) -> BudgetPlan:
