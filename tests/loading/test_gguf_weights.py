@@ -252,11 +252,17 @@ def test_ggml_engines_hold_the_files_bytes_and_decode_like_fp32(tensors_of):
     rows = np.asarray(q.data).reshape(int(q.shape[1]), -1)
     order = _unpermute_rows(torch.arange(rows.shape[0]), 9).numpy()
     assert np.array_equal(moved.data, rows[order]) and not np.array_equal(moved.data, rows)
-    a = dense.generate(prompts, params, use_tqdm=False)
+    a = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+                       use_tqdm=False)
     b = llm.generate(prompts, params, use_tqdm=False)
-    agreed = sum(next((i for i, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if p != q),
-                      12) for x, y in zip(a, b))
-    assert agreed >= 0.75 * 12 * len(prompts), agreed
+    # Where the outputs part (bf16 or fp32 activations, each CPU's kernels), ggml took
+    # fp32's runner-up at a near tie; before that every token is fp32's.
+    for x, y in zip(a, b):
+        ours, theirs = x.outputs[0].token_ids, y.outputs[0].token_ids
+        first = next((i for i, (p, q) in enumerate(zip(ours, theirs)) if p != q), None)
+        if first is not None:
+            (best, best_lp), (second, second_lp) = sorted(x.outputs[0].logprobs[first].items(), key=lambda kv: -kv[1])[:2]
+            assert theirs[first] == second and best_lp - second_lp < 0.5, (first, best_lp, second_lp)
 
 
 def test_dense_weights_come_straight_from_the_file_as_a_converted_checkpoint_gives_them(tensors_of):
