@@ -11,7 +11,7 @@
 # the code and the tests hold on AVX2 kernels.
 #
 #   scripts/emulate_avx2.sh COMMAND [ARG...]
-#   scripts/emulate_avx2.sh .venv/bin/python -m pytest -q     # the suite on AVX2 kernels
+#   scripts/emulate_avx2.sh .venv/bin/python -m pytest        # the suite on AVX2 kernels
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
