@@ -6,10 +6,10 @@ in the prompt is a guess after a one-token match (a common word) and a near
 certainty after an eight-token one (the model copying the prompt, as edits and
 rewrites do). Measured on the Qwen2.5-Coder 1.5B (fixed 12-node suffix trees, 6 edit,
 coding and prose chats, 96 tokens each, greedy and t=0.8): a one-token match got
-0.2-0.45 tokens accepted a tree, two to four tokens 0.5-3.7, a match of the longest
-length 7.2-7.3 of 7.8 proposed (conditional acceptance 0.92-1.0 at every depth),
-whatever the workload; the counts' own estimate (each level's count over its total
-plus one) put every one of them near one token.
+0.2-0.45 tokens accepted a tree in every set, two to four tokens 0.5-3.7, a match of
+the longest length (nearly all on edits) 7.2-7.3 of 7.8 proposed (conditional
+acceptance 0.92-1.0 at every depth); the counts' own estimate (each level's count
+over its total plus one) put every one of them near one token.
 
 ``SuffixAcceptance`` keeps an ``AcceptanceTable`` (depth, rank) per request class and
 match-length bucket, started from those measurements (``SUFFIX_MATCH_PRIORS``) and
