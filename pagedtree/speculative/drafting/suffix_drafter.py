@@ -93,8 +93,10 @@ class SuffixDrafter:
         # request id -> (its token count, max_nodes, tree or None): the budget asks
         # ``plan_tree`` once per step for every request.
         self._planned: dict[str, tuple[int, int, TokenTree | None]] = {}
-        # request id -> (its token count, its match length): asked once per step too.
-        self._matched: dict[str, tuple[int, int]] = {}
+        # request id -> (its token count, its matches): the budget's pricing, its plan
+        # and the proposal all ask for them in one step. Node ids in the global tree
+        # change as outputs join it, so ``remember`` and ``clear_global`` forget every entry.
+        self._matched: dict[str, tuple[int, list[tuple[SuffixTree, int, int]]]] = {}
         self.num_proposals = 0
 
     def _stream(self, request: Request) -> _Stream:
@@ -115,24 +117,24 @@ class SuffixDrafter:
     def _matches(self, request: Request) -> list[tuple[SuffixTree, int, int]]:
         """``(tree, node, length)`` of the longest suffix of the request's tokens that
         its own tree and the global tree have seen continued (length 0: none, or
-        shorter than ``min_match``)."""
+        shorter than ``min_match``); fed and matched once per token count."""
+        memo = self._matched.get(request.request_id)
+        if memo is not None and memo[0] == request.num_tokens:
+            return memo[1]
         cfg = self.config
         stream = self._stream(request)
         own_node, own_len = stream.tree.best_match(stream.open_suffixes, cfg.max_match)
         global_node, global_len = self.global_cache.tree.match(request.all_token_ids, cfg.max_match)
-        return [(tree, node, length if length >= cfg.min_match else 0)
-                for tree, node, length in ((stream.tree, own_node, own_len),
-                                           (self.global_cache.tree, global_node, global_len))]
+        matches = [(tree, node, length if length >= cfg.min_match else 0)
+                   for tree, node, length in ((stream.tree, own_node, own_len),
+                                              (self.global_cache.tree, global_node, global_len))]
+        self._matched[request.request_id] = (request.num_tokens, matches)
+        return matches
 
     def match_length(self, request: Request) -> int:
         """Tokens of the longest suffix of ``request``'s tokens that either tree has seen
         continued (0: none): what the budget prices its trees' acceptance by."""
-        memo = self._matched.get(request.request_id)
-        if memo is not None and memo[0] == request.num_tokens:
-            return memo[1]
-        length = max(length for _, _, length in self._matches(request))
-        self._matched[request.request_id] = (request.num_tokens, length)
-        return length
+        return max(length for _, _, length in self._matches(request))
 
     def reach(self, request: Request) -> int:
         """How many nodes a proposal for ``request`` may have now: ``alpha`` per token
@@ -190,10 +192,12 @@ class SuffixDrafter:
         """A request finished: its output joins the global tree."""
         if request.output_token_ids:
             self.global_cache.add(request.output_token_ids)
+            self._matched.clear()
 
     def clear_global(self) -> None:
         """Forget every remembered output (benchmarks time cold runs with it)."""
         self.global_cache = GlobalSuffixCache(self.config.max_depth, self.config.global_tokens)
+        self._matched.clear()
 
     def release(self, request_id: str) -> None:
         """Forget a request's own tree (finished, preempted or failed)."""
