@@ -16,7 +16,6 @@ it, against that draw's own distribution.
 
 from __future__ import annotations
 
-import math
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -122,6 +121,13 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
+    def best_nodes(self, max_nodes: int | None = None) -> list[int]:
+        """The ``max_nodes`` best nodes by score (all with None), best first. A child
+        never outscores its parent (scores are cumulative log-probabilities) and ties
+        go to the lower index, the parent, so any prefix is closed under parents."""
+        order = sorted(range(self.num_nodes), key=lambda i: (-self.scores[i], i))
+        return order if max_nodes is None else order[:max_nodes]
+
     def subtree(self, keep: Sequence[int]) -> TokenTree:
         """The tree restricted to the nodes ``keep`` (closed under parents), reindexed.
 
@@ -200,11 +206,3 @@ class TreeShape:
     def chain(cls, depth: int) -> TreeShape:
         """A single branch of ``depth`` nodes."""
         return cls(list(range(-1, depth - 1)), [0] * depth)
-
-
-def expected_by_scores(tree: TokenTree, max_nodes: int | None = None) -> float:
-    """Expected accepted tokens of a tree by its own scores (cumulative
-    log-probabilities), or of its best ``max_nodes`` nodes: a node never scores above
-    its parent, so the best nodes form a tree."""
-    probs = sorted((math.exp(score) for score in tree.scores), reverse=True)
-    return float(sum(probs if max_nodes is None else probs[:max_nodes]))

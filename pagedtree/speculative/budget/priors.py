@@ -7,8 +7,10 @@ from __future__ import annotations
 # (columns), for greedy and for sampling requests, that the adaptive budget starts
 # from before the run has measured its own (``acceptance.AcceptanceTable``).
 # ``PAIR_PRIORS`` were measured on the packaged pairs (benchmarks/acceptance_prior.py,
-# recorded in benchmarks/RESULTS.md); ``DEFAULT_PRIORS`` are for other pairs and for
-# the suffix drafter, whose trees are only proposed where a suffix matched.
+# recorded in benchmarks/RESULTS.md); ``DEFAULT_PRIORS`` are for other pairs, and their
+# "suffix" entry starts the class tables of an engine whose only drafter is the suffix
+# drafter (what ``acceptance_rates_by_depth`` reports there): its trees are priced by
+# the match they follow, from ``suffix_acceptance.SUFFIX_MATCH_PRIORS``.
 AcceptancePrior = dict[str, list[list[float]]]
 
 DEFAULT_PRIORS: dict[str, AcceptancePrior] = {

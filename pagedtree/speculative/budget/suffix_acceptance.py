@@ -52,12 +52,9 @@ SUFFIX_MATCH_PRIORS: dict[str, dict[int, list[list[float]]]] = {
 
 
 def best_shape(tree: TokenTree, max_nodes: int | None = None) -> TreeShape:
-    """The shape of ``tree``'s best ``max_nodes`` nodes by score (all with None): a
-    node never scores above its parent and ties go to the lower index, the parent, so
-    they form a tree; siblings ranked by score, as the drafter ordered them."""
-    order = sorted(range(tree.num_nodes), key=lambda i: (-tree.scores[i], i))
-    if max_nodes is not None:
-        order = order[:max_nodes]
+    """The shape of ``tree``'s best ``max_nodes`` nodes by score (all with None,
+    ``TokenTree.best_nodes``), siblings ranked by score as the drafter ordered them."""
+    order = tree.best_nodes(max_nodes)
     position = {node: i for i, node in enumerate(order)}
     parents: list[int] = []
     ranks: list[int] = []

@@ -294,8 +294,5 @@ class DynamicTreeBuilder(TreeBuilder):
     def finish(self) -> TokenTree:
         if self.tree.num_nodes <= self.max_nodes:
             return self.tree
-        scores = self.tree.scores
-        # A child never outscores its parent (log-probabilities are <= 0) and ties go to
-        # the lower index, which is the parent, so the kept set is closed under parents.
-        keep = sorted(range(self.tree.num_nodes), key=lambda i: (-scores[i], i))[: self.max_nodes]
-        return self.tree.subtree(keep)
+        # The best nodes by score are closed under parents (``TokenTree.best_nodes``).
+        return self.tree.subtree(self.tree.best_nodes(self.max_nodes))
