@@ -45,7 +45,8 @@ def run_one(args: argparse.Namespace, speculative: bool) -> list[dict]:
 
     spec = (json.loads(args.spec) if args.spec else {}) if speculative else None  # {}: the engine default
     options = EngineOptions(args.model, label="pagedtree", quantization=args.quantization,
-                            draft_model=[args.draft_model] if speculative else None, spec=spec)
+                            draft_model=[args.draft_model] if speculative and args.draft_model else None,
+                            spec=spec)
     _, run = load_pagedtree(options, None, 2048)
     engine = run.llm.engine
     steps: list[tuple[str, float, int]] = []
@@ -110,7 +111,8 @@ def table(records: list[dict], temperatures: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct",
+                        help="the speculative side's draft model ('': none, for the model-free suffix drafter)")
     parser.add_argument("--quantization", default=None, help="default: the model's own (a GGUF file: q4 on CPU)")
     parser.add_argument("--spec", default=None,
                         help="SpeculativeConfig fields as JSON (default: the engine's own speculation)")
