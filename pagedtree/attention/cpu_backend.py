@@ -4,7 +4,8 @@ Requests with at most ``SMALL_QUERY_LEN`` new tokens (decodes, token trees, shor
 chunks) go to ``kernels.cpu_attention.paged_attention_kernel``, one call per layer for all of
 them; longer prefill chunks go to the torch path (gather + SDPA), where the work is
 dominated by the attention products that SDPA's vectorised kernels do best and the
-gather is a small part. Same interface and cache layout as ``TorchPagedAttention``,
+gather is a small part (for a 16-bit cache, zentorch's SDPA where it is installed and
+faster: ``kernels.zen_sdpa``). Same interface and cache layout as ``TorchPagedAttention``,
 whose block and slot copies it inherits.
 
 Supported cache dtypes: fp32 and bf16 (``supports_dtype``); ``make_backend`` falls
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedtree.step_data import AttentionMetadata
 from pagedtree.attention.torch_backend import (
@@ -29,6 +31,7 @@ from pagedtree.attention.torch_backend import (
     paged_attention,
     store_kv_reference,
 )
+from pagedtree.kernels import zen_sdpa
 from pagedtree.kernels.cpu_attention import paged_attention_kernel
 from pagedtree.kernels.numba_arrays import as_kernel_array
 
@@ -174,6 +177,11 @@ class CpuPagedAttention(TorchPagedAttention):
         self._bf16 = first.dtype == torch.bfloat16
         self._views = [(as_kernel_array(k), as_kernel_array(v)) for k, v in kv_caches]
         self._cpu_plan: CpuKernelPlan | None = None
+        # Long prompt chunks of a 16-bit cache attend in fp32 through zentorch where it
+        # is installed and faster here; an fp32 cache keeps torch's (transformers') kernel.
+        # Chosen at the first long chunk: engines whose forward attends on its own (the
+        # ggml graph) never load the library.
+        self._sdpa = None
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -201,6 +209,8 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
         self._meta = meta
         self._cpu_plan = None
+        if isinstance(self._sdpa, zen_sdpa.ZenSdpa):
+            self._sdpa.forget()  # the last step's mask, converted
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -227,7 +237,10 @@ class CpuPagedAttention(TorchPagedAttention):
             )
         out = out.view(num_tokens, num_heads, head_dim)
         if plan.large.groups:
-            paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out)
+            if self._sdpa is None:
+                zen = zen_sdpa.load() if self._bf16 else None
+                self._sdpa = zen if zen is not None else F.scaled_dot_product_attention
+            paged_attention(query, key_cache, value_cache, plan.large, self.scale, out=out, sdpa=self._sdpa)
         return out if query.dtype == out.dtype else out.to(query.dtype)
 
 

@@ -13,7 +13,7 @@ causally, or, for a token tree, only to each node's ancestors and itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -184,11 +184,13 @@ def paged_attention(
     plan: ReferencePlan,
     scale: float,
     out: torch.Tensor | None = None,
+    sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` over the paged cache; returns ``[T, H, D]``.
 
     Rows of the plan's groups are written into ``out`` when given (other rows are left
-    alone: another kernel serves them), else into a new tensor.
+    alone: another kernel serves them), else into a new tensor. ``sdpa`` computes each
+    group (torch's kernel, or one with its arguments: ``kernels.zen_sdpa``).
 
     The new tokens' keys and values must already be stored in the cache. 16-bit
     inputs are computed in fp32 (and rounded once at the end): then a query row's
@@ -219,7 +221,7 @@ def paged_attention(
         v = slot_rows_v.index_select(0, slots).view(b, k_len, num_kv_heads, head_dim)
         k = k.transpose(1, 2).to(compute)  # [B, H_kv, K, D]
         v = v.transpose(1, 2).to(compute)
-        o = F.scaled_dot_product_attention(
+        o = sdpa(
             q.transpose(1, 2), k, v, attn_mask=None if group.causal else group.mask, is_causal=group.causal,
             scale=scale, enable_gqa=num_heads != num_kv_heads,
         )
