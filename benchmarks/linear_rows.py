@@ -18,6 +18,8 @@ Formats (every one a thin call into a library kernel):
   (rounded by ggml's quantizer) through ggml's kernels in the file's layout, whose rows
   are independent of their batch (``ggml_matmul``); ``ggml-q4_k-repack``,
   ``ggml-q4_0-repack``: the 8-row interleaved layout llama.cpp loads them in on x86;
+- ``zen-int4``: AMD zentorch's weight-only int4 product (``zentorch_woq_linear``: groups
+  of 128 with a bf16 scale, bf16 activations), AVX-512 x86 CPUs with zentorch installed;
 - ``int8-onednn``: oneDNN's prepacked int8 GEMM (``onednn.qlinear_pointwise``) with each
   row quantized on its own to 7 bits (u8 around 64: AVX2 without VNNI multiplies u8 by
   s8 in pairs that saturate 16 bits beyond that), scales applied after.
@@ -111,12 +113,30 @@ def ggml_format(type_name: str, repack: bool = False) -> Callable[[torch.Tensor]
     return make
 
 
+def zen_int4(weight: torch.Tensor, group: int = 128) -> Callable:
+    """AMD zentorch's weight-only int4 product (symmetric codes, a bf16 scale per group
+    of ``group`` inputs, bf16 activations): its op library as ``kernels.zen_sdpa``
+    loads it."""
+    from pagedtree.kernels import zen_sdpa
+
+    if zen_sdpa.library_op() is None:
+        raise RuntimeError(f"zen-int4 needs zentorch: {zen_sdpa.why_not()}")
+    n, k = weight.shape
+    grouped = weight.view(n, k // group, group)
+    scales = (grouped.abs().amax(-1).clamp(min=1e-12) / 7).to(torch.bfloat16)
+    codes = torch.round(grouped / scales.float().unsqueeze(-1)).clamp(-8, 7).to(torch.int8).view(n, k)
+    packed = torch.ops.zentorch.zentorch_woq_repack_weight(codes).transpose(0, 1)
+    scales_t = scales.transpose(0, 1).contiguous()
+    return lambda x: torch.ops.zentorch.zentorch_woq_linear(x.to(torch.bfloat16), packed, scales_t, None, None).float()
+
+
 FORMATS: dict[str, Callable[[torch.Tensor], Callable]] = {
     "fp32": fp32, "fp16-fbgemm": fp16_fbgemm, "int8": quantized("int8"), "int4": quantized("int4"),
     "q8": quantized("q8"), "q4": quantized("q4"), "q4-b64": q4_blocks_of(64), "q4-b128": q4_blocks_of(128),
     "ggml-q4_k": ggml_format("Q4_K"), "ggml-q4_k-repack": ggml_format("Q4_K", repack=True),
     "ggml-q4_0": ggml_format("Q4_0"), "ggml-q4_0-repack": ggml_format("Q4_0", repack=True),
     "ggml-q6_k": ggml_format("Q6_K"), "ggml-q8_0": ggml_format("Q8_0"), "int8-onednn": int8_onednn,
+    "zen-int4": zen_int4,
 }
 
 
