@@ -59,6 +59,7 @@ class ZenSdpa:
 
     def __init__(self, op):
         self._op = op
+        self._failed = False  # a call the op refused: torch's kernel from then on
         # The op takes an additive mask of the query's dtype. Every layer of a step
         # passes the same plan's mask: it is converted once, at the first layer.
         self._mask_source: torch.Tensor | None = None
@@ -67,14 +68,22 @@ class ZenSdpa:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False) -> torch.Tensor:
-        del enable_gqa  # the op pairs query heads with key heads by their counts
-        mask = None
-        if attn_mask is not None:
-            if attn_mask is not self._mask_source or self._mask is None or self._mask.dtype != query.dtype:
-                self._mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
-                self._mask_source = attn_mask
-            mask = self._mask
-        return self._op(query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+        if not self._failed:
+            mask = None
+            if attn_mask is not None:
+                if attn_mask is not self._mask_source or self._mask is None or self._mask.dtype != query.dtype:
+                    self._mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+                    self._mask_source = attn_mask
+                mask = self._mask
+            try:
+                # The op pairs query heads with key heads by their counts (no enable_gqa).
+                return self._op(query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+            except RuntimeError as exc:  # a shape the self-check did not cover: never fail the step
+                self._failed = True
+                self.forget()
+                logger.warning("zentorch_sdpa refused a call (%s); torch's attention from now on", exc)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa or query.shape[-3] != key.shape[-3])
 
     def forget(self) -> None:
         """Drop the converted mask (a new step brings its own plan)."""
@@ -181,6 +190,9 @@ def load() -> ZenSdpa | None:
         faster, ours, theirs = _faster(sdpa)
     except RuntimeError as exc:  # an op that will not run here
         _why_not = f"zentorch_sdpa failed here: {exc}"
+        return None
+    if sdpa._failed:  # the wrapper fell back to torch's kernel during the checks
+        _why_not = "zentorch_sdpa refused the self-check's calls"
         return None
     if not faster:
         _why_not = f"zentorch_sdpa was slower here ({ours * 1e3:.1f} against {theirs * 1e3:.1f} ms)"

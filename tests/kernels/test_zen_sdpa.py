@@ -69,6 +69,15 @@ def test_an_op_that_disagrees_with_torch_is_not_used(fresh, monkeypatch):
     assert fresh.load() is None and "disagreed" in fresh.why_not()
 
 
+def test_an_op_that_refuses_the_checks_is_not_used(fresh, monkeypatch):
+    def refuses(*args, **kwargs):
+        raise RuntimeError("unsupported")
+
+    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "library_op", lambda: refuses)
+    assert fresh.load() is None and "refused" in fresh.why_not()
+
+
 def test_an_op_that_is_slower_is_not_used(fresh, monkeypatch):
     def slow(query, key, value, dropout, is_causal, *, attn_mask=None, scale=None):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=None if attn_mask is None else attn_mask == 0,
@@ -91,6 +100,21 @@ def test_a_library_that_will_not_load_leaves_torchs_kernel(fresh, monkeypatch, t
     if hasattr(torch.ops.zentorch, "zentorch_sdpa"):
         pytest.skip("the real library is already loaded in this process")
     assert fresh.load() is None and "failed to load" in fresh.why_not()
+
+
+def test_a_call_the_op_refuses_is_served_by_torchs_kernel(caplog):
+    calls = []
+
+    def refuses(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("unsupported shape")
+
+    sdpa = zen_sdpa.ZenSdpa(refuses)
+    q, k = torch.randn(1, 4, 70, 64), torch.randn(1, 2, 70, 64)
+    for _ in range(2):
+        out = sdpa(q, k, k, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
+    assert len(calls) == 1 and "refused" in caplog.text  # tried once, then torch's kernel
 
 
 # (batch, query heads, KV heads, queries, keys, causal, head dim): a first chunk, a
