@@ -21,6 +21,8 @@ There is no exploration: the prediction is sane from the first step.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -46,6 +48,7 @@ class CostModel:
     # planner prices a few dozen forwards a step, and rebuilding them each time was
     # most of its host time.
     _curve: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    _points: tuple[list[float], list[float]] | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def _bucket(num_tokens: float) -> int:
@@ -60,7 +63,7 @@ class CostModel:
         points = [(float(n), float(s)) for n, s in sorted(seconds.items()) if n > 0 and s > 0]
         smoothed = _non_decreasing([s for _, s in points])
         self.buckets = {self._bucket(n): (n, s) for (n, _), s in zip(points, smoothed)}
-        self._curve = None
+        self._curve = self._points = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one forward of ``num_tokens`` tokens that took ``seconds``."""
@@ -72,7 +75,7 @@ class CostModel:
             self.buckets[b] = (n0 + _EMA * (num_tokens - n0), s0 + _EMA * (seconds - s0))
         else:
             self.buckets[b] = (float(num_tokens), seconds)
-        self._curve = None
+        self._curve = self._points = None
 
     @property
     def has_data(self) -> bool:
@@ -98,6 +101,33 @@ class CostModel:
             beyond = n > xs[-1]
             out[beyond] = ys[-1] * n[beyond] / xs[-1]
         return np.where(n > 0, out, 0.0)
+
+    def estimate_values(self, num_tokens: Sequence[float]) -> list[float]:
+        """``estimate_many`` of a few values, in plain floats: the same arithmetic as
+        ``np.interp`` (and the same results, bit for bit), without numpy's per-call
+        cost, which was most of a single stream's planning time."""
+        if not self.buckets:
+            return [self.prior_seconds_per_forward * max(1.0, n / 64) if n > 0 else 0.0 for n in num_tokens]
+        if self._points is None:
+            points = sorted(self.buckets.values())
+            self._points = ([float(x) for x, _ in points], [float(y) for _, y in points])
+        xs, ys = self._points
+        last = len(xs) - 1
+        out = []
+        for n in num_tokens:
+            if n <= 0:
+                out.append(0.0)
+            elif n > xs[last]:  # beyond what was seen: compute bound (proportional)
+                out.append(ys[last] * n / xs[last])
+            elif n < xs[0]:
+                out.append(ys[0])
+            else:
+                j = bisect.bisect_right(xs, n) - 1
+                if j == last or xs[j] == n:
+                    out.append(ys[j])
+                else:
+                    out.append((ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (n - xs[j]) + ys[j])
+        return out
 
 
 def _non_decreasing(values: Sequence[float]) -> list[float]:
@@ -278,12 +308,12 @@ def _plan_one(expected: Mapping[str, Mapping[int, float]], other_tokens: int, co
         if levels:
             draft_tokens.append(drafts * levels[0] + drafts * (gains.get(b, 0.0) + extra))
             weights.append(1.0)
-            for fed, count in Counter(levels[1:]).items():
+            for fed, count in _later_levels(tuple(levels)):
                 draft_tokens.append(drafts * fed)
                 weights.append(float(count))
         draft_weights.append(weights)
-    target_seconds = costs.target.estimate_many(np.asarray(target_tokens)).tolist()
-    draft_seconds = costs.draft.estimate_many(np.asarray(draft_tokens)).tolist() if draft_tokens else []
+    target_seconds = costs.target.estimate_values(target_tokens)
+    draft_seconds = costs.draft.estimate_values(draft_tokens) if draft_tokens else []
     plain_seconds, loaded = target_seconds[0], target_seconds[1]
     plain_seconds += costs.overhead.plain
     plain_rate = 1.0 / max(plain_seconds, 1e-9)
@@ -301,6 +331,13 @@ def _plan_one(expected: Mapping[str, Mapping[int, float]], other_tokens: int, co
             best = (rate, b, seconds)
     rate, budget, chosen_seconds = best
     return BudgetPlan({rid: budget}, plain_rate, rate if budget else plain_rate, plain_seconds, chosen_seconds)
+
+
+@functools.lru_cache(maxsize=256)
+def _later_levels(levels: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The draft levels after the first as ``(nodes fed, levels of that width)``, in
+    order of first appearance (a chain's are all one node wide)."""
+    return tuple(Counter(levels[1:]).items())
 
 
 def fed_per_level(shape: TreeShape) -> list[int]:

@@ -61,3 +61,22 @@ def test_the_plan_is_the_best_of_every_budget_and_count_priced_alone(seed):
         assert plan.seconds == pytest.approx(priced[(budget, k)][1], rel=1e-9)
     else:
         assert not any(plan.budgets.values()) and plan.best_rate == plan.plain_rate
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plain_float_estimates_are_the_array_ones_bit_for_bit(seed):
+    """A single stream's plan prices its forwards in plain floats (``estimate_values``):
+    the same numbers as ``estimate_many``'s ``np.interp``, at the curve's points,
+    between them, below, beyond, at zero, and with no curve yet."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    model = CostModel()
+    if seed % 8:
+        sizes = rng.sample([1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 65, 128], rng.randrange(1, 9))
+        model.seed({n: rng.uniform(0.001, 0.2) * (1 + n / rng.choice([8, 64])) for n in sizes})
+        for _ in range(rng.randrange(3)):
+            model.observe(rng.randrange(1, 200), rng.uniform(0.001, 0.5))
+    values = [rng.choice([0.0, -1.0, 1.0, 2.0, 3.5, 64.0, 65.0, 129.0, 1e4]) if rng.random() < 0.4
+              else rng.uniform(0.0, 300.0) for _ in range(24)]
+    assert model.estimate_values(values) == model.estimate_many(np.asarray(values)).tolist()
