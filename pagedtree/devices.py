@@ -62,6 +62,12 @@ def cpu_model_name() -> str:
     return _cpuinfo_field("model name")
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"; "" where
+    unreadable)."""
+    return _cpuinfo_field("vendor_id")
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (none where unreadable), less those

@@ -4,8 +4,8 @@ Requests with at most ``SMALL_QUERY_LEN`` new tokens (decodes, token trees, shor
 chunks) go to ``kernels.cpu_attention.paged_attention_kernel``, one call per layer for all of
 them; longer prefill chunks go to the torch path (gather + SDPA), where the work is
 dominated by the attention products that SDPA's vectorised kernels do best and the
-gather is a small part (for a 16-bit cache, zentorch's SDPA where it is installed and
-faster: ``kernels.zen_sdpa``). Same interface and cache layout as ``TorchPagedAttention``,
+gather is a small part (for a 16-bit cache on an AMD CPU, zentorch's SDPA where it is
+installed and faster: ``kernels.zen_sdpa``). Same interface and cache layout as ``TorchPagedAttention``,
 whose block and slot copies it inherits.
 
 Supported cache dtypes: fp32 and bf16 (``supports_dtype``); ``make_backend`` falls

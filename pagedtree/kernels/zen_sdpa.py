@@ -14,8 +14,9 @@ Only the library's op is loaded (``torch.ops.load_library`` on its
 ``libzentorch.so``), not its Python package, which imports TorchDynamo and holds
 about 190 MiB more. It is used where all of this holds, checked once a process:
 
-- the CPU has AVX-512F (``devices.cpu_flags``, so ``scripts/emulate_avx2.sh`` keeps
-  it off), and ``PAGEDTREE_ZENTORCH`` is not ``0``;
+- the CPU is AMD's (the library is AMD's and was measured on AMD EPYC only; other
+  CPUs keep torch's kernel) with AVX-512F (``devices.cpu_flags``, so
+  ``scripts/emulate_avx2.sh`` keeps it off), and ``PAGEDTREE_ZENTORCH`` is not ``0``;
 - zentorch is installed for this torch's minor version (``scripts/setup.sh`` pins
   the build for torch 2.13 on x86-64);
 - its results agree with torch's on a small GQA case, causal and masked, within fp32
@@ -32,13 +33,14 @@ import importlib.util
 import logging
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedtree.devices import cpu_flags
+from pagedtree.devices import cpu_flags, cpu_vendor
 
 logger = logging.getLogger("pagedtree")
 
@@ -48,6 +50,7 @@ _TOLERANCE = 1e-5
 
 _loaded = None  # the op, once checked
 _checked = False
+_lock = threading.Lock()  # engines in threads of one process check once
 _why_not = ""
 
 
@@ -169,12 +172,23 @@ def load() -> ZenSdpa | None:
     """zentorch's attention where it is usable and faster here, else None (``why_not``
     then says why). The checks run once a process; each call returns a new wrapper
     (each backend converts its own steps' masks)."""
-    global _loaded, _checked, _why_not
-    if _checked:
+    global _checked, _loaded
+    with _lock:
+        if not _checked:
+            _loaded = _checked_op()
+            _checked = True
         return None if _loaded is None else ZenSdpa(_loaded)
-    _checked = True
+
+
+def _checked_op():
+    """The op where every check of the module docstring passes, else None (and
+    ``_why_not`` says which failed)."""
+    global _why_not
     if os.environ.get(ENV, "1") == "0":
         _why_not = f"{ENV}=0"
+        return None
+    if cpu_vendor() != "AuthenticAMD":
+        _why_not = f"the CPU is not AMD's ({cpu_vendor() or 'unknown vendor'})"
         return None
     if "avx512f" not in cpu_flags():
         _why_not = "the CPU has no AVX-512"
@@ -188,8 +202,8 @@ def load() -> ZenSdpa | None:
             _why_not = "zentorch_sdpa disagreed with torch's attention on the self-check"
             return None
         faster, ours, theirs = _faster(sdpa)
-    except RuntimeError as exc:  # an op that will not run here
-        _why_not = f"zentorch_sdpa failed here: {exc}"
+    except RuntimeError as exc:  # torch's own kernel failing on the checks' inputs
+        _why_not = f"the self-check failed here: {exc}"
         return None
     if sdpa._failed:  # the wrapper fell back to torch's kernel during the checks
         _why_not = "zentorch_sdpa refused the self-check's calls"
@@ -199,8 +213,7 @@ def load() -> ZenSdpa | None:
         return None
     logger.info("long prompt chunks attend through zentorch_sdpa (%.1f against torch's %.1f ms on a 512-token chunk)",
                 ours * 1e3, theirs * 1e3)
-    _loaded = op
-    return ZenSdpa(op)
+    return op
 
 
 def why_not() -> str:

@@ -32,8 +32,8 @@ def fresh(monkeypatch):
 def library() -> zen_sdpa.ZenSdpa:
     """The installed library's op in its wrapper, without ``load``'s self-check (which
     would hide a wrong wrapper behind torch's kernel); skips where it is not installed."""
-    if "avx512f" not in zen_sdpa.cpu_flags():
-        pytest.skip("zentorch's kernels need AVX-512")
+    if "avx512f" not in zen_sdpa.cpu_flags() or zen_sdpa.cpu_vendor() != "AuthenticAMD":
+        pytest.skip("zentorch's attention runs on AMD CPUs with AVX-512 only")
     op = zen_sdpa.library_op()
     if op is None:
         pytest.skip(zen_sdpa.why_not())
@@ -41,8 +41,15 @@ def library() -> zen_sdpa.ZenSdpa:
 
 
 def test_off_without_avx512(fresh, monkeypatch):
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert fresh.load() is None and "AVX-512" in fresh.why_not()
+
+
+def test_off_on_other_vendors_cpus(fresh, monkeypatch):
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert fresh.load() is None and "GenuineIntel" in fresh.why_not()
 
 
 def test_off_when_the_environment_says_so(fresh, monkeypatch):
@@ -54,6 +61,7 @@ def test_a_build_for_another_torch_is_not_loaded(fresh, monkeypatch, tmp_path: P
     (tmp_path / "_build_info.py").write_text('__torchversion__ = "1.99.0+cpu"\n')
     (tmp_path / "libzentorch.so").write_bytes(b"not a library")
     monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa.importlib.util, "find_spec",
                         lambda name: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
     assert fresh.load() is None and "1.99.0" in fresh.why_not()
@@ -65,6 +73,7 @@ def test_an_op_that_disagrees_with_torch_is_not_used(fresh, monkeypatch):
                                               enable_gqa=True), None
 
     monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "library_op", lambda: maskless)
     assert fresh.load() is None and "disagreed" in fresh.why_not()
 
@@ -74,6 +83,7 @@ def test_an_op_that_refuses_the_checks_is_not_used(fresh, monkeypatch):
         raise RuntimeError("unsupported")
 
     monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "library_op", lambda: refuses)
     assert fresh.load() is None and "refused" in fresh.why_not()
 
@@ -86,6 +96,7 @@ def test_an_op_that_is_slower_is_not_used(fresh, monkeypatch):
         return out, None
 
     monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "library_op", lambda: slow)
     assert fresh.load() is None and "slower" in fresh.why_not()
 
@@ -94,6 +105,7 @@ def test_a_library_that_will_not_load_leaves_torchs_kernel(fresh, monkeypatch, t
     (tmp_path / "_build_info.py").write_text(f'__torchversion__ = "{torch.__version__}"\n')
     (tmp_path / "libzentorch.so").write_bytes(b"not a library")
     monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa.importlib.util, "find_spec",
                         lambda name: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
     monkeypatch.delattr(torch.ops.zentorch, "zentorch_sdpa", raising=False)
