@@ -266,7 +266,7 @@ def _plan_many(expected: Mapping[str, Mapping[int, float]], other_tokens: int, c
             rows.append(row)
             tokens.append(drafting[row] * levels[0] + fed_first[row])
             weights.append(1.0)
-            for fed, count in Counter(levels[1:]).items():
+            for fed, count in _later_levels(tuple(levels)):
                 rows.append(row)
                 tokens.append(drafting[row] * fed)
                 weights.append(float(count))
