@@ -84,7 +84,3 @@ class SuffixAcceptance:
         """Expected accepted tokens of a suffix tree of ``shape`` (the bonus token not
         counted), ``scale`` a request's evidence."""
         return self.table(cls, match_length).expected_accepted(shape, scale)
-
-    def observe(self, cls: str, match_length: int, trials: Sequence[tuple[int, int, bool]]) -> None:
-        """One verified suffix tree's ``(depth, rank, accepted)`` trials."""
-        self.table(cls, match_length).observe(trials)

@@ -46,6 +46,6 @@ def test_observed_trials_move_only_their_class_and_bucket():
     acceptance = SuffixAcceptance()
     before = {key: table.rows() for key, table in acceptance.tables.items()}
     for _ in range(40):
-        acceptance.observe("sampling", 4, [(1, 0, False)])
+        acceptance.table("sampling", 4).observe([(1, 0, False)])
     assert acceptance.table("sampling", 3).rate(1, 0) < 0.2
     assert all(table.rows() == before[key] for key, table in acceptance.tables.items() if key != ("sampling", 3))
