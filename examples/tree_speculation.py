@@ -22,6 +22,7 @@ from pagedtree.speculative import SpeculativeConfig
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
+
 def chats_of(dataset: str) -> list[list[tuple[str, str]]]:
     """The chats of ``dataset``: a set of compare.py's, or "mixed" (coding and edit
     chats in turn)."""

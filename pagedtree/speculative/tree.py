@@ -16,7 +16,6 @@ it, against that draw's own distribution.
 
 from __future__ import annotations
 
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
