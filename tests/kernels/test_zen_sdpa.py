@@ -29,6 +29,23 @@ def fresh(monkeypatch):
     return zen_sdpa
 
 
+@pytest.fixture
+def amd_avx512(fresh, monkeypatch):
+    """``fresh``, on what reads as an AMD CPU with AVX-512."""
+    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
+    return fresh
+
+
+def installed_at(monkeypatch, folder: Path, torch_version: str) -> None:
+    """A zentorch "installed" in ``folder``, built for ``torch_version``, whose library
+    is not one."""
+    (folder / "_build_info.py").write_text(f'__torchversion__ = "{torch_version}"\n')
+    (folder / "libzentorch.so").write_bytes(b"not a library")
+    monkeypatch.setattr(zen_sdpa.importlib.util, "find_spec",
+                        lambda name: SimpleNamespace(submodule_search_locations=[str(folder)]))
+
+
 def library() -> zen_sdpa.ZenSdpa:
     """The installed library's op in its wrapper, without ``load``'s self-check (which
     would hide a wrong wrapper behind torch's kernel); skips where it is not installed."""
@@ -57,61 +74,45 @@ def test_off_when_the_environment_says_so(fresh, monkeypatch):
     assert fresh.load() is None and zen_sdpa.ENV in fresh.why_not()
 
 
-def test_a_build_for_another_torch_is_not_loaded(fresh, monkeypatch, tmp_path: Path):
-    (tmp_path / "_build_info.py").write_text('__torchversion__ = "1.99.0+cpu"\n')
-    (tmp_path / "libzentorch.so").write_bytes(b"not a library")
-    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
-    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(zen_sdpa.importlib.util, "find_spec",
-                        lambda name: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
-    assert fresh.load() is None and "1.99.0" in fresh.why_not()
+def test_a_build_for_another_torch_is_not_loaded(amd_avx512, monkeypatch, tmp_path: Path):
+    installed_at(monkeypatch, tmp_path, "1.99.0+cpu")
+    assert amd_avx512.load() is None and "1.99.0" in amd_avx512.why_not()
 
 
-def test_an_op_that_disagrees_with_torch_is_not_used(fresh, monkeypatch):
+def test_an_op_that_disagrees_with_torch_is_not_used(amd_avx512, monkeypatch):
     def maskless(query, key, value, dropout, is_causal, *, attn_mask=None, scale=None):
         return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
                                               enable_gqa=True), None
 
-    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
-    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "library_op", lambda: maskless)
-    assert fresh.load() is None and "disagreed" in fresh.why_not()
+    assert amd_avx512.load() is None and "disagreed" in amd_avx512.why_not()
 
 
-def test_an_op_that_refuses_the_checks_is_not_used(fresh, monkeypatch):
+def test_an_op_that_refuses_the_checks_is_not_used(amd_avx512, monkeypatch):
     def refuses(*args, **kwargs):
         raise RuntimeError("unsupported")
 
-    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
-    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "library_op", lambda: refuses)
-    assert fresh.load() is None and "refused" in fresh.why_not()
+    assert amd_avx512.load() is None and "refused" in amd_avx512.why_not()
 
 
-def test_an_op_that_is_slower_is_not_used(fresh, monkeypatch):
+def test_an_op_that_is_slower_is_not_used(amd_avx512, monkeypatch):
     def slow(query, key, value, dropout, is_causal, *, attn_mask=None, scale=None):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=None if attn_mask is None else attn_mask == 0,
                                              is_causal=is_causal, scale=scale, enable_gqa=True)
         F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=True)
         return out, None
 
-    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
-    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(zen_sdpa, "library_op", lambda: slow)
-    assert fresh.load() is None and "slower" in fresh.why_not()
+    assert amd_avx512.load() is None and "slower" in amd_avx512.why_not()
 
 
-def test_a_library_that_will_not_load_leaves_torchs_kernel(fresh, monkeypatch, tmp_path: Path):
-    (tmp_path / "_build_info.py").write_text(f'__torchversion__ = "{torch.__version__}"\n')
-    (tmp_path / "libzentorch.so").write_bytes(b"not a library")
-    monkeypatch.setattr(zen_sdpa, "cpu_flags", lambda: frozenset({"avx512f"}))
-    monkeypatch.setattr(zen_sdpa, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(zen_sdpa.importlib.util, "find_spec",
-                        lambda name: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
+def test_a_library_that_will_not_load_leaves_torchs_kernel(amd_avx512, monkeypatch, tmp_path: Path):
+    installed_at(monkeypatch, tmp_path, torch.__version__)
     monkeypatch.delattr(torch.ops.zentorch, "zentorch_sdpa", raising=False)
     if hasattr(torch.ops.zentorch, "zentorch_sdpa"):
         pytest.skip("the real library is already loaded in this process")
-    assert fresh.load() is None and "failed to load" in fresh.why_not()
+    assert amd_avx512.load() is None and "failed to load" in amd_avx512.why_not()
 
 
 def test_a_call_the_op_refuses_is_served_by_torchs_kernel(caplog):
