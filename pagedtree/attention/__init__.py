@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: per-step metadata and the two backends.
+"""Attention over the paged KV cache: per-step metadata and the backends.
 
 - ``AttentionMetadata`` (in ``pagedtree.step_data``): what a forward tells its backend;
 - ``torch_backend``: gathers + SDPA with causal and tree masks (the reference, and
@@ -6,7 +6,9 @@
 - ``cpu_backend``: a numba kernel that reads KV blocks in place (the CPU backend for
   fp32 and bf16 caches);
 - ``triton_backend``: the Triton kernels of ``pagedtree.kernels`` (CUDA, or the
-  interpreter in tests).
+  interpreter in tests);
+- ``flashinfer_backend``: FlashInfer's paged decode and prefill kernels (CUDA, by
+  name only: eager steps, not batch-invariant), stores and copies through Triton.
 
 Every backend implements ``AttentionBackend`` (``backend.py``): ``begin_step(meta)``
 once per forward, then ``backend(layer, q, k, v)`` per layer, plus ``copy_blocks``
@@ -44,6 +46,8 @@ BACKENDS = {
                            "Triton (pip install triton)"),
     "cpu": BackendEntry("pagedtree.attention.cpu_backend:CpuPagedAttention", ("cpu",), "numba (pip install numba)"),
     "torch": BackendEntry("pagedtree.attention.torch_backend:TorchPagedAttention", ("cpu", "cuda")),
+    "flashinfer": BackendEntry("pagedtree.attention.flashinfer_backend:FlashInferPagedAttention", (),
+                               "Triton and FlashInfer (pip install flashinfer-python)"),
 }
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from pagedtree.attention import ATTENTION_BACKENDS
 from pagedtree.config import DRAFT_SETTINGS, QUANTIZATIONS, WORKLOADS
 from pagedtree.entrypoints.limits import ServerLimits
 from pagedtree.loading import packaged_models as pm
@@ -22,7 +23,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length limit")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB on CPU (default 2)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="auto: triton on CUDA, cpu on CPU; flashinfer: FlashInfer's kernels on CUDA (eager steps)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="eager steps: no numba-fused element-wise kernels on CPU, no CUDA graphs")
     parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],

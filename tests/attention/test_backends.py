@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from pagedtree.attention import ATTENTION_BACKENDS, BACKENDS, AttentionBackend, make_backend
 from pagedtree.step_data import AttentionMetadata
+from tests.attention import fake_flashinfer
 
 
 def _caches(layers=2, blocks=4, block_size=4, kv_heads=2, head_dim=8):
@@ -15,14 +18,18 @@ def _caches(layers=2, blocks=4, block_size=4, kv_heads=2, head_dim=8):
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_every_registered_backend_implements_the_interface_and_agrees_with_torch(name):
+def test_every_registered_backend_implements_the_interface_and_agrees_with_torch(name, monkeypatch):
     torch.manual_seed(0)
-    caches, reference_caches = _caches(), _caches()
+    head_dim = 8
+    if name == "flashinfer":  # FlashInfer's wrappers as its documentation reads them; its head dims
+        monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+        head_dim = 64
+    caches, reference_caches = _caches(head_dim=head_dim), _caches(head_dim=head_dim)
     backend = make_backend(name, caches, 0.5)
     reference = make_backend("torch", reference_caches, 0.5)
     assert isinstance(backend, AttentionBackend) and backend.name == name
     # One request: a 3-token prefill chunk into block 1.
-    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    q, k, v = torch.randn(3, 4, head_dim), torch.randn(3, 2, head_dim), torch.randn(3, 2, head_dim)
     outputs = []
     for b in (backend, reference):
         meta = AttentionMetadata(block_size=4, slot_mapping=torch.tensor([4, 5, 6]), query_start_loc=[0, 3],
@@ -38,7 +45,7 @@ def test_every_registered_backend_implements_the_interface_and_agrees_with_torch
 def test_an_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         make_backend("flash", _caches(), 1.0)
-    assert set(ATTENTION_BACKENDS) == {"auto", "torch", "cpu", "triton"} and ATTENTION_BACKENDS[0] == "auto"
+    assert set(ATTENTION_BACKENDS) == {"auto", "torch", "cpu", "triton", "flashinfer"} and ATTENTION_BACKENDS[0] == "auto"
 
 
 def test_a_backend_missing_a_method_cannot_be_made():
