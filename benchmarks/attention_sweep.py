@@ -12,6 +12,13 @@ from the default's by more than the dtype's rounding is marked wrong (and not a
 candidate). Rows print as they are measured (a run cut short by a timeout keeps
 what it printed); the end lists the best tile per workload against the default.
 
+With FlashInfer importable on a GPU (``--flashinfer auto``; ``scripts/pack_flashinfer.sh``
+builds it for a machine without a registry), each workload also runs FlashInfer's
+kernels through the engine's FlashInfer backend on the same cache and plan: decodes
+on its CUDA-core and its tensor-core decode kernels, trees on its FA2 prefill with
+the trees' custom mask. Their outputs are checked against the default tile's and
+their times listed beside it.
+
     python benchmarks/attention_sweep.py                       # a GPU: B=8, 32/8 heads, D=128, bf16
     python benchmarks/attention_sweep.py --device cpu --quick  # the interpreter, tiny shapes: a dry run
 """
@@ -45,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tile-n", default="16,32,64", help="comma-separated keys per tile")
     parser.add_argument("--split-factors", default="1,2", help="comma-separated multiples of the default split")
     parser.add_argument("--warps", default="default,8", help="comma-separated warp counts ('default': the tile's)")
+    parser.add_argument("--flashinfer", choices=("auto", "on", "off"), default="auto",
+                        help="FlashInfer's kernels beside the tiles (auto: on a GPU where it imports)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every row here")
@@ -69,6 +78,7 @@ class SweepRow:
     vs_default: float  # the default tile's time over this one's (> 1: faster)
     default: bool
     wrong: bool
+    kernel: str = "triton"  # or FlashInfer's: "flashinfer-decode", "flashinfer-decode-tc", "flashinfer-prefill"
 
 
 def _ints(text: str) -> list[int]:
@@ -88,6 +98,29 @@ def variants(default, tile_ns: list[int], factors: list[int], warps: list[int | 
                     seen.add(tile)
                     out.append(tile)
     return out
+
+
+def flashinfer_kernels(workload, nodes: int) -> list[tuple[str, bool | None]]:
+    """FlashInfer's kernels for a workload: (row name, decode on tensor cores)."""
+    if nodes == 1:
+        return [("flashinfer-decode", False), ("flashinfer-decode-tc", True)]
+    return [("flashinfer-prefill", None)]
+
+
+def want_flashinfer(choice: str, device) -> bool:
+    """Whether to run FlashInfer's rows; "on" where it cannot run is an error."""
+    if choice == "off":
+        return False
+    from pagedtree.attention.flashinfer_backend import FlashInferPagedAttention
+
+    import torch
+
+    reason = FlashInferPagedAttention.unavailable(device, torch.bfloat16)
+    if reason is not None and choice == "on":
+        raise SystemExit(f"--flashinfer on: {reason}")
+    if reason is not None:
+        print(f"# FlashInfer rows skipped: {reason}", flush=True)
+    return reason is None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f", peak {peak:.0f} GB/s" if peak else ""), flush=True)
     if device.type == "cuda":
         spin_up(device)
+    with_flashinfer = want_flashinfer(args.flashinfer, device)
     rng = random.Random(args.seed)
     scale = args.head_dim ** -0.5
     warps = [None if w == "default" else int(w) for w in args.warps.split(",") if w.strip()]
@@ -154,19 +188,58 @@ def main(argv: list[str] | None = None) -> int:
                   f"warps {tile.num_warps or '-':>2} rows {tile.block_m:3d}: {row.microseconds:9.1f} us "
                   f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default"
                   + ("  (default)" if row.default else "") + ("  WRONG" if wrong else ""), flush=True)
+        if with_flashinfer and base is not None:
+            rows += time_flashinfer(w, context, nodes, scale, reference, bound, base, args, peak, device)
         del w
     print("best tile per workload (correct outputs only):")
     for context, nodes in workloads:
-        mine = [r for r in rows if r.context == context and r.nodes == nodes and not r.wrong]
+        mine = [r for r in rows if r.context == context and r.nodes == nodes and not r.wrong and r.kernel == "triton"]
         if not mine:
             continue
         best = min(mine, key=lambda r: r.microseconds)
         print(f"  L={context:5d} T={nodes:3d}: tile_n {best.tile_n} splits {best.num_splits} "
               f"warps {best.num_warps or '-'} -> {best.microseconds:.1f} us, {best.vs_default:.2f}x the default")
+        theirs = [r for r in rows if r.context == context and r.nodes == nodes and not r.wrong
+                  and r.kernel != "triton"]
+        if theirs:
+            fastest = min(theirs, key=lambda r: r.microseconds)
+            print(f"  {'':17s}FlashInfer's fastest, {fastest.kernel}: {fastest.microseconds:.1f} us, "
+                  f"{best.microseconds / fastest.microseconds:.2f}x the best tile")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_gbps": peak, "args": vars(args),
                                                "rows": [asdict(r) for r in rows]}, indent=1))
     return 1 if any(r.wrong for r in rows if r.default) else 0
+
+
+def time_flashinfer(w, context: int, nodes: int, scale: float, reference, bound: float, base: float, args, peak,
+                    device) -> list[SweepRow]:
+    """FlashInfer's kernels on workload ``w`` through the engine's backend (planned
+    once, as a step's layers share a plan), each a row against the default tile."""
+    import torch
+
+    from pagedtree.attention.flashinfer_backend import FlashInferPagedAttention
+    from pagedtree.diagnostics import attention_workloads as bench
+
+    rows = []
+    for kernel, tensor_cores in flashinfer_kernels(w, nodes):
+        try:
+            backend = FlashInferPagedAttention([(w.k_cache, w.v_cache)], scale, decode_tensor_cores=tensor_cores)
+            backend.begin_step(w.meta)
+            out = backend.attend(0, w.query)  # plans, and builds or loads the kernel
+            seconds = bench.time_fn(lambda: backend.attend(0, w.query), 2, args.iters, device)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not run is a row, not the end
+            print(f"L={context:5d} T={nodes:3d} {kernel}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+            continue
+        wrong = float((out.float() - reference.float()).abs().max()) > bound
+        row = SweepRow(context, nodes, 0, 0, None, 0, seconds * 1e6, w.ideal_bytes / seconds / 1e9, base / seconds,
+                       False, wrong, kernel)
+        rows.append(row)
+        share = f" {100 * row.gbps / peak:5.1f}%" if peak else ""
+        print(f"L={context:5d} T={nodes:3d} {kernel:38s}: {row.microseconds:9.1f} us {row.gbps:8.1f} GB/s{share}  "
+              f"{row.vs_default:5.2f}x default" + ("  WRONG" if wrong else ""), flush=True)
+        del backend
+        torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@
 # else python3 (a GPU machine's own PyTorch). PAGEDTREE_CHECK_SECONDS,
 # PAGEDTREE_BENCH_SECONDS, PAGEDTREE_SWEEP_SECONDS, PAGEDTREE_ATTENTION_SECONDS and
 # PAGEDTREE_TEST_SECONDS bound each part (default 300, 330, 90, 120 and 120; 0 skips
-# a sweep or the tests).
+# a sweep or the tests). A .flashinfer/site folder (scripts/pack_flashinfer.sh, carried
+# to a machine without a registry) goes on PYTHONPATH: the attention sweep then times
+# FlashInfer's kernels beside the tiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-    sed -n '2,17s/^# \{0,1\}//p' "$0"
+    sed -n '2,20s/^# \{0,1\}//p' "$0"
     exit 0
   fi
 done
@@ -33,6 +35,10 @@ else
   python=python3
 fi
 export PYTHONUNBUFFERED=1
+if [ -d .flashinfer/site ]; then
+  export PYTHONPATH="$PWD/.flashinfer/site${PYTHONPATH:+:$PYTHONPATH}"
+  "$python" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || echo "flashinfer: does not import"
+fi
 "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 timeout "${PAGEDTREE_CHECK_SECONDS:-300}" "$python" -m pagedtree.diagnostics.gpu_check --quick --no-progress \
   --checks dense,graphs,speculation,syncs,bench --json "$out/check.json" 2>&1 | tee "$out/check.txt"

@@ -235,6 +235,15 @@ def test_the_script_answers_help():
     assert proc.stdout.startswith("The GPU-day check") and "usage:" in proc.stdout and "--device" in proc.stdout
 
 
+@pytest.mark.parametrize(("script", "words"), [("gpu_day.sh", ["OUTDIR", ".flashinfer/site"]),
+                                                ("pack_flashinfer.sh", ["FlashInfer 0.5.3", "PYTHONPATH"])])
+def test_the_gpu_day_scripts_answer_help_without_running(script, words):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert all(word in proc.stdout for word in words) and "set -" not in proc.stdout
+
+
 @pytest.mark.slow
 def test_the_script_end_to_end(tmp_path):
     """``scripts/gpu_check.sh --device cpu --quick`` in a fresh process: exit 0 and

@@ -64,14 +64,17 @@ class FlashInferPagedAttention(TritonPagedAttention):
         return None
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                 flashinfer_module=None):
-        """``flashinfer_module``: the module to call (default: ``import flashinfer``)."""
+                 flashinfer_module=None, decode_tensor_cores: bool | None = None):
+        """``flashinfer_module``: the module to call (default: ``import flashinfer``);
+        ``decode_tensor_cores``: decode on tensor cores or not (None: from
+        ``TENSOR_CORE_GROUP`` query heads per KV head)."""
         super().__init__(kv_caches, scale)
         if self.head_dim not in _HEAD_DIMS:
             raise ValueError(f"FlashInfer's kernels take head dims {_HEAD_DIMS}, not {self.head_dim}")
         if flashinfer_module is None:
             import flashinfer as flashinfer_module
         self._fi = flashinfer_module
+        self.decode_tensor_cores = decode_tensor_cores
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode_wrappers: dict[bool, object] = {}
         self._prefill = flashinfer_module.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
@@ -128,7 +131,10 @@ class FlashInferPagedAttention(TritonPagedAttention):
         kv_indptr, last = ints(layout.kv_indptr), ints(layout.kv_last_page_len)
         kv_indices = ints(layout.kv_indices, self.device)
         if layout.kind == DECODE:
-            wrapper = self._decode_wrapper(num_heads // self.num_kv_heads >= TENSOR_CORE_GROUP)
+            tensor_cores = self.decode_tensor_cores
+            if tensor_cores is None:
+                tensor_cores = num_heads // self.num_kv_heads >= TENSOR_CORE_GROUP
+            wrapper = self._decode_wrapper(tensor_cores)
             wrapper.plan(kv_indptr, kv_indices, last, num_heads, self.num_kv_heads, self.head_dim, self.block_size,
                          q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
         else:

@@ -62,6 +62,7 @@ class Workload:
     dense_v: torch.Tensor
     mask: torch.Tensor  # [B, 1, T, L] bool
     ideal_bytes: int
+    meta: object = None  # the AttentionMetadata the plan was built from
 
 
 def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: random.Random) -> Workload:
@@ -99,7 +100,7 @@ def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: ra
     return Workload(
         query=query, k_cache=k_cache, v_cache=v_cache, plan=plan,
         dense_q=query.view(batch, nodes, args.heads, d).transpose(1, 2).contiguous(),
-        dense_k=dense_k, dense_v=dense_v, mask=mask.unsqueeze(1).to(device), ideal_bytes=ideal,
+        dense_k=dense_k, dense_v=dense_v, mask=mask.unsqueeze(1).to(device), ideal_bytes=ideal, meta=meta,
     )
 
 

@@ -109,6 +109,16 @@ def test_every_step_shape_attends_as_the_torch_reference(group):
     assert set(backend._decode_wrappers) == {group >= TENSOR_CORE_GROUP}
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_decode_takes_the_kernel_asked_for(tensor_cores):
+    backend, _ = _backend()
+    backend.decode_tensor_cores = tensor_cores
+    backend.begin_step(_meta([1], [5], [None], [[0, 1]]))
+    backend(0, torch.randn(1, 2, HEAD_DIM), torch.randn(1, 2, HEAD_DIM), torch.randn(1, 2, HEAD_DIM))
+    assert set(backend._decode_wrappers) == {tensor_cores}
+    assert backend._decode_wrappers[tensor_cores].kwargs["use_tensor_cores"] is tensor_cores
+
+
 def test_the_fused_rotary_path_stores_then_attends_over_the_same_plan():
     backend, reference = _backend()
     meta = _meta([1, 1], [17, 9], [None, None], [[0, 1, 2, 3, 4], [5, 6, 7]])

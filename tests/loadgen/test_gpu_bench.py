@@ -6,6 +6,7 @@ code paths a GPU run takes are the same)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -62,6 +63,26 @@ def test_the_attention_tile_sweep_dry_run(tmp_path, capsys):
     assert all(not r["wrong"] and r["microseconds"] > 0 for r in rows)
     assert [r["default"] for r in rows[:4]] == [True, False, False, False]
     assert "best tile per workload" in capsys.readouterr().out
+
+
+def test_the_attention_sweep_times_flashinfer_beside_the_tiles(tmp_path, capsys, monkeypatch):
+    """FlashInfer's rows run through the engine's backend on the workload's cache and
+    plan, and are checked against the default tile: here the stand-in that reads
+    FlashInfer's arguments as its documentation does (a GPU runs FlashInfer)."""
+    from tests.attention import fake_flashinfer
+
+    sweep = load_benchmark("attention_sweep")
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+    monkeypatch.setattr(sweep, "want_flashinfer", lambda choice, device: True)
+    out = tmp_path / "attention.json"
+    code = sweep.main(["--device", "cpu", "--quick", "--no-progress", "--contexts", "80", "--head-dim", "64",
+                       "--tile-n", "16", "--split-factors", "1", "--warps", "default", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 0
+    theirs = [(r["nodes"], r["kernel"]) for r in rows if r["kernel"] != "triton"]
+    assert theirs == [(1, "flashinfer-decode"), (1, "flashinfer-decode-tc"), (16, "flashinfer-prefill")]
+    assert all(not r["wrong"] and r["microseconds"] > 0 for r in rows)
+    assert "FlashInfer's fastest" in capsys.readouterr().out
 
 
 def test_the_tile_sweep_dry_run(tmp_path):
