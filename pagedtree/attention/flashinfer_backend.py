@@ -83,6 +83,7 @@ class FlashInferPagedAttention(TritonPagedAttention):
         self._wrapper = None  # the step's planned wrapper (None: not planned yet)
         self._planned_heads = 0
         self.num_planned = 0
+        self.kinds_planned: set[str] = set()  # which of FlashInfer's paths steps took
 
     def _decode_wrapper(self, tensor_cores: bool):
         wrapper = self._decode_wrappers.get(tensor_cores)
@@ -147,6 +148,7 @@ class FlashInferPagedAttention(TritonPagedAttention):
                          q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
         self._wrapper, self._planned_heads = wrapper, num_heads
         self.num_planned += 1
+        self.kinds_planned.add(layout.kind)
         return wrapper
 
     def __call__(self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

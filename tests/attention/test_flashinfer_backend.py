@@ -5,6 +5,7 @@ reads them (``fake_flashinfer``), give the torch reference's attention."""
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -154,3 +155,36 @@ def test_steps_it_cannot_run_are_refused_before_any_launch():
 def test_it_says_where_it_cannot_run():
     assert "CUDA" in FlashInferPagedAttention.unavailable(torch.device("cpu"), torch.bfloat16)
     assert "float32" in FlashInferPagedAttention.unavailable(torch.device("cuda"), torch.float32)
+
+
+def test_an_engine_on_flashinfer_speculates_with_trees_and_gives_the_torch_backends_tokens(
+        tmp_path, monkeypatch):
+    """Prompt chunks, tree verification with its masks, copy-on-write and
+    accepted-path moves, end to end through the backend (FlashInfer's stand-in on a
+    CPU): greedy tokens equal the torch backend's, and every KV block comes back."""
+    from pagedtree import LLM, SamplingParams
+    from pagedtree.speculative import SpeculativeConfig
+    from tests.conftest import save_tiny_model
+
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+    monkeypatch.setattr(FlashInferPagedAttention, "unavailable", classmethod(lambda cls, device, dtype: None))
+    # Head dim 64 (FlashInfer's smallest), 4 query heads on one KV head (decode on tensor cores).
+    model = save_tiny_model(tmp_path / "target", "llama", seed=5, with_tokenizer=False, hidden_size=256,
+                            num_key_value_heads=1)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 3, 7, 7, 21, 30, 2 + i] * (1 + i)} for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("flashinfer", "torch"):
+        llm = LLM(str(model.path), dtype="float32", device="cpu", attention_backend=backend, enforce_eager=True,
+                  max_num_seqs=4, seed=0, draft_model=[str(model.path)],  # itself: trees accepted deep
+                  speculative=SpeculativeConfig(adaptive=False, tree="static", expansion=(2, 2)))
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert stats["num_target_forward_passes"] < 3 * 12 / 2  # most of each tree's path accepted
+        if backend == "flashinfer":
+            attention = llm.engine.runner.attention
+            assert isinstance(attention, FlashInferPagedAttention)
+            assert {"causal", "masked"} <= attention.kinds_planned  # prompts, then trees
+        llm.shutdown()
+    assert tokens["flashinfer"] == tokens["torch"]
