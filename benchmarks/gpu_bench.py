@@ -18,6 +18,10 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
   CPU with the real Qwen pair (``--acceptance``; random weights accept what they
   accept, so their own acceptance is reported but not used);
 - suffix: the model-free suffix drafter (16 nodes, fixed) at batch 1, its step cost;
+- flashinfer: plain decoding at batch 1, 16 and 64 with FlashInfer's kernels
+  attending (``attention_backend="flashinfer"``), against the Triton kernels in the
+  same run, both eager (FlashInfer's steps are not captured); skipped where
+  FlashInfer does not import;
 - llama8b: plain decoding of the 8B shape at batch 1 and 16;
 - transformers: ``generate`` of the same 1.5B shape (bf16, random weights) at batch
   1 and 16 in the same run, after a warm-up.
@@ -45,7 +49,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SECTIONS = ("plain", "speculation", "suffix", "llama8b", "transformers")
+SECTIONS = ("plain", "speculation", "suffix", "flashinfer", "llama8b", "transformers")
 # Mean acceptance lengths (tokens a step, the target's own included) of the real
 # Qwen2.5-Coder 1.5B/0.5B pair on coding prompts, greedy, batch 1, bf16, measured on
 # CPU with `benchmarks/spec_decode.py --configs chain-4,static-16 --batch-sizes 1
@@ -66,6 +70,7 @@ LLAMA_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_s
 TINY = dict(QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 TINY_DRAFT = dict(TINY, num_hidden_layers=1)
+TINY_FLASHINFER = dict(TINY, hidden_size=256)  # head dim 64, FlashInfer's smallest
 
 
 @dataclass(slots=True)
@@ -154,12 +159,13 @@ class Runner:
         self.target = write_config(folder / "target", TINY if self.tiny else QWEN_1_5B)
         self.draft = write_config(folder / "draft", TINY_DRAFT if self.tiny else QWEN_0_5B)
         self.llama = write_config(folder / "llama8b", TINY if self.tiny else LLAMA_8B)
+        self.flashinfer_target = write_config(folder / "flashinfer", TINY_FLASHINFER) if self.tiny else self.target
         self._prompt_seed = 0
 
     def llm(self, model: str, max_num_seqs: int, **kwargs):
         from pagedtree import LLM
 
-        extra = dict(attention_backend="triton") if self.device == "cpu" else {}
+        extra = dict(attention_backend="triton") if self.device == "cpu" and "attention_backend" not in kwargs else {}
         return LLM(model, load_format="dummy", dtype="bfloat16", device=self.device, max_num_seqs=max_num_seqs,
                    max_model_len=self.prompt_len + self.output_len + 80, enable_prefix_caching=False,
                    gpu_memory_utilization=0.6, **extra, **kwargs)
@@ -398,6 +404,34 @@ def section_suffix(run: Runner, plain_steps: dict) -> list[Figure]:
                    + f"{t['tokens_per_step']:.2f} tokens a step on the random model's own repeats", t)]
 
 
+def section_flashinfer(run: Runner) -> list[Figure]:
+    """Plain decoding with FlashInfer attending against the Triton kernels, both eager."""
+    import torch
+
+    from pagedtree.attention.flashinfer_backend import FlashInferPagedAttention
+
+    reason = FlashInferPagedAttention.unavailable(torch.device(run.device), torch.bfloat16)
+    if reason is not None:
+        return [Figure("flashinfer", "skipped", "-", reason)]
+    batches = (1, 2) if run.tiny else (1, 16, 64)
+    steps = {}
+    for backend in ("triton", "flashinfer"):
+        llm = run.llm(run.flashinfer_target, max_num_seqs=4 if run.tiny else 64, attention_backend=backend,
+                      enforce_eager=True)
+        for batch in batches:
+            steps[backend, batch] = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+        free(llm)
+    figures = []
+    for batch in batches:
+        theirs, ours = steps["flashinfer", batch], steps["triton", batch]
+        figures.append(Figure("flashinfer", f"1.5B, batch {batch}, eager steps",
+                              f"{theirs['tokens_per_second']:.0f} tokens/s",
+                              f"{theirs['step_seconds'] * 1e3:.2f} ms a step; the Triton kernels eager "
+                              f"{ours['step_seconds'] * 1e3:.2f} ms ({ours['step_seconds'] / theirs['step_seconds']:.2f}x)",
+                              dict(flashinfer=theirs, triton=ours)))
+    return figures
+
+
 def section_llama(run: Runner, gpu: str) -> list[Figure]:
     figures = []
     llm = run.llm(run.llama, max_num_seqs=4 if run.tiny else 16)
@@ -536,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                 return section_speculation(run, plain_steps, args.acceptance_lengths)
             if name == "suffix":
                 return section_suffix(run, plain_steps)
+            if name == "flashinfer":
+                return section_flashinfer(run)
             if name == "llama8b":
                 return section_llama(run, gpu)
             return section_transformers(run)

@@ -41,6 +41,29 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     assert any(f["detail"]["one_program_drafts"] > 0 for f in per_level)
 
 
+def test_the_flashinfer_section_times_both_backends_in_one_run(tmp_path, monkeypatch):
+    """Where FlashInfer runs (here its stand-in, on CPU), plain decoding is timed with
+    it attending and with the Triton kernels, both eager; where it does not, the
+    section says why."""
+    from tests.attention import fake_flashinfer
+    from pagedtree.attention.flashinfer_backend import FlashInferPagedAttention
+
+    bench = load_benchmark("gpu_bench")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--no-progress", "--json", str(out), "--sections",
+                       "flashinfer"]) == 0
+    skipped = json.loads(out.read_text())["figures"]
+    assert [f["case"] for f in skipped] == ["skipped"] and "CUDA" in skipped[0]["versus"]
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+    monkeypatch.setattr(FlashInferPagedAttention, "unavailable", classmethod(lambda cls, device, dtype: None))
+    assert bench.main(["--device", "cpu", "--tiny", "--no-progress", "--json", str(out), "--sections",
+                       "flashinfer"]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert [f["case"] for f in figures] == ["1.5B, batch 1, eager steps", "1.5B, batch 2, eager steps"]
+    assert all(f["detail"]["flashinfer"]["step_seconds"] > 0 and f["detail"]["triton"]["step_seconds"] > 0
+               for f in figures)
+
+
 def test_a_bad_section_or_acceptance_is_refused(capsys):
     bench = load_benchmark("gpu_bench")
     with pytest.raises(SystemExit):
