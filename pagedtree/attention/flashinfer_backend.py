@@ -115,6 +115,12 @@ class FlashInferPagedAttention(TritonPagedAttention):
                                  f"min {lo}, max {hi}")
         self._layout, self._slot_mapping, self._wrapper = layout, slots, None
 
+    def build_plan(self, *args, **kwargs):
+        """Refused: Triton plans of static (CUDA-graph) steps are the Triton backend's."""
+        raise NotImplementedError("the FlashInfer backend plans its own steps; static plans are the Triton backend's")
+
+    use_plan = plan_buffers = build_plan
+
     def _planned(self, num_heads: int):
         """The step's wrapper, planned for ``num_heads`` query heads (once a step)."""
         if self._wrapper is not None and self._planned_heads == num_heads:

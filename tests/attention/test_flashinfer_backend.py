@@ -147,6 +147,9 @@ def test_steps_it_cannot_run_are_refused_before_any_launch():
     backend.begin_step(_meta([1], [3], [None], [[0]]))
     with pytest.raises(ValueError, match="do not group"):
         backend.attend(0, torch.randn(1, 3, HEAD_DIM))
+    for static_call in (backend.build_plan, backend.use_plan, backend.plan_buffers):
+        with pytest.raises(NotImplementedError, match="Triton backend"):
+            static_call()
     small = [(torch.zeros(4, BLOCK, 2, 8), torch.zeros(4, BLOCK, 2, 8))]
     with pytest.raises(ValueError, match="head dims"):
         FlashInferPagedAttention(small, 1.0, flashinfer_module=fake_flashinfer.module())
