@@ -3,7 +3,8 @@ other tile shapes than the one the launch code picks, to find the shapes that br
 decode attention near the memory bandwidth.
 
 For each workload (B requests over L keys, a decode or trees of T nodes: the
-kernel benchmark's workloads, ``diagnostics/attention_workloads.py``) the default
+kernel benchmark's workloads, ``diagnostics/attention_workloads.py``; first one
+request's decodes, the batch-1 step's attention) the default
 tile (``triton_ops.default_tile_shape``) is timed, then every variant: keys per
 inner-loop tile (``--tile-n``: 16 keys stay inside one cache block of 16; 32 and 64
 gather their block ids key by key, as vLLM's unified kernel does), the split-KV
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one iteration (the interpreter's dry run)")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--single-contexts", default="256,1024",
+                        help="comma-separated KV lengths of one request's decode, swept first (the batch-1 step)")
     parser.add_argument("--contexts", default="1024,4096", help="comma-separated KV lengths L")
     parser.add_argument("--tree-sizes", default="16,64", help="comma-separated tree nodes (decode always runs)")
     parser.add_argument("--heads", type=int, default=32)
@@ -59,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--no-progress", action="store_true")
     if parser.parse_known_args(argv)[0].quick:  # tiny defaults; options given still win
-        parser.set_defaults(batch=2, contexts="80,160", tree_sizes="16", heads=4, kv_heads=2, head_dim=32, iters=1)
+        parser.set_defaults(batch=2, contexts="80,160", single_contexts="", tree_sizes="16", heads=4, kv_heads=2,
+                            head_dim=32, iters=1)
     return parser.parse_args(argv)
 
 
@@ -67,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class SweepRow:
     """One timed tile on one workload."""
 
+    batch: int
     context: int
     nodes: int  # 1 = decode
     tile_n: int
@@ -144,23 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     shape = SimpleNamespace(block_size=args.block_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
                             heads=args.heads)
     name, peak = bench.peak_gbps(device, None)
-    print(f"# attention tile sweep on {name}: B={args.batch} H={args.heads}/{args.kv_heads} D={args.head_dim} "
-          f"block {args.block_size}, {str(dtype).removeprefix('torch.')}"
-          + (f", peak {peak:.0f} GB/s" if peak else ""), flush=True)
+    print(f"# attention tile sweep on {name}: B={args.batch} (and 1 at L={args.single_contexts or '-'}) "
+          f"H={args.heads}/{args.kv_heads} D={args.head_dim} block {args.block_size}, "
+          f"{str(dtype).removeprefix('torch.')}" + (f", peak {peak:.0f} GB/s" if peak else ""), flush=True)
     if device.type == "cuda":
         spin_up(device)
     with_flashinfer = want_flashinfer(args.flashinfer, device)
     rng = random.Random(args.seed)
     scale = args.head_dim ** -0.5
     warps = [None if w == "default" else int(w) for w in args.warps.split(",") if w.strip()]
-    # Decodes first (the bandwidth target), then trees by size: a run cut short keeps those.
-    workloads = sorted(((ctx, nodes) for ctx in _ints(args.contexts)
-                        for nodes in (1, *[n for n in _ints(args.tree_sizes) if n < ctx])),
-                       key=lambda w: (w[1], w[0]))
+    # One request's decodes first (the batch-1 step), then the batch's decodes (the
+    # bandwidth target), then trees by size: a run cut short keeps those.
+    workloads = [(1, ctx, 1) for ctx in _ints(args.single_contexts)] + sorted(
+        ((args.batch, ctx, nodes) for ctx in _ints(args.contexts)
+         for nodes in (1, *[n for n in _ints(args.tree_sizes) if n < ctx])), key=lambda w: (w[2], w[1]))
     rows: list[SweepRow] = []
     bar = tqdm(workloads, desc="workloads", disable=args.no_progress, file=sys.stderr)
-    for context, nodes in bar:
-        w = bench.make_workload(shape, args.batch, context, nodes, dtype, device, rng)
+    for batch, context, nodes in bar:
+        w = bench.make_workload(shape, batch, context, nodes, dtype, device, rng)
         default = triton_ops.default_tile_shape(w.plan, args.heads, args.kv_heads, device, args.head_dim,
                                                 w.k_cache.element_size())
         reference = triton_ops.unified_attention(w.query, w.k_cache, w.v_cache, w.plan, scale, tile=default)
@@ -175,35 +181,35 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 seconds = bench.time_fn(call, 2, args.iters, device)
             except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is a row, not the end
-                print(f"L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
+                print(f"B={batch:2d} L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
                       f"warps {tile.num_warps}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
                 continue
             wrong = float((out.float() - reference.float()).abs().max()) > bound
             base = base or seconds
-            row = SweepRow(context, nodes, tile.tile_n, tile.num_splits, tile.num_warps, tile.block_m,
+            row = SweepRow(batch, context, nodes, tile.tile_n, tile.num_splits, tile.num_warps, tile.block_m,
                            seconds * 1e6, w.ideal_bytes / seconds / 1e9, base / seconds, tile == default, wrong)
             rows.append(row)
             share = f" {100 * row.gbps / peak:5.1f}%" if peak and device.type == "cuda" else ""
-            print(f"L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
+            print(f"B={batch:2d} L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
                   f"warps {tile.num_warps or '-':>2} rows {tile.block_m:3d}: {row.microseconds:9.1f} us "
                   f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default"
                   + ("  (default)" if row.default else "") + ("  WRONG" if wrong else ""), flush=True)
         if with_flashinfer and base is not None:
-            rows += time_flashinfer(w, context, nodes, scale, reference, bound, base, args, peak, device)
+            rows += time_flashinfer(w, batch, context, nodes, scale, reference, bound, base, args, peak, device)
         del w
     print("best tile per workload (correct outputs only):")
-    for context, nodes in workloads:
-        mine = [r for r in rows if r.context == context and r.nodes == nodes and not r.wrong and r.kernel == "triton"]
+    for batch, context, nodes in workloads:
+        here = [r for r in rows if (r.batch, r.context, r.nodes) == (batch, context, nodes) and not r.wrong]
+        mine = [r for r in here if r.kernel == "triton"]
         if not mine:
             continue
         best = min(mine, key=lambda r: r.microseconds)
-        print(f"  L={context:5d} T={nodes:3d}: tile_n {best.tile_n} splits {best.num_splits} "
+        print(f"  B={batch:2d} L={context:5d} T={nodes:3d}: tile_n {best.tile_n} splits {best.num_splits} "
               f"warps {best.num_warps or '-'} -> {best.microseconds:.1f} us, {best.vs_default:.2f}x the default")
-        theirs = [r for r in rows if r.context == context and r.nodes == nodes and not r.wrong
-                  and r.kernel != "triton"]
+        theirs = [r for r in here if r.kernel != "triton"]
         if theirs:
             fastest = min(theirs, key=lambda r: r.microseconds)
-            print(f"  {'':17s}FlashInfer's fastest, {fastest.kernel}: {fastest.microseconds:.1f} us, "
+            print(f"  {'':22s}FlashInfer's fastest, {fastest.kernel}: {fastest.microseconds:.1f} us, "
                   f"{best.microseconds / fastest.microseconds:.2f}x the best tile")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_gbps": peak, "args": vars(args),
@@ -211,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.wrong for r in rows if r.default) else 0
 
 
-def time_flashinfer(w, context: int, nodes: int, scale: float, reference, bound: float, base: float, args, peak,
-                    device) -> list[SweepRow]:
+def time_flashinfer(w, batch: int, context: int, nodes: int, scale: float, reference, bound: float, base: float,
+                    args, peak, device) -> list[SweepRow]:
     """FlashInfer's kernels on workload ``w`` through the engine's backend (planned
     once, as a step's layers share a plan), each a row against the default tile."""
     import torch
@@ -228,15 +234,16 @@ def time_flashinfer(w, context: int, nodes: int, scale: float, reference, bound:
             out = backend.attend(0, w.query)  # plans, and builds or loads the kernel
             seconds = bench.time_fn(lambda: backend.attend(0, w.query), 2, args.iters, device)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not run is a row, not the end
-            print(f"L={context:5d} T={nodes:3d} {kernel}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+            print(f"B={batch:2d} L={context:5d} T={nodes:3d} {kernel}: failed "
+                  f"({type(exc).__name__}: {str(exc)[:120]})", flush=True)
             continue
         wrong = float((out.float() - reference.float()).abs().max()) > bound
-        row = SweepRow(context, nodes, 0, 0, None, 0, seconds * 1e6, w.ideal_bytes / seconds / 1e9, base / seconds,
-                       False, wrong, kernel)
+        row = SweepRow(batch, context, nodes, 0, 0, None, 0, seconds * 1e6, w.ideal_bytes / seconds / 1e9,
+                       base / seconds, False, wrong, kernel)
         rows.append(row)
         share = f" {100 * row.gbps / peak:5.1f}%" if peak else ""
-        print(f"L={context:5d} T={nodes:3d} {kernel:38s}: {row.microseconds:9.1f} us {row.gbps:8.1f} GB/s{share}  "
-              f"{row.vs_default:5.2f}x default" + ("  WRONG" if wrong else ""), flush=True)
+        print(f"B={batch:2d} L={context:5d} T={nodes:3d} {kernel:38s}: {row.microseconds:9.1f} us "
+              f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default" + ("  WRONG" if wrong else ""), flush=True)
         del backend
         torch.cuda.empty_cache()
     return rows

@@ -427,7 +427,8 @@ def section_flashinfer(run: Runner) -> list[Figure]:
         figures.append(Figure("flashinfer", f"1.5B, batch {batch}, eager steps",
                               f"{theirs['tokens_per_second']:.0f} tokens/s",
                               f"{theirs['step_seconds'] * 1e3:.2f} ms a step; the Triton kernels eager "
-                              f"{ours['step_seconds'] * 1e3:.2f} ms ({ours['step_seconds'] / theirs['step_seconds']:.2f}x)",
+                              f"{ours['step_seconds'] * 1e3:.2f} ms "
+                              f"({ours['step_seconds'] / theirs['step_seconds']:.2f}x)",
                               dict(flashinfer=theirs, triton=ours)))
     return figures
 

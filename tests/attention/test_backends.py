@@ -45,7 +45,8 @@ def test_every_registered_backend_implements_the_interface_and_agrees_with_torch
 def test_an_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         make_backend("flash", _caches(), 1.0)
-    assert set(ATTENTION_BACKENDS) == {"auto", "torch", "cpu", "triton", "flashinfer"} and ATTENTION_BACKENDS[0] == "auto"
+    assert set(ATTENTION_BACKENDS) == {"auto", "torch", "cpu", "triton", "flashinfer"}
+    assert ATTENTION_BACKENDS[0] == "auto"
 
 
 def test_a_backend_missing_a_method_cannot_be_made():
