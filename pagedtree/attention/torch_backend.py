@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedtree.attention.backend import AttentionBackend
+from pagedtree.kernels.tree_masks import ancestor_matrix
 from pagedtree.step_data import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -38,15 +39,7 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     ``parents[j]`` is the index of node ``j``'s parent among the nodes, or -1 for a
     root (a node attached directly to the prefix). Parents precede their children.
     """
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for j, p in enumerate(parents):
-        if p >= j or p < -1:
-            raise ValueError(f"tree node {j} has parent {p}: parents must precede children")
-        if p >= 0:
-            mask[j] = mask[p]
-        mask[j, j] = True
-    return mask
+    return torch.from_numpy(ancestor_matrix(parents))
 
 
 @dataclass(slots=True)

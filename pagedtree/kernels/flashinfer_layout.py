@@ -22,11 +22,12 @@ The engine's pages are its KV blocks (``[blocks, block_size, H_kv, D]``, FlashIn
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from pagedtree.kernels.tree_masks import ancestor_matrix
 
 if TYPE_CHECKING:
     from pagedtree.step_data import AttentionMetadata
@@ -52,21 +53,6 @@ class PagedLayout:
     def num_requests(self) -> int:
         """How many requests the step holds."""
         return len(self.kv_last_page_len)
-
-
-def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
-    """``[T, T]`` bool: entry ``[j, k]`` is True when node ``k`` is ``j`` or one of its
-    ancestors (``parents[j]``: the parent's index among the nodes, -1 for a node
-    attached to the prefix; parents precede their children)."""
-    n = len(parents)
-    mask = np.zeros((n, n), dtype=bool)
-    for j, p in enumerate(parents):
-        if p >= j or p < -1:
-            raise ValueError(f"tree node {j} has parent {p}: parents must precede children")
-        if p >= 0:
-            mask[j] = mask[p]
-        mask[j, j] = True
-    return mask
 
 
 def paged_layout(meta: AttentionMetadata) -> PagedLayout:
