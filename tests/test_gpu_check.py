@@ -128,6 +128,26 @@ def test_a_product_whose_rows_depend_on_the_batch_fails_the_dense_check(monkeypa
 
 
 @INTERPRETER
+def test_flashinfer_in_the_engine_gives_its_tokens_beside_the_triton_kernels(tmp_path, monkeypatch):
+    """Where FlashInfer runs (its stand-in here, on the GPU model's head dim 64), its
+    plain tokens are set against the Triton kernels' and its speculation against its
+    plain decoding, informational; without it the row says why it was skipped."""
+    from pagedtree.attention.flashinfer_backend import FlashInferPagedAttention
+    from pagedtree.diagnostics.tiny_models import CUDA_SHAPE, save_model_pair
+    from tests.attention import fake_flashinfer
+
+    pair = save_model_pair(str(tmp_path), CUDA_SHAPE, 0)
+    setup = engine_checks.engine_setup("cpu", True, str(pair.target), str(pair.draft))
+    assert [row.verdict for row in engine_checks.flashinfer_rows(engine_checks.EngineRuns(setup))] == [SKIPPED]
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+    monkeypatch.setattr(FlashInferPagedAttention, "unavailable", classmethod(lambda cls, device, dtype: None))
+    rows = engine_checks.flashinfer_rows(engine_checks.EngineRuns(setup))
+    assert [row.verdict for row in rows] == [INFO, INFO]
+    assert all("tokens equal" in row.result for row in rows), [row.result for row in rows]
+    assert rows[1].detail["draft_tokens"] > 0
+
+
+@INTERPRETER
 def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
     """Every check in the smallest shapes: kernels and engine runs pass, graph capture
     and the sync count are skipped without CUDA, the timings are informational."""
@@ -144,6 +164,7 @@ def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
         "cuda graphs vs eager": [PASS, PASS, SKIPPED],
         "async vs ordered steps": [PASS],
         "speculative vs plain": [PASS, PASS],
+        "FlashInfer in the engine": [SKIPPED],  # CUDA only
         "syncs per step": ([PASS] if sync_check.default_recorder(CPU)[0] == "SyncGuard" else []) + [SKIPPED],
         "dense kernels": [PASS] * (len(dense_check.TINY) + 1) + [INFO] * (2 * len(dense_check.TINY) + 4),
         "tree/decode kernel time": [INFO, INFO],  # decode and tree

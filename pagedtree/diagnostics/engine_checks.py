@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedtree.config import SpeculativeConfig
-from pagedtree.diagnostics.report import FAIL, PASS, Row, failed_run, skipped
+from pagedtree.diagnostics.report import FAIL, INFO, PASS, Row, failed_run, skipped
 from pagedtree.executor.shards import DRAFT_GRAPH_TOKENS
 
 GRAPHS = "cuda graphs vs eager"
 ASYNC = "async vs ordered steps"
 SPECULATION = "speculative vs plain"
+FLASHINFER = "FlashInfer in the engine"
 # On a GPU, verify steps of up to 16 nodes and their root (token buckets 1, 2, 4, 8
 # and 17); in the interpreter, small trees (every padded token is interpreted).
 CUDA_TREE = SpeculativeConfig(tree="static", expansion=(2, 2, 2, 1), max_nodes=16, adaptive=False)
@@ -90,15 +91,16 @@ def engine_setup(device_type: str, quick: bool, target: str, draft: str, seed: i
 
 
 def make_llm(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
-             asynchronous: bool | None = None):
-    """An ``LLM`` on the Triton backend, with tree speculation (the setup's tree, or the
-    configuration given) or not, with CUDA
+             asynchronous: bool | None = None, backend: str = "triton"):
+    """An ``LLM`` on the Triton backend (or ``backend``, eager), with tree speculation
+    (the setup's tree, or the configuration given) or not, with CUDA
     graphs (on a CPU: the padded static steps graphs replay, uncaptured) or eager,
     and with plain steps launched ahead of their readback or not (None: the device's
     default)."""
     from pagedtree import LLM
 
-    kwargs: dict = dict(device=setup.device, dtype=setup.dtype, attention_backend="triton",
+    graphs = graphs and backend == "triton"
+    kwargs: dict = dict(device=setup.device, dtype=setup.dtype, attention_backend=backend,
                         block_size=setup.block_size, max_num_seqs=setup.max_num_seqs,
                         max_model_len=setup.max_model_len, num_kv_blocks=setup.num_kv_blocks, seed=0,
                         enforce_eager=setup.device != "cuda" or not graphs, async_scheduling=asynchronous)
@@ -150,11 +152,11 @@ def top2_gap(logprobs: dict[int, float] | None) -> float:
 
 
 def greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
-               asynchronous: bool | None = None) -> RunResult:
+               asynchronous: bool | None = None, backend: str = "triton") -> RunResult:
     """Generate greedily for every prompt (EOS ignored) and collect the run's result."""
     from pagedtree import SamplingParams
 
-    llm = make_llm(setup, speculative, graphs, asynchronous)
+    llm = make_llm(setup, speculative, graphs, asynchronous, backend)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True, logprobs=2)
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in setup.prompts], params, use_tqdm=False)
@@ -189,13 +191,15 @@ class EngineRuns:
         self.setup = setup
         self._runs: dict[tuple, RunResult] = {}
 
-    def get(self, speculative: bool | SpeculativeConfig, graphs: bool, asynchronous: bool | None = None) -> RunResult:
+    def get(self, speculative: bool | SpeculativeConfig, graphs: bool, asynchronous: bool | None = None,
+            backend: str = "triton") -> RunResult:
         """The run with tree speculation (the setup's tree, or the configuration given)
         or not, graphs or eager, plain steps ahead of their readback or not (None: the
-        device's default); made on first use."""
-        key = (speculative if isinstance(speculative, bool) else tree_name(speculative), graphs, asynchronous)
+        device's default), on an attention backend; made on first use."""
+        key = (speculative if isinstance(speculative, bool) else tree_name(speculative), graphs, asynchronous,
+               backend)
         if key not in self._runs:
-            self._runs[key] = greedy_run(self.setup, speculative, graphs, asynchronous)
+            self._runs[key] = greedy_run(self.setup, speculative, graphs, asynchronous, backend)
         return self._runs[key]
 
 
@@ -317,6 +321,35 @@ def speculation_rows(runs: EngineRuns) -> list[Row]:
             continue
         verdict = PASS if comparison.same else FAIL
         rows.append(Row(SPECULATION, case, comparison.describe(), figure, verdict, _detail(comparison, spec)))
+    return rows
+
+
+def flashinfer_rows(runs: EngineRuns) -> list[Row]:
+    """FlashInfer attending in the engine (eager steps), where it runs: its plain greedy
+    tokens against the Triton kernels' eager ones, and its tree speculation against
+    its own plain decoding. Informational: FlashInfer is not batch-invariant, so a
+    near-tie may go either way; the first difference's top-2 gap says whether it was
+    one (a wide gap is a wrong result)."""
+    from pagedtree.attention.flashinfer_backend import FlashInferPagedAttention
+
+    setup = runs.setup
+    reason = FlashInferPagedAttention.unavailable(torch.device(setup.device), getattr(torch, setup.dtype))
+    if reason is not None:
+        return [skipped(FLASHINFER, "FlashInfer against the Triton kernels", reason)]
+    rows = []
+    plain, flashinfer = (False, False), (False, False, None, "flashinfer")
+    pairs = [("plain greedy: FlashInfer vs the Triton kernels, eager", plain, flashinfer),
+             (f"greedy, {tree_name(setup.speculative)}: speculative vs plain on FlashInfer", flashinfer,
+              (True, False, None, "flashinfer"))]
+    for case, reference_args, other_args in pairs:
+        try:
+            reference, other = runs.get(*reference_args), runs.get(*other_args)
+        except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+            rows.append(failed_run(FLASHINFER, case, exc))
+            continue
+        comparison = compare_tokens(reference, other)
+        figure = f"{other.draft_tokens} draft tokens, {other.accepted_tokens} accepted" if other.draft_tokens else ""
+        rows.append(Row(FLASHINFER, case, comparison.describe(), figure, INFO, _detail(comparison, other)))
     return rows
 
 

@@ -213,7 +213,8 @@ def check_functions(settings: Settings, models: EngineModels,
         "kernels": kernels,
         "dense": lambda: dense_check.dense_rows(settings.device, settings.quick, settings.seed),
         "graphs": lambda: engine_checks.graph_rows(models.runs()),
-        "speculation": lambda: engine_checks.speculation_rows(models.runs()),
+        "speculation": lambda: engine_checks.speculation_rows(models.runs()) + engine_checks.flashinfer_rows(
+            models.runs()),
         "syncs": lambda: sync_check.sync_rows(models.setup(), settings.quick),
         "bench": lambda: kernel_bench.bench_rows(settings.device, settings.quick, settings.seed),
     }
