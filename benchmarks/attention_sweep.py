@@ -105,7 +105,7 @@ def variants(default, tile_ns: list[int], factors: list[int], warps: list[int | 
     return out
 
 
-def flashinfer_kernels(workload, nodes: int) -> list[tuple[str, bool | None]]:
+def flashinfer_kernels(nodes: int) -> list[tuple[str, bool | None]]:
     """FlashInfer's kernels for a workload: (row name, decode on tensor cores)."""
     if nodes == 1:
         return [("flashinfer-decode", False), ("flashinfer-decode-tc", True)]
@@ -227,7 +227,7 @@ def time_flashinfer(w, batch: int, context: int, nodes: int, scale: float, refer
     from pagedtree.diagnostics import attention_workloads as bench
 
     rows = []
-    for kernel, tensor_cores in flashinfer_kernels(w, nodes):
+    for kernel, tensor_cores in flashinfer_kernels(nodes):
         try:
             backend = FlashInferPagedAttention([(w.k_cache, w.v_cache)], scale, decode_tensor_cores=tensor_cores)
             backend.begin_step(w.meta)

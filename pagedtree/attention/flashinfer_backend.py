@@ -103,7 +103,7 @@ class FlashInferPagedAttention(TritonPagedAttention):
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != KV cache block size {self.block_size}")
         layout = paged_layout(meta)
-        if any(b < 0 or b >= self.num_blocks for b in layout.kv_indices):
+        if layout.kv_indices and (min(layout.kv_indices) < 0 or max(layout.kv_indices) >= self.num_blocks):
             raise ValueError(f"block tables hold blocks outside [0, {self.num_blocks})")
         slots = meta.slot_mapping
         if slots.shape != (layout.qo_indptr[-1],):
