@@ -36,7 +36,8 @@ else
 fi
 export PYTHONUNBUFFERED=1
 if [ -d .flashinfer/site ]; then
-  export PYTHONPATH="$PWD/.flashinfer/site${PYTHONPATH:+:$PYTHONPATH}"
+  # Last on the path: the machine's own packages win; FlashInfer and what it lacks come from here.
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/.flashinfer/site"
   "$python" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || echo "flashinfer: does not import"
 fi
 "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
