@@ -5,8 +5,9 @@ Attention per step: a step of one query per request runs FlashInfer's batch deco
 (on tensor cores when a KV head serves ``TENSOR_CORE_GROUP`` query heads or more,
 as FlashInfer advises for grouped-query attention); a step of prompt chunks runs its
 causal batch prefill; a step with token trees its prefill with a custom mask (every
-node sees the prefix, itself and its ancestors). Both use FlashInfer's FA2 kernels,
-which take custom masks on every GPU FlashInfer supports. The indices are planned
+node sees the prefix, itself and its ancestors). The prefill is FlashInfer's FA2
+kernel (backend "fa2"), which takes custom masks on every GPU FlashInfer supports;
+the tensor-core decode is that kernel with one query a request. The indices are planned
 once per step (``flashinfer_layout.paged_layout``), at the first layer, when the
 query head count is known; every layer reuses the plan.
 
