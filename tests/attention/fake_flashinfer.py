@@ -9,6 +9,7 @@ whether FlashInfer's own kernels compute them is the GPU check's question
 
 from __future__ import annotations
 
+import importlib.machinery
 import types
 
 import torch
@@ -113,6 +114,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 def module() -> types.ModuleType:
     """A module object with FlashInfer's two wrapper classes."""
     fake = types.ModuleType("flashinfer")
+    fake.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)  # found by importlib.util.find_spec
     fake.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     fake.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     return fake
