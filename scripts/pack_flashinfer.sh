@@ -3,7 +3,8 @@
 #
 # Downloads FlashInfer 0.5.3 and CUDA 13.0's compiler from PyPI, compiles the
 # kernels the FlashInfer attention backend calls ahead of time (batch decode, FA2
-# batch prefill and the mask packing, for the dtypes and head dims asked) for the
+# batch prefill and the mask packing, for the dtypes and head dims asked; the
+# rotary the GPU-day check times) for the
 # GPU architecture asked, and writes a folder of Python packages to put on the GPU
 # machine's PYTHONPATH: FlashInfer with its compiled kernels (its CUTLASS sources
 # left out), apache-tvm-ffi for that machine's Python, and FlashInfer's small
@@ -78,9 +79,13 @@ import os, time
 import torch
 from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
 from flashinfer.jit.quantization import gen_quantization_module
+from flashinfer.jit.rope import gen_rope_module
 
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-specs = [gen_quantization_module()]
+# The mask packing the prefill plan calls, and the rotary the GPU-day check times
+# beside the engine's own kernel. (FlashInfer's norm module includes cuBLASLt's
+# headers, whose wheel is half a gigabyte: not built here.)
+specs = [gen_quantization_module(), gen_rope_module()]
 for name in os.environ["PAGEDTREE_FI_DTYPES"].split():
     dtype = dtypes[name]
     for head_dim in (int(d) for d in os.environ["PAGEDTREE_FI_HEAD_DIMS"].split()):

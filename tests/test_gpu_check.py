@@ -127,6 +127,18 @@ def test_a_product_whose_rows_depend_on_the_batch_fails_the_dense_check(monkeypa
     assert "differ" in rows[0].result
 
 
+def test_a_library_that_does_not_run_is_a_finding_not_a_failure():
+    """The glue rows time each library's version where it runs and name the ones that
+    did not, beside ours and eager."""
+    found = dense_check._alternatives(CPU, {"works": lambda: (lambda: None),
+                                            "missing": lambda: __import__("no_such_library")})
+    assert isinstance(found["works"], float) and found["missing"].startswith("ModuleNotFoundError")
+    result, figure, detail = dense_check._versus(2e-6, 4e-6, found, "")
+    assert result.startswith("2.0 us (eager 4.0 us; works ") and "missing did not run" in result
+    assert figure.startswith("2.00x eager, ") and figure.endswith("x works")
+    assert detail["libraries"] is found
+
+
 @INTERPRETER
 def test_flashinfer_in_the_engine_gives_its_tokens_beside_the_triton_kernels(tmp_path, monkeypatch):
     """Where FlashInfer runs (its stand-in here, on the GPU model's head dim 64), its

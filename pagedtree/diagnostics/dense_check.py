@@ -7,7 +7,9 @@
    differs fails the check: greedy speculation would then differ from plain decoding.
 2. Speed (informational): each product against cuBLAS (``F.linear``; for the gated
    MLP, ``F.linear`` then SiLU * up) at 1 to 2,080 rows, and the weights' stream in
-   GB/s at one row; the fused norm and rotary + KV store against their eager ops.
+   GB/s at one row; the fused norm and rotary + KV store against their eager ops
+   and, on a GPU, the libraries that fuse them (Inductor through ``torch.compile``;
+   FlashInfer's fused add + RMSNorm and rotary where it imports).
    Timed as CUDA graphs of repeated calls over enough weight copies to spill the
    L2 cache, so launch overhead and cached weights flatter neither side.
 
@@ -210,8 +212,87 @@ def speed_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
     return rows + _glue_rows(device, gen, note)
 
 
+def _alternatives(device: torch.device, calls: dict[str, Callable[[], Callable[[], object]]]) -> dict[str, object]:
+    """Seconds a call of each library's version takes (timed as ``graph_seconds``
+    does), or why it could not run: each is made by its factory first (a compile, an
+    import), and one that raises is reported, not fatal."""
+    found: dict[str, object] = {}
+    for name, factory in calls.items():
+        try:
+            call = factory()
+            found[name] = graph_seconds(lambda call=call: [call] * 8, device)
+        except Exception as exc:  # noqa: BLE001 - a library that does not run here is a finding
+            found[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+    return found
+
+
+def _versus(fused: float, eager: float, libraries: dict[str, object], note: str) -> tuple[str, str, dict]:
+    """A glue row's result, figure and detail: ours against eager and each library."""
+    timed = {name: t for name, t in libraries.items() if isinstance(t, float)}
+    result = f"{fused * 1e6:.1f} us (eager {eager * 1e6:.1f} us" + "".join(
+        f"; {name} {t * 1e6:.1f} us" if isinstance(t, float) else f"; {name} did not run"
+        for name, t in libraries.items()) + f"){note}"
+    figure = f"{eager / fused:.2f}x eager"
+    if timed:
+        best = min(timed, key=timed.get)
+        figure += f", {timed[best] / fused:.2f}x {best}"
+    return result, figure, dict(seconds=fused, eager_seconds=eager, libraries=libraries)
+
+
+def _flashinfer_built(module: str) -> None:
+    """Raise unless FlashInfer's ``module`` kernels are built already (ahead of time,
+    or by an earlier run): the check does not wait for a compile."""
+    import importlib
+
+    spec = getattr(importlib.import_module(f"flashinfer.jit.{module}"), f"gen_{module}_module")()
+    if not spec.is_compiled:
+        raise RuntimeError(f"FlashInfer's {module} kernels are not built (they would compile now)")
+
+
+def _library_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eager) -> dict:
+    """FlashInfer's fused add + RMSNorm and Inductor's fusion of the eager ops, where they run."""
+    def flashinfer():
+        from flashinfer.norm import fused_add_rmsnorm
+
+        _flashinfer_built("norm")
+        a, r = x.clone(), residual.clone()
+        return lambda: fused_add_rmsnorm(a, r, weight, 1e-6)
+
+    return {"torch.compile": lambda: torch.compile(eager), "FlashInfer": flashinfer}
+
+
+def _library_rotary(qkv: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                    store, rotary) -> dict:
+    """FlashInfer's rotary (then the same store) and Inductor's fusion of the eager
+    rotary (then the same store), where they run."""
+    def flashinfer():
+        from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
+
+        _flashinfer_built("rope")
+        inv = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=qkv.device, dtype=torch.float32) / head_dim))
+        angles = torch.arange(4096, device=qkv.device, dtype=torch.float32)[:, None] * inv[None, :]
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)  # FlashInfer's [positions, cos | sin], fp32
+        q, k, _ = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+
+        def run():
+            apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, table, is_neox=True)
+            store()
+        return run
+
+    def compiled():
+        fused = torch.compile(rotary)
+
+        def run():
+            store(fused())
+        return run
+
+    return {"torch.compile": compiled, "FlashInfer": flashinfer}
+
+
 def _glue_rows(device: torch.device, gen: torch.Generator, note: str) -> list[Row]:
-    """The fused add + RMSNorm and rotary + KV store against their eager ops (1.5B shapes)."""
+    """The fused add + RMSNorm and rotary + KV store against their eager ops (1.5B
+    shapes) and, on a GPU, against the libraries that fuse them: Inductor's fusion of
+    the eager ops (``torch.compile``) and FlashInfer's kernels where it imports."""
     from pagedtree.kernels import dense_ops
     from pagedtree.kernels import triton_ops
     from pagedtree.worker.models.decoder import RMSNorm, apply_rotary
@@ -233,26 +314,36 @@ def _glue_rows(device: torch.device, gen: torch.Generator, note: str) -> list[Ro
 
         fused = graph_seconds(lambda: [lambda: dense_ops.add_rms_norm(x, norm.weight, 1e-6, residual)] * 8, device)
         eager = graph_seconds(lambda: [eager_norm] * 8, device)
-        rows.append(Row(CHECK, f"add + RMSNorm, {m} rows x {hidden}", f"{fused * 1e6:.1f} us (eager "
-                        f"{eager * 1e6:.1f} us){note}", f"{eager / fused:.2f}x eager", INFO))
+        libraries = _alternatives(device, _library_norm(x, residual, norm.weight, eager_norm)) if on_gpu else {}
+        result, figure, detail = _versus(fused, eager, libraries, note)
+        rows.append(Row(CHECK, f"add + RMSNorm, {m} rows x {hidden}", result, figure, INFO, detail))
         qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim, generator=gen, device=device).to(dtype)
         positions = torch.randint(0, 4096, (m,), generator=gen, device=device)
         slots = torch.randperm(256 * 16, generator=gen, device=device)[:m]
 
-        def eager_rotary():
-            q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+        def rotary_only():
+            q, k, _ = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
             cos, sin = cos_sin[positions, :head_dim], cos_sin[positions, head_dim:]
             apply_rotary(q.view(m, heads, head_dim), cos, sin)
-            k = apply_rotary(k.view(m, kv_heads, head_dim), cos, sin)
+            return apply_rotary(k.view(m, kv_heads, head_dim), cos, sin)
+
+        def store(k=None):
+            _, rotated, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+            k = rotated.view(m, kv_heads, head_dim) if k is None else k
             triton_ops.store_kv(k, v.view(m, kv_heads, head_dim), cache[0], cache[1], slots, slots_checked=True)
+
+        def eager_rotary():
+            store(rotary_only())
 
         fused = graph_seconds(lambda: [lambda: dense_ops.rotary_store(qkv, positions, cos_sin, heads, kv_heads,
                                                                       head_dim, slots, cache[0], cache[1])] * 8,
                               device)
         eager = graph_seconds(lambda: [eager_rotary] * 8, device)
-        rows.append(Row(CHECK, f"rotary + KV store, {m} tokens, {heads}/{kv_heads} heads",
-                        f"{fused * 1e6:.1f} us (eager {eager * 1e6:.1f} us){note}", f"{eager / fused:.2f}x eager",
-                        INFO))
+        libraries = _alternatives(device, _library_rotary(qkv, positions, heads, kv_heads, head_dim, store,
+                                                          rotary_only)) if on_gpu else {}
+        result, figure, detail = _versus(fused, eager, libraries, note)
+        rows.append(Row(CHECK, f"rotary + KV store, {m} tokens, {heads}/{kv_heads} heads", result, figure, INFO,
+                        detail))
     return rows
 
 
