@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # FlashInfer for a GPU machine that cannot reach a package registry, built here.
 #
-# Downloads FlashInfer 0.5.3 and CUDA 13.0's compiler from PyPI, compiles the
-# kernels the FlashInfer attention backend calls ahead of time (batch decode, FA2
-# batch prefill and the mask packing, for the dtypes and head dims asked; the
-# rotary the GPU-day check times) for the
-# GPU architecture asked, and writes a folder of Python packages to put on the GPU
-# machine's PYTHONPATH: FlashInfer with its compiled kernels (its CUTLASS sources
-# left out), apache-tvm-ffi for that machine's Python, and FlashInfer's small
-# pure-Python dependencies. No GPU is needed here; downloads are cached.
+# Downloads FlashInfer 0.5.3 and CUDA 13.0's compiler from PyPI, compiles ahead of
+# time, for the GPU architecture asked, the kernels the FlashInfer attention backend
+# calls (batch decode, FA2 batch prefill and the mask packing, for the dtypes and
+# head dims asked) and FlashInfer's rotary, and writes a folder of Python packages
+# to put on the GPU machine's PYTHONPATH: FlashInfer with its compiled kernels (its
+# CUTLASS sources left out), apache-tvm-ffi for that machine's Python, FlashInfer's
+# small pure-Python dependencies, and Liger's Triton kernels (the GPU-day check times
+# both libraries' norm and rotary beside the engine's). No GPU is needed here;
+# downloads and compiles are cached.
 #
 #   scripts/pack_flashinfer.sh [OUTDIR]      # default .flashinfer (git-ignored)
 #
@@ -20,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-    sed -n '2,17s/^# \{0,1\}//p' "$0"
+    sed -n '2,19s/^# \{0,1\}//p' "$0"
     exit 0
   fi
 done
@@ -42,9 +43,10 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 "$python" -m pip download -q --no-deps --only-binary=:all: -d "$cache/cuda-wheels" "${platforms[@]}" \
   "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*" "nvidia-nvvm==13.0.*" \
   "nvidia-cuda-crt==13.0.*"
-# FlashInfer's imports beyond torch and numpy (a GPU image has those two).
+# FlashInfer's imports beyond torch and numpy (a GPU image has those two), and Liger's
+# Triton kernels (pure Python), which the GPU-day check also times beside the engine's.
 pure=("flashinfer-python==$version" einops tabulate nvidia-ml-py click packaging requests urllib3 idna certifi
-      charset-normalizer tqdm)
+      charset-normalizer tqdm "liger-kernel==0.8.5")
 
 echo "== CUDA 13.0's compiler"
 cuda="$cache/cuda"
@@ -106,10 +108,11 @@ echo "== packing $out/site for Python $target_python"
 rm -rf "$out" && mkdir -p "$out/site"
 "$python" -m pip install -q --no-deps --only-binary=:all: --python-version "$target_python" --implementation cp \
   "${platforms[@]}" --target "$out/site" "${pure[@]}" "apache-tvm-ffi==$tvm_ffi"
-# Without CUTLASS's headers FlashInfer cannot compile its other kernels there; the
-# ones the backend calls are in data/aot, where FlashInfer looks before compiling.
-rm -rf "$out/site/flashinfer/data/cutlass" "$out/site/flashinfer/data/spdlog" "$out/site/bin" \
-  "$out/site/tvm_ffi/3rdparty" "$out/site/tvm_ffi/src"
+# Without its headers FlashInfer compiles nothing there (the folder must stay small
+# beside the checkout): the kernels used are in data/aot, where it looks first. Its
+# csrc stays: it reads its templates from there even for the kernels built here.
+rm -rf "$out/site/flashinfer/data/cutlass" "$out/site/flashinfer/data/spdlog" \
+  "$out/site/flashinfer/data/include" "$out/site/bin" "$out/site/tvm_ffi/3rdparty" "$out/site/tvm_ffi/src"
 find "$out/site" -name __pycache__ -prune -exec rm -rf {} +
 built="$cache/workspace/.cache/flashinfer/$version/${arch//./}/cached_ops"
 while read -r name; do

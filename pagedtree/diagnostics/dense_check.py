@@ -9,7 +9,7 @@
    MLP, ``F.linear`` then SiLU * up) at 1 to 2,080 rows, and the weights' stream in
    GB/s at one row; the fused norm and rotary + KV store against their eager ops
    and, on a GPU, the libraries that fuse them (Inductor through ``torch.compile``;
-   FlashInfer's fused add + RMSNorm and rotary where it imports).
+   FlashInfer's and Liger's fused add + RMSNorm and rotary where they import).
    Timed as CUDA graphs of repeated calls over enough weight copies to spill the
    L2 cache, so launch overhead and cached weights flatter neither side.
 
@@ -250,7 +250,8 @@ def _flashinfer_built(module: str) -> None:
 
 
 def _library_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eager) -> dict:
-    """FlashInfer's fused add + RMSNorm and Inductor's fusion of the eager ops, where they run."""
+    """FlashInfer's and Liger's fused add + RMSNorm and Inductor's fusion of the eager
+    ops, where they run."""
     def flashinfer():
         from flashinfer.norm import fused_add_rmsnorm
 
@@ -258,13 +259,18 @@ def _library_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         a, r = x.clone(), residual.clone()
         return lambda: fused_add_rmsnorm(a, r, weight, 1e-6)
 
-    return {"torch.compile": lambda: torch.compile(eager), "FlashInfer": flashinfer}
+    def liger():
+        from liger_kernel.ops.fused_add_rms_norm import fused_add_rms_norm_forward
+
+        return lambda: fused_add_rms_norm_forward(x, residual, weight, 1e-6, 0.0, "llama")
+
+    return {"torch.compile": lambda: torch.compile(eager), "FlashInfer": flashinfer, "Liger": liger}
 
 
-def _library_rotary(qkv: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                    store, rotary) -> dict:
-    """FlashInfer's rotary (then the same store) and Inductor's fusion of the eager
-    rotary (then the same store), where they run."""
+def _library_rotary(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, heads: int, kv_heads: int,
+                    head_dim: int, store, rotary) -> dict:
+    """FlashInfer's and Liger's rotary and Inductor's fusion of the eager rotary, each
+    then the same store, where they run."""
     def flashinfer():
         from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
 
@@ -286,13 +292,29 @@ def _library_rotary(qkv: torch.Tensor, positions: torch.Tensor, heads: int, kv_h
             store(fused())
         return run
 
-    return {"torch.compile": compiled, "FlashInfer": flashinfer}
+    def liger():
+        from liger_kernel.ops.rope import rope_forward
+
+        m = qkv.shape[0]
+        q, k, _ = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+        # Liger's layout: [batch, heads, tokens, head_dim], one sequence of the step's tokens.
+        q4 = q.view(1, m, heads, head_dim).transpose(1, 2)
+        k4 = k.view(1, m, kv_heads, head_dim).transpose(1, 2)
+
+        def run():
+            cos, sin = cos_sin[positions, :head_dim], cos_sin[positions, head_dim:]
+            _, rotated = rope_forward(q4, k4, cos, sin, None, 1, None)[:2]
+            store(rotated.transpose(1, 2).reshape(m, kv_heads, head_dim))
+        return run
+
+    return {"torch.compile": compiled, "FlashInfer": flashinfer, "Liger": liger}
 
 
 def _glue_rows(device: torch.device, gen: torch.Generator, note: str) -> list[Row]:
     """The fused add + RMSNorm and rotary + KV store against their eager ops (1.5B
     shapes) and, on a GPU, against the libraries that fuse them: Inductor's fusion of
-    the eager ops (``torch.compile``) and FlashInfer's kernels where it imports."""
+    the eager ops (``torch.compile``), FlashInfer's and Liger's kernels where they
+    import."""
     from pagedtree.kernels import dense_ops
     from pagedtree.kernels import triton_ops
     from pagedtree.worker.models.decoder import RMSNorm, apply_rotary
@@ -339,7 +361,7 @@ def _glue_rows(device: torch.device, gen: torch.Generator, note: str) -> list[Ro
                                                                       head_dim, slots, cache[0], cache[1])] * 8,
                               device)
         eager = graph_seconds(lambda: [eager_rotary] * 8, device)
-        libraries = _alternatives(device, _library_rotary(qkv, positions, heads, kv_heads, head_dim, store,
+        libraries = _alternatives(device, _library_rotary(qkv, positions, cos_sin, heads, kv_heads, head_dim, store,
                                                           rotary_only)) if on_gpu else {}
         result, figure, detail = _versus(fused, eager, libraries, note)
         rows.append(Row(CHECK, f"rotary + KV store, {m} tokens, {heads}/{kv_heads} heads", result, figure, INFO,
