@@ -19,6 +19,8 @@ from tests.attention import fake_flashinfer
 
 BLOCK = 4
 HEAD_DIM = 64
+# The backend's stores and copies are Triton's kernels, here on CPU tensors.
+INTERPRETER = pytest.mark.triton_interpreter
 
 
 def _meta(q_lens, context_lens, parents, tables, slots=None):
@@ -87,6 +89,7 @@ def _steps(rng: random.Random):
     yield "mixed", _meta([5, 1, 3], [13, 30, 7], [_tree(rng, 4), None, None], tables)
 
 
+@INTERPRETER
 @pytest.mark.parametrize("group", [1, TENSOR_CORE_GROUP, 7])
 def test_every_step_shape_attends_as_the_torch_reference(group):
     rng = random.Random(group)
@@ -110,6 +113,7 @@ def test_every_step_shape_attends_as_the_torch_reference(group):
     assert set(backend._decode_wrappers) == {group >= TENSOR_CORE_GROUP}
 
 
+@INTERPRETER
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_decode_takes_the_kernel_asked_for(tensor_cores):
     backend, _ = _backend()
@@ -120,6 +124,7 @@ def test_decode_takes_the_kernel_asked_for(tensor_cores):
     assert backend._decode_wrappers[tensor_cores].kwargs["use_tensor_cores"] is tensor_cores
 
 
+@INTERPRETER
 def test_the_fused_rotary_path_stores_then_attends_over_the_same_plan():
     backend, reference = _backend()
     meta = _meta([1, 1], [17, 9], [None, None], [[0, 1, 2, 3, 4], [5, 6, 7]])
@@ -133,6 +138,7 @@ def test_the_fused_rotary_path_stores_then_attends_over_the_same_plan():
     torch.testing.assert_close(backend.attend(1, q), reference(1, q, k, v), rtol=1e-4, atol=1e-4)
 
 
+@INTERPRETER
 def test_steps_it_cannot_run_are_refused_before_any_launch():
     backend, _ = _backend(num_blocks=8)
     with pytest.raises(ValueError, match="eagerly"):
@@ -160,6 +166,7 @@ def test_it_says_where_it_cannot_run():
     assert "float32" in FlashInferPagedAttention.unavailable(torch.device("cuda"), torch.float32)
 
 
+@INTERPRETER
 def test_an_engine_on_flashinfer_speculates_with_trees_and_gives_the_torch_backends_tokens(
         tmp_path, monkeypatch):
     """Prompt chunks, tree verification with its masks, copy-on-write and
