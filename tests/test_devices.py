@@ -7,7 +7,7 @@ import torch
 
 from pagedtree.config import EngineConfig
 from pagedtree.devices import indexed_device, same_device
-from pagedtree.kernels.attention_plan import _validate_slots
+from pagedtree.kernels.attention_plan import validate_slots
 from pagedtree.loading.resolve import resolve_config, resolve_device
 
 
@@ -61,9 +61,9 @@ def test_a_kernel_check_takes_the_same_device_under_another_name():
     """What failed on the first GPU: slots on ``cuda:0``, the cache's device named
     ``cuda``; on a CPU, ``cpu`` and ``cpu:0`` stand for the two names."""
     slots = torch.tensor([0, 3], dtype=torch.int32)
-    _validate_slots(slots, 2, 8, torch.device("cpu", 0), (0, 3))
+    validate_slots(slots, 2, 8, torch.device("cpu", 0), (0, 3))
     with pytest.raises(ValueError, match="slot_mapping is on cpu, the KV cache on meta"):
-        _validate_slots(slots, 2, 8, torch.device("meta"), (0, 3))
+        validate_slots(slots, 2, 8, torch.device("meta"), (0, 3))
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ import torch
 
 from pagedtree.attention.triton_backend import TritonPagedAttention
 from pagedtree.kernels import triton_ops
+from pagedtree.kernels.attention_plan import validate_slots
 from pagedtree.kernels.flashinfer_layout import DECODE, MASKED, PagedLayout, paged_layout
 
 if TYPE_CHECKING:
@@ -106,15 +107,9 @@ class FlashInferPagedAttention(TritonPagedAttention):
         layout = paged_layout(meta)
         if layout.kv_indices and (min(layout.kv_indices) < 0 or max(layout.kv_indices) >= self.num_blocks):
             raise ValueError(f"block tables hold blocks outside [0, {self.num_blocks})")
-        slots = meta.slot_mapping
-        if slots.shape != (layout.qo_indptr[-1],):
-            raise ValueError(f"slot_mapping has {tuple(slots.shape)} entries for {layout.qo_indptr[-1]} tokens")
-        if slots.numel():
-            lo, hi = meta.slot_bounds if meta.slot_bounds is not None else (int(x) for x in torch.aminmax(slots))
-            if lo < 0 or hi >= self.num_blocks * self.block_size:
-                raise ValueError(f"slot_mapping has slots outside [0, {self.num_blocks * self.block_size}): "
-                                 f"min {lo}, max {hi}")
-        self._layout, self._slot_mapping, self._wrapper = layout, slots, None
+        validate_slots(meta.slot_mapping, layout.qo_indptr[-1], self.num_blocks * self.block_size, self.device,
+                       meta.slot_bounds)
+        self._layout, self._slot_mapping, self._wrapper = layout, meta.slot_mapping, None
 
     def build_plan(self, *args, **kwargs):
         """Refused: Triton plans of static (CUDA-graph) steps are the Triton backend's."""

@@ -201,7 +201,7 @@ def build_kernel_plan(meta: AttentionMetadata, num_blocks: int, buffers: PlanBuf
                                check_block_ids=static is None)
     num_requests = len(context_lens)
     num_tokens = query_start_loc[-1] if query_start_loc else 0
-    _validate_slots(slot_mapping, num_tokens, num_blocks * block_size, buffers.device, meta.slot_bounds)
+    validate_slots(slot_mapping, num_tokens, num_blocks * block_size, buffers.device, meta.slot_bounds)
 
     tree_sizes = [len(p) for p in tree_parents if p is not None]
     tree_words = max(1, cdiv(max(tree_sizes, default=1), 32))
@@ -288,8 +288,11 @@ def _upload_sections(buffers: PlanBuffers, slot: str, sections: Sequence[Sequenc
     return [dev[start:start + n] for start, n in spans]
 
 
-def _validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device,
-                    bounds: tuple[int, int] | None) -> None:
+def validate_slots(slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device,
+                   bounds: tuple[int, int] | None) -> None:
+    """Refuse a step's slots that are not ``num_tokens`` int32/int64 slots in
+    ``[0, num_slots)`` on ``device`` (``bounds``: their min and max, known on the
+    host; None: read from the device, one sync)."""
     if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
         raise ValueError(f"slot_mapping must have shape [{num_tokens}], got {list(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
