@@ -49,11 +49,6 @@ class PagedLayout:
     # MASKED: the flat bool mask, sum(q_len * kv_len) entries; None otherwise.
     custom_mask: np.ndarray | None = None
 
-    @property
-    def num_requests(self) -> int:
-        """How many requests the step holds."""
-        return len(self.kv_last_page_len)
-
 
 def paged_layout(meta: AttentionMetadata) -> PagedLayout:
     """The step ``meta`` in FlashInfer's layout, checked: every request has at least
