@@ -12,6 +12,9 @@ count times ``--split-factors``, and ``--warps``. A variant whose output differs
 from the default's by more than the dtype's rounding is marked wrong (and not a
 candidate). Rows print as they are measured (a run cut short by a timeout keeps
 what it printed); the end lists the best tile per workload against the default.
+Each launch is timed on the GPU inside a CUDA graph, after an L2 flush, so the
+host's launch overhead is not counted (a row marked "eager" could not be captured
+and was timed with events around eager launches).
 
 With FlashInfer importable on a GPU (``--flashinfer auto``; ``scripts/pack_flashinfer.sh``
 builds it for a machine without a registry), each workload also runs FlashInfer's
@@ -84,6 +87,12 @@ class SweepRow:
     default: bool
     wrong: bool
     kernel: str = "triton"  # or FlashInfer's: "flashinfer-decode", "flashinfer-decode-tc", "flashinfer-prefill"
+    graphed: bool = True  # timed inside a CUDA graph (False: eager launches, or a CPU)
+
+
+def _marks(row: SweepRow, device) -> str:
+    """A row's notes: a wrong output, a GPU time taken outside a CUDA graph."""
+    return ("  WRONG" if row.wrong else "") + ("  eager" if device.type == "cuda" and not row.graphed else "")
 
 
 def _ints(text: str) -> list[int]:
@@ -179,21 +188,23 @@ def main(argv: list[str] | None = None) -> int:
                 return triton_ops.unified_attention(w.query, w.k_cache, w.v_cache, w.plan, scale, tile=tile, out=out)
 
             try:
-                seconds = bench.time_fn(call, 2, args.iters, device)
+                timing = bench.timed(call, 2, args.iters, device)
             except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is a row, not the end
                 print(f"B={batch:2d} L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
                       f"warps {tile.num_warps}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
                 continue
             wrong = float((out.float() - reference.float()).abs().max()) > bound
+            seconds = timing.seconds
             base = base or seconds
             row = SweepRow(batch, context, nodes, tile.tile_n, tile.num_splits, tile.num_warps, tile.block_m,
-                           seconds * 1e6, w.ideal_bytes / seconds / 1e9, base / seconds, tile == default, wrong)
+                           seconds * 1e6, w.ideal_bytes / seconds / 1e9, base / seconds, tile == default, wrong,
+                           graphed=timing.graphed)
             rows.append(row)
             share = f" {100 * row.gbps / peak:5.1f}%" if peak and device.type == "cuda" else ""
             print(f"B={batch:2d} L={context:5d} T={nodes:3d} tile_n {tile.tile_n:3d} splits {tile.num_splits:2d} "
                   f"warps {tile.num_warps or '-':>2} rows {tile.block_m:3d}: {row.microseconds:9.1f} us "
                   f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default"
-                  + ("  (default)" if row.default else "") + ("  WRONG" if wrong else ""), flush=True)
+                  + ("  (default)" if row.default else "") + _marks(row, device), flush=True)
         if with_flashinfer and base is not None:
             rows += time_flashinfer(w, batch, context, nodes, scale, reference, bound, base, args, peak, device)
         del w
@@ -232,18 +243,19 @@ def time_flashinfer(w, batch: int, context: int, nodes: int, scale: float, refer
             backend = FlashInferPagedAttention([(w.k_cache, w.v_cache)], scale, decode_tensor_cores=tensor_cores)
             backend.begin_step(w.meta)
             out = backend.attend(0, w.query)  # plans, and builds or loads the kernel
-            seconds = bench.time_fn(lambda: backend.attend(0, w.query), 2, args.iters, device)
+            timing = bench.timed(lambda: backend.attend(0, w.query), 2, args.iters, device)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not run is a row, not the end
             print(f"B={batch:2d} L={context:5d} T={nodes:3d} {kernel}: failed "
                   f"({type(exc).__name__}: {str(exc)[:120]})", flush=True)
             continue
         wrong = float((out.float() - reference.float()).abs().max()) > bound
+        seconds = timing.seconds
         row = SweepRow(batch, context, nodes, 0, 0, None, 0, seconds * 1e6, w.ideal_bytes / seconds / 1e9,
-                       base / seconds, False, wrong, kernel)
+                       base / seconds, False, wrong, kernel, timing.graphed)
         rows.append(row)
         share = f" {100 * row.gbps / peak:5.1f}%" if peak else ""
         print(f"B={batch:2d} L={context:5d} T={nodes:3d} {kernel:38s}: {row.microseconds:9.1f} us "
-              f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default" + ("  WRONG" if wrong else ""), flush=True)
+              f"{row.gbps:8.1f} GB/s{share}  {row.vs_default:5.2f}x default" + _marks(row, device), flush=True)
         del backend
         torch.cuda.empty_cache()
     return rows

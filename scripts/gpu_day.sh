@@ -57,8 +57,12 @@ if [ "$attention" != "0" ]; then
 fi
 seconds="${PAGEDTREE_TEST_SECONDS:-120}"
 if [ "$seconds" != "0" ]; then
-  PAGEDTREE_TEST_CUDA=1 timeout "$seconds" "$python" -m pytest -q -x -p no:cacheprovider \
-    tests/kernels tests/worker/test_cuda_graphs.py > "$out/tests.txt" 2>&1
+  # Compiles dominate a fresh machine's test run: spread them over processes where
+  # pytest-xdist is installed (GPU images usually have it).
+  workers=()
+  if "$python" -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))"); fi
+  PAGEDTREE_TEST_CUDA=1 timeout "$seconds" "$python" -m pytest -q -rfE --maxfail=20 -p no:cacheprovider \
+    "${workers[@]}" tests/kernels tests/worker/test_cuda_graphs.py > "$out/tests.txt" 2>&1
   echo "tests (PAGEDTREE_TEST_CUDA=1, ${seconds} s at most): exit $?; $(tail -1 "$out/tests.txt")"
 fi
 exit "$status"

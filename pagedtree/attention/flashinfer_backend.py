@@ -142,10 +142,13 @@ class FlashInferPagedAttention(TritonPagedAttention):
                          q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
         else:
             wrapper = self._prefill
-            mask = None
+            mask, qo_indptr = None, ints(layout.qo_indptr)
             if layout.kind == MASKED:
+                # FlashInfer packs a custom mask to bits on the GPU, from the index
+                # pointers: they must sit on the mask's device (its plan reads them back).
                 mask = torch.from_numpy(layout.custom_mask).to(self.device)
-            wrapper.plan(ints(layout.qo_indptr), kv_indptr, kv_indices, last, num_heads, self.num_kv_heads,
+                qo_indptr, kv_indptr, last = (t.to(self.device) for t in (qo_indptr, kv_indptr, last))
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last, num_heads, self.num_kv_heads,
                          self.head_dim, self.block_size, custom_mask=mask, causal=mask is None,
                          q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
         self._wrapper, self._planned_heads = wrapper, num_heads

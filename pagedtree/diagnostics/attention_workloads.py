@@ -2,8 +2,10 @@
 
 ``make_workload``: B requests over L keys each through shuffled block tables, with
 random trees of T nodes (T = 1: decode) and dense copies for the baselines;
-``time_fn``: the median of CUDA-event timings after an L2 flush (wall clock on a
-CPU); ``peak_gbps``: a device's peak memory bandwidth from a table of known GPUs.
+``time_fn``/``timed``: a launch's GPU time from CUDA graphs of flushes and launches
+(launch overhead out, the L2 cold; eager CUDA events where a launch cannot be
+captured; wall clock on a CPU); ``peak_gbps``: a device's peak memory bandwidth from
+a table of known GPUs.
 ``benchmarks/kernels.py`` and the check ``kernel_bench`` both time with these.
 """
 
@@ -104,8 +106,26 @@ def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: ra
     )
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Seconds a call takes and how they were measured."""
+
+    seconds: float
+    graphed: bool  # True: GPU time inside a CUDA graph; False: eager events or wall clock
+
+
 def time_fn(fn, warmup: int, iters: int, device: torch.device) -> float:
-    """Median seconds of ``fn()``; on CUDA timed with events after an L2 flush."""
+    """Median seconds of ``fn()`` (see :func:`timed`)."""
+    return timed(fn, warmup, iters, device).seconds
+
+
+def timed(fn, warmup: int, iters: int, device: torch.device) -> Timing:
+    """Seconds ``fn()`` takes. On CUDA: ``iters`` calls, each after an L2 flush,
+    captured into one CUDA graph, less a graph of the flushes alone (the median of
+    a few replays, per call). Eager launches would time the host's launch overhead
+    too: a Triton launch from Python costs tens of microseconds, more than a small
+    decode kernel runs. A call that cannot be captured (it syncs, say) falls back to
+    CUDA events around eager calls. On a CPU: the median wall time."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -114,8 +134,15 @@ def time_fn(fn, warmup: int, iters: int, device: torch.device) -> float:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+        return Timing(statistics.median(times), False)
+    # Twice the L2 written between calls: every call reads its data from HBM.
+    flush = torch.empty(2 * _l2_bytes(device), dtype=torch.int8, device=device)
+    try:
+        with_calls = _graph_replay_seconds(lambda: [(flush.zero_(), fn()) for _ in range(iters)], device)
+        flushes = _graph_replay_seconds(lambda: [flush.zero_() for _ in range(iters)], device)
+        return Timing(max(with_calls - flushes, 0.0) / iters, True)
+    except Exception:  # noqa: BLE001 - a capture the call refuses: time it eagerly instead
+        torch.cuda.synchronize(device)
     events = []
     for _ in range(iters):
         flush.zero_()
@@ -125,4 +152,31 @@ def time_fn(fn, warmup: int, iters: int, device: torch.device) -> float:
         end.record()
         events.append((start, end))
     torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+    return Timing(statistics.median(s.elapsed_time(e) for s, e in events) / 1e3, False)
+
+
+def _l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20)
+
+
+def _graph_replay_seconds(record, device: torch.device, replays: int = 5) -> float:
+    """Median seconds of one replay of a CUDA graph of ``record()``'s launches."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        record()  # warm-up off the capture: workspaces, compiles
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times)

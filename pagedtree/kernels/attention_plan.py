@@ -59,10 +59,12 @@ class KernelPlan:
         kernel uses this step. A static plan's launch grid has the split count of
         its widest context (a CUDA graph freezes it); the kernel reads the count
         the step's real context calls for from here, so a graph replays with the
-        right split. Uploaded once per plan (before a capture or replay)."""
+        right split. Uploaded once per plan (before a capture or replay), each count
+        through its own staging: a shared one would overwrite the counts cached before."""
         cached = self.split_cache.get(count)
         if cached is None:
-            cached = self.split_cache[count] = _upload_sections(self.buffers, f"splits{self.slot_tag}", [[count]])[0]
+            cached = self.split_cache[count] = _upload_sections(
+                self.buffers, f"splits{count}{self.slot_tag}", [[count]])[0]
         return cached
 
     def tiles(self, block_q: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:

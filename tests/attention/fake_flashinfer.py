@@ -85,6 +85,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         kv_lens = [(kv[i + 1] - kv[i] - 1) * page_size + last[i] for i in range(len(last))]
         if custom_mask is not None:
             assert custom_mask.dtype == torch.bool
+            # FlashInfer packs the mask on its device with these pointers (segment_packbits).
+            devices = {t.device for t in (custom_mask, qo_indptr, paged_kv_indptr, paged_kv_last_page_len)}
+            assert len(devices) == 1, f"a custom mask and its index pointers on different devices: {devices}"
             assert custom_mask.numel() == sum((qo[i + 1] - qo[i]) * kv_lens[i] for i in range(len(last)))
         self.plans.append(dict(qo=qo, kv=kv, indices=paged_kv_indices, last=last, kv_lens=kv_lens, mask=custom_mask,
                                causal=causal, heads=num_qo_heads,

@@ -124,6 +124,30 @@ def test_decode_takes_the_kernel_asked_for(tensor_cores):
     assert backend._decode_wrappers[tensor_cores].kwargs["use_tensor_cores"] is tensor_cores
 
 
+class _RecordingPrefill:
+    """Keeps the arguments of each plan (FlashInfer's own plan would pack the mask)."""
+
+    def __init__(self):
+        self.plans = []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append((args, kwargs))
+
+
+def test_a_tree_steps_mask_and_its_index_pointers_are_planned_on_the_cache_device():
+    # FlashInfer packs a custom mask on the GPU from the index pointers, so pointers left
+    # on the host fail there. The "meta" device stands in for the GPU: no data, a device.
+    backend, _ = _backend()
+    backend.begin_step(_meta([3, 2], [5, 3], [[-1, 0, 0], None], [[0, 1], [2]]))
+    backend._prefill = recorder = _RecordingPrefill()
+    backend.device = torch.device("meta")
+    backend._planned(num_heads=4)
+    (args, kwargs), = recorder.plans
+    qo_indptr, kv_indptr, kv_indices, last = args[:4]
+    assert kwargs["custom_mask"] is not None and not kwargs["causal"]
+    assert {t.device.type for t in (kwargs["custom_mask"], qo_indptr, kv_indptr, kv_indices, last)} == {"meta"}
+
+
 @INTERPRETER
 def test_the_fused_rotary_path_stores_then_attends_over_the_same_plan():
     backend, reference = _backend()

@@ -385,3 +385,15 @@ def test_a_static_grid_uses_the_split_its_real_context_calls_for(count, monkeypa
     out = triton_ops.unified_attention(batch.query, batch.k_cache, batch.v_cache, plan, batch.scale, tile=tile)
     torch.testing.assert_close(out.float(), batch.expected(), atol=1e-4, rtol=1e-4)
     assert list(plan.split_cache) == [count if count is not None else 1]
+
+
+def test_one_plan_launched_with_several_split_counts_keeps_each_counts_result():
+    """Tiles of different split counts over one plan (the tile sweep does this): a
+    count cached earlier still holds its own value after others were uploaded."""
+    batch = Batch([("decode", 1, 300), ("tree", 9, 200)], 16, 4, 2, 32, torch.float32, seed=3)
+    plan = batch.plan()
+    for splits in (4, 8, 4, 2, 8):
+        tile = TileShape(block_q=16, group_p=2, tile_n=16 if splits == 8 else 32, num_splits=splits, min_rows=16)
+        out = triton_ops.unified_attention(batch.query, batch.k_cache, batch.v_cache, plan, batch.scale, tile=tile)
+        torch.testing.assert_close(out.float(), batch.expected(), atol=1e-4, rtol=1e-4)
+    assert {count: int(t[0]) for count, t in plan.split_cache.items()} == {4: 4, 8: 8, 2: 2}
