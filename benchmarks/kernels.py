@@ -14,7 +14,8 @@ length (every request sees L keys):
 It reports the median time and the achieved memory bandwidth (the bytes an ideal
 kernel must move: keys and values once, queries and outputs once) as a fraction of
 the device's peak (a table of known devices; ``--peak-gbps`` overrides). On a GPU
-the L2 cache is flushed before every timed call. Without a GPU the kernels run in
+the L2 cache is flushed before every timed call and the calls are timed inside a
+CUDA graph (the host's launch overhead out). Without a GPU the kernels run in
 Triton's interpreter (``TRITON_INTERPRET=1`` is set here): use ``--quick`` there,
 which only shows that everything runs.
 

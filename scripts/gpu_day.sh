@@ -61,7 +61,7 @@ if [ "$seconds" != "0" ]; then
   # pytest-xdist is installed (GPU images usually have it).
   workers=()
   if "$python" -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))"); fi
-  PAGEDTREE_TEST_CUDA=1 timeout "$seconds" "$python" -m pytest -q -rfE --maxfail=20 -p no:cacheprovider \
+  PAGEDTREE_TEST_CUDA=1 timeout "$seconds" "$python" -m pytest -rfE --maxfail=20 \
     "${workers[@]}" tests/kernels tests/worker/test_cuda_graphs.py > "$out/tests.txt" 2>&1
   echo "tests (PAGEDTREE_TEST_CUDA=1, ${seconds} s at most): exit $?; $(tail -1 "$out/tests.txt")"
 fi

@@ -1,8 +1,8 @@
 """Check 5: tree attention against decode attention, timed with the kernel benchmark.
 
 Uses the measurement ``benchmarks/kernels.py`` uses (``attention_workloads``: B
-requests over L keys through shuffled block tables, random trees; CUDA events after
-an L2 flush, the median of the iterations) for a decode and for trees
+requests over L keys through shuffled block tables, random trees; launches after
+L2 flushes inside a CUDA graph, less the flushes) for a decode and for trees
 of 16 and 64 nodes at two context lengths, and reports each tree's time over the
 decode's at the same KV length (the design target is at most 1.1x) and the decode's
 share of the memory bandwidth. Informational: the rows never

@@ -52,20 +52,21 @@ class KernelPlan:
     tile_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]]
     slot_tag: str = ""  # suffix of this plan's buffer slots (a static shape's own)
     real_max_context_len: int = 0  # the longest real context (static plans: below max_context_len)
-    split_cache: dict[int, torch.Tensor] = field(default_factory=dict)
+    split_value: int = 0  # the count split_tensor holds (0: none uploaded yet)
+    split_tensor: torch.Tensor | None = None
 
     def split_count(self, count: int) -> torch.Tensor:
         """int32 ``[1]`` on the device holding ``count``: how many KV segments the
         kernel uses this step. A static plan's launch grid has the split count of
         its widest context (a CUDA graph freezes it); the kernel reads the count
         the step's real context calls for from here, so a graph replays with the
-        right split. Uploaded once per plan (before a capture or replay), each count
-        through its own staging: a shared one would overwrite the counts cached before."""
-        cached = self.split_cache.get(count)
-        if cached is None:
-            cached = self.split_cache[count] = _upload_sections(
-                self.buffers, f"splits{count}{self.slot_tag}", [[count]])[0]
-        return cached
+        right split. One device address per plan slot (the one a graph captured),
+        uploaded again whenever another count is asked for: launches are
+        stream-ordered, so each reads the count asked for before it."""
+        if self.split_tensor is None or self.split_value != count:
+            self.split_tensor = _upload_sections(self.buffers, f"splits{self.slot_tag}", [[count]])[0]
+            self.split_value = count
+        return self.split_tensor
 
     def tiles(self, block_q: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(tile_req, tile_q, num_tiles)``: the request and first query of each

@@ -76,6 +76,19 @@ MAX_TREE_QUERY = 65
 # Keys per tile on a GPU: 16, so a tile never crosses a cache block of 16, 32, ...
 # keys (one block id per tile) and its scores and mask stay small in registers.
 GPU_TILE_N = 16
+# On sm_90, 64 keys a tile (block ids gathered key by key across blocks of 16): more
+# loads in flight per iteration. Timed in CUDA graphs on an H200 (32/8 heads, D=128,
+# bf16, blocks of 16), at the same split count it took 1.35-1.8x less time than 16
+# keys in every workload swept: decodes of 1 and 8 requests over 256-4,096 keys and
+# trees of 16 and 64 nodes (``benchmarks/attention_sweep.py``). Programs of up to
+# SM90_WIDE_ROWS rows take them: at 128-256 rows (bigger trees) 64-key tiles spill
+# 14-916 stores at 255 registers (``cuda_compile``), so those keep 16. And only in
+# launches of at most half a wave of programs (where few programs must keep many
+# loads in flight): in the engine on the H200 they made plain decoding's CUDA graph
+# 5-7% faster at batch 1, 16 and 64, but the batch-64 step (128 programs) took
+# 0.8-1.1 ms more outside its graph replay, unexplained, so it keeps 16 keys.
+SM90_TILE_N = 64
+SM90_WIDE_ROWS = 64
 # Warps per tile: 16 rows each, at least 4 (so sm_90's warpgroup MMA applies).
 MIN_WARPS = 4
 
@@ -84,7 +97,10 @@ MIN_WARPS = 4
 # reduce launch costs, as the bytes the GPU could have moved meanwhile (3 us at
 # the 3.35 TB/s of an H100, the launch cost benchmarks/roofline.py assumes).
 SPLIT_CHOICES = (1, 2, 4, 8, 16)
-MIN_SPLIT_KEYS = 256  # keys per segment at least: shorter ones are mostly prologue and epilogue
+# Keys per segment at least: shorter ones are mostly prologue and epilogue. At 128
+# (two 64-key tiles), one request's decode over 1,024 keys took 11.3 us in 8 segments
+# against 15.3 us in 4 on the H200 (8 KV heads: 8 programs unsplit).
+MIN_SPLIT_KEYS = 128
 REDUCE_LAUNCH_BYTES = 10_000_000
 
 
@@ -193,7 +209,8 @@ def choose_tile_shape(
     them) take tiles of ``PREFILL_ROWS`` rows, many programs. Key tiles of
     ``GPU_TILE_N`` keys lie inside one cache block when the block size is a multiple
     of it (one block id per tile, regular loads); other block sizes gather keys one
-    by one. Split-KV (flash-decoding) is used where :func:`split_kv_cost` says it
+    by one, as sm_90's tiles of ``SM90_TILE_N`` keys (programs of up to
+    ``SM90_WIDE_ROWS`` rows) do in blocks of 16. Split-KV (flash-decoding) is used where :func:`split_kv_cost` says it
     pays: when the step has too few programs to fill the GPU and the partials it
     writes and reads back cost less than the idle SMs. In the interpreter, cost is
     per executed op, so bigger tiles and fewer programs are faster. ``capability``
@@ -236,6 +253,9 @@ def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, 
         num_stages = 1 if root_side else BIG_TILE_STAGES
     elif block_m == 128 and not has_warpgroup_mma(capability):
         num_stages = BIG_TILE_STAGES  # mma.sync's 128-row tiles: 3 stages spill a store at head dim 64
+    programs = num_requests * cdiv(max(1, queries - int(root_side)), block_q) * num_kv_heads
+    if capability == 90 and block_m <= SM90_WIDE_ROWS and 2 * programs <= num_sms:
+        tile_n = SM90_TILE_N
     tile = TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=1, num_warps=num_warps,
                      root_side=root_side, num_stages=num_stages, min_rows=16,
                      max_registers=SM100_MAX_REGISTERS if _caps_registers(capability, num_warps) else None)

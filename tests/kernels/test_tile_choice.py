@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pagedtree.kernels.tiles import (
+    GPU_TILE_N,
     MAX_ROWS,
+    SM90_TILE_N,
     SPLIT_CHOICES,
     choose_tile_shape,
     split_kv_cost,
@@ -33,7 +35,7 @@ def test_sm80_at_head_dim_128_stops_at_128_rows():
 def test_split_kv_where_idle_sms_cost_more_than_partials():
     # A lone long decode: 8 programs for 132 SMs, tiny partials -> split wide.
     assert _shape(1, 1, 4096).num_splits == 16
-    # Short contexts: segments of fewer than 256 keys are not worth a split.
+    # A short context: the reduce launch costs more than the idle SMs it would fill.
     assert _shape(1, 1, 300).num_splits == 1
     # A full GPU: no split.
     assert _shape(1, 64, 4096).num_splits == 1
@@ -95,3 +97,22 @@ def test_sm100_lets_eight_warp_programs_use_their_registers(group):
     assert tile.num_warps == 8 and tile.max_registers == 255
     assert _tree(65, group, 90).max_registers is None and _tree(65, group, 120).max_registers is None
     assert _tree(65, group, 80).max_registers is None
+
+
+@pytest.mark.parametrize("tokens,batch,capability,tile_n", [
+    (1, 1, 90, SM90_TILE_N),    # one decode: 8 programs
+    (1, 8, 90, SM90_TILE_N),    # 64 programs: half a wave of 132 SMs
+    (16, 8, 90, SM90_TILE_N),   # 16-node trees: 64-row programs
+    (1, 16, 90, GPU_TILE_N),    # 128 programs: a wave
+    (32, 1, 90, GPU_TILE_N),    # 128-row programs: wide key tiles spill
+    (1, 1, 80, GPU_TILE_N),     # not measured off sm_90
+    (1, 1, 100, GPU_TILE_N),
+])
+def test_sm90_takes_wide_key_tiles_in_small_launches_of_small_programs(tokens, batch, capability, tile_n):
+    assert _shape(tokens, batch, 1024, capability=capability).tile_n == tile_n
+
+
+def test_a_short_decode_splits_into_segments_of_two_wide_tiles():
+    # One request over 1,024 keys on sm_90: 8 segments of 128 keys (8 programs unsplit).
+    tile = _shape(1, 1, 1024)
+    assert (tile.tile_n, tile.num_splits) == (SM90_TILE_N, 8)
