@@ -22,6 +22,12 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
   attending (``attention_backend="flashinfer"``), against the Triton kernels in the
   same run, both eager (FlashInfer's steps are not captured); skipped where
   FlashInfer does not import;
+- tiles: plain decoding at batch 1, 16 and 64 under three rules for the attention
+  kernel's key tiles on sm_90, an engine each (its graphs captured under the rule):
+  the launch code's own (64-key tiles in launches of up to half a wave of small
+  programs), 64-key tiles in every launch of small programs, and 16-key tiles
+  everywhere; each row with its graph's replay and the rest of the step (the rules
+  differ on sm_90 only; elsewhere the section says so and is skipped);
 - llama8b: plain decoding of the 8B shape at batch 1 and 16;
 - transformers: ``generate`` of the same 1.5B shape (bf16, random weights) at batch
   1 and 16 in the same run, after a warm-up.
@@ -49,7 +55,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SECTIONS = ("plain", "speculation", "suffix", "flashinfer", "llama8b", "transformers")
+SECTIONS = ("plain", "speculation", "suffix", "flashinfer", "tiles", "llama8b", "transformers")
 # Mean acceptance lengths (tokens a step, the target's own included) of the real
 # Qwen2.5-Coder 1.5B/0.5B pair on coding prompts, greedy, batch 1, bf16, measured on
 # CPU with `benchmarks/spec_decode.py --configs chain-4,static-16 --batch-sizes 1
@@ -433,6 +439,48 @@ def section_flashinfer(run: Runner) -> list[Figure]:
     return figures
 
 
+# The key-tile rules the tiles section compares: name -> the tiles module's settings.
+TILE_RULES = {
+    "the launch code's rule": {},
+    "64-key tiles in every launch": {"SM90_WIDE_WAVE": 1e9},
+    "16-key tiles": {"SM90_WIDE_ROWS": 0},
+}
+
+
+def section_tiles(run: Runner) -> list[Figure]:
+    """Plain decoding under each of ``TILE_RULES``, an engine per rule built and timed
+    with the rule in force (its CUDA graphs hold the tiles of their capture)."""
+    import torch
+
+    from pagedtree.kernels import tiles
+
+    if run.device == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        return [Figure("tiles", "skipped", "-", "the key-tile rules differ on sm_90 only")]
+    batches = (1, 2) if run.tiny else (1, 16, 64)
+    figures, baseline = [], {}
+    for name, settings in TILE_RULES.items():
+        saved = {key: getattr(tiles, key) for key in settings}
+        for key, value in settings.items():
+            setattr(tiles, key, value)
+        try:
+            llm = run.llm(run.target, max_num_seqs=4 if run.tiny else 64)
+            for batch in batches:
+                t = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+                replay = graph_replay_seconds(llm, (batch, 1))
+                baseline.setdefault(batch, t["step_seconds"])
+                graph = (f"; graph {replay * 1e3:.3f} ms, the rest {(t['step_seconds'] - replay) * 1e3:.2f} ms"
+                         if replay is not None else "")
+                figures.append(Figure("tiles", f"{name}, batch {batch}", f"{t['tokens_per_second']:.0f} tokens/s",
+                                      f"{t['step_seconds'] * 1e3:.2f} ms a step{graph}; "
+                                      f"{baseline[batch] / t['step_seconds']:.2f}x the launch code's rule",
+                                      t | dict(replay_seconds=replay, settings=settings)))
+            free(llm)
+        finally:
+            for key, value in saved.items():
+                setattr(tiles, key, value)
+    return figures
+
+
 def section_llama(run: Runner, gpu: str) -> list[Figure]:
     figures = []
     llm = run.llm(run.llama, max_num_seqs=4 if run.tiny else 16)
@@ -573,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
                 return section_suffix(run, plain_steps)
             if name == "flashinfer":
                 return section_flashinfer(run)
+            if name == "tiles":
+                return section_tiles(run)
             if name == "llama8b":
                 return section_llama(run, gpu)
             return section_transformers(run)

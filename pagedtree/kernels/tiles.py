@@ -86,9 +86,11 @@ GPU_TILE_N = 16
 # launches of at most half a wave of programs (where few programs must keep many
 # loads in flight): in the engine on the H200 they made plain decoding's CUDA graph
 # 5-7% faster at batch 1, 16 and 64, but the batch-64 step (128 programs) took
-# 0.8-1.1 ms more outside its graph replay, unexplained, so it keeps 16 keys.
+# 0.8-1.1 ms more outside its graph replay, unexplained, so it keeps 16 keys
+# (``gpu_bench.py --sections tiles`` times the three rules side by side).
 SM90_TILE_N = 64
 SM90_WIDE_ROWS = 64
+SM90_WIDE_WAVE = 0.5  # launches of at most this share of a wave of programs (one per SM)
 # Warps per tile: 16 rows each, at least 4 (so sm_90's warpgroup MMA applies).
 MIN_WARPS = 4
 
@@ -254,7 +256,7 @@ def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, 
     elif block_m == 128 and not has_warpgroup_mma(capability):
         num_stages = BIG_TILE_STAGES  # mma.sync's 128-row tiles: 3 stages spill a store at head dim 64
     programs = num_requests * cdiv(max(1, queries - int(root_side)), block_q) * num_kv_heads
-    if capability == 90 and block_m <= SM90_WIDE_ROWS and 2 * programs <= num_sms:
+    if capability == 90 and block_m <= SM90_WIDE_ROWS and programs <= SM90_WIDE_WAVE * num_sms:
         tile_n = SM90_TILE_N
     tile = TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=1, num_warps=num_warps,
                      root_side=root_side, num_stages=num_stages, min_rows=16,

@@ -64,6 +64,29 @@ def test_the_flashinfer_section_times_both_backends_in_one_run(tmp_path, monkeyp
                for f in figures)
 
 
+def test_the_tiles_section_times_each_key_tile_rule_with_the_rule_in_force(tmp_path, monkeypatch):
+    """An engine per rule, timed while the rule holds (its graphs are captured under it);
+    the launch code's own rule back in place afterwards."""
+    from pagedtree.kernels import tiles
+
+    bench = load_benchmark("gpu_bench")
+    seen = []
+    step_time = bench.Runner.step_time
+
+    def recording(self, llm, batch, vocab):
+        seen.append((tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE))
+        return step_time(self, llm, batch, vocab)
+
+    monkeypatch.setattr(bench.Runner, "step_time", recording)
+    shipped = (tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--no-progress", "--json", str(out), "--sections", "tiles"]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert [f["case"] for f in figures] == [f"{rule}, batch {b}" for rule in bench.TILE_RULES for b in (1, 2)]
+    assert seen == [shipped] * 2 + [(shipped[0], 1e9)] * 2 + [(0, shipped[1])] * 2
+    assert (tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE) == shipped
+
+
 def test_a_bad_section_or_acceptance_is_refused(capsys):
     bench = load_benchmark("gpu_bench")
     with pytest.raises(SystemExit):
