@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedtree.diagnostics.graph_timing import graph_replay_seconds
+
 # Peak HBM bandwidth in GB/s by device-name substring; first match wins, so more
 # specific names come first.
 PEAK_GBPS = [
@@ -138,8 +140,8 @@ def timed(fn, warmup: int, iters: int, device: torch.device) -> Timing:
     # Twice the L2 written between calls: every call reads its data from HBM.
     flush = torch.empty(2 * _l2_bytes(device), dtype=torch.int8, device=device)
     try:
-        with_calls = _graph_replay_seconds(lambda: [(flush.zero_(), fn()) for _ in range(iters)], device)
-        flushes = _graph_replay_seconds(lambda: [flush.zero_() for _ in range(iters)], device)
+        with_calls = graph_replay_seconds(lambda: [(flush.zero_(), fn()) for _ in range(iters)], device)
+        flushes = graph_replay_seconds(lambda: [flush.zero_() for _ in range(iters)], device)
         return Timing(max(with_calls - flushes, 0.0) / iters, True)
     except Exception:  # noqa: BLE001 - a capture the call refuses: time it eagerly instead
         torch.cuda.synchronize(device)
@@ -157,26 +159,3 @@ def timed(fn, warmup: int, iters: int, device: torch.device) -> Timing:
 
 def _l2_bytes(device: torch.device) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20)
-
-
-def _graph_replay_seconds(record, device: torch.device, replays: int = 5) -> float:
-    """Median seconds of one replay of a CUDA graph of ``record()``'s launches."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        record()  # warm-up off the capture: workspaces, compiles
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        record()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times)

@@ -19,12 +19,12 @@ timings there mean nothing.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pagedtree.diagnostics.graph_timing import graph_replay_seconds
 from pagedtree.diagnostics.report import FAIL, INFO, PASS, Row
 
 CHECK = "dense kernels"
@@ -140,27 +140,7 @@ def graph_seconds(make_calls: Callable[[], list[Callable[[], object]]], device: 
         for call in calls:
             call()
         return (time.perf_counter() - started) / len(calls)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for call in calls:  # warm-up on a side stream (workspaces, compiles)
-            call()
-    torch.cuda.current_stream(device).wait_stream(side)
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
+    return graph_replay_seconds(lambda: [call() for call in calls], device, repeats) / len(calls)
 
 
 def speed_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
