@@ -62,7 +62,7 @@ if [ "$seconds" != "0" ]; then
   workers=()
   if "$python" -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))"); fi
   PAGEDTREE_TEST_CUDA=1 timeout "$seconds" "$python" -m pytest -rfE --maxfail=20 \
-    "${workers[@]}" tests/kernels tests/worker/test_cuda_graphs.py > "$out/tests.txt" 2>&1
+    ${workers[@]+"${workers[@]}"} tests/kernels tests/worker/test_cuda_graphs.py > "$out/tests.txt" 2>&1
   echo "tests (PAGEDTREE_TEST_CUDA=1, ${seconds} s at most): exit $?; $(tail -1 "$out/tests.txt")"
 fi
 exit "$status"

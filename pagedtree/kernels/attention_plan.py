@@ -13,7 +13,7 @@ and a static step's block tables stay on the device (``block_tables``).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch

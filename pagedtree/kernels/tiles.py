@@ -212,8 +212,9 @@ def choose_tile_shape(
     ``GPU_TILE_N`` keys lie inside one cache block when the block size is a multiple
     of it (one block id per tile, regular loads); other block sizes gather keys one
     by one, as sm_90's tiles of ``SM90_TILE_N`` keys (programs of up to
-    ``SM90_WIDE_ROWS`` rows) do in blocks of 16. Split-KV (flash-decoding) is used where :func:`split_kv_cost` says it
-    pays: when the step has too few programs to fill the GPU and the partials it
+    ``SM90_WIDE_ROWS`` rows in small launches) do in blocks of 16. Split-KV
+    (flash-decoding) is used where :func:`split_kv_cost` says it pays: when the
+    step has too few programs to fill the GPU and the partials it
     writes and reads back cost less than the idle SMs. In the interpreter, cost is
     per executed op, so bigger tiles and fewer programs are faster. ``capability``
     (80 = sm_80) and ``head_dim`` decide what fits in registers.
