@@ -472,7 +472,7 @@ def section_tiles(run: Runner) -> list[Figure]:
                          if replay is not None else "")
                 figures.append(Figure("tiles", f"{name}, batch {batch}", f"{t['tokens_per_second']:.0f} tokens/s",
                                       f"{t['step_seconds'] * 1e3:.2f} ms a step{graph}; "
-                                      f"{baseline[batch] / t['step_seconds']:.2f}x the launch code's rule",
+                                      f"{baseline[batch] / t['step_seconds']:.2f}x the launch code's rule's speed",
                                       t | dict(replay_seconds=replay, settings=settings)))
             free(llm)
         finally:
