@@ -256,24 +256,29 @@ def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, 
         num_stages = 1 if root_side else BIG_TILE_STAGES
     elif block_m == 128 and not has_warpgroup_mma(capability):
         num_stages = BIG_TILE_STAGES  # mma.sync's 128-row tiles: 3 stages spill a store at head dim 64
-    programs = num_requests * cdiv(max(1, queries - int(root_side)), block_q) * num_kv_heads
-    if capability == 90 and block_m <= SM90_WIDE_ROWS and programs <= SM90_WIDE_WAVE * num_sms:
-        tile_n = SM90_TILE_N
     tile = TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=1, num_warps=num_warps,
                      root_side=root_side, num_stages=num_stages, min_rows=16,
                      max_registers=SM100_MAX_REGISTERS if _caps_registers(capability, num_warps) else None)
+    if (capability == 90 and block_m <= SM90_WIDE_ROWS
+            and launch_programs(tile, max_query_len, num_requests, num_kv_heads) <= SM90_WIDE_WAVE * num_sms):
+        tile = replace(tile, tile_n=SM90_TILE_N)
     num_splits = choose_splits(tile, max_query_len, group, num_requests, num_kv_heads, max_context_len, num_sms,
                                head_dim, kv_elem_bytes)
     return replace(tile, num_splits=num_splits)
+
+
+def launch_programs(tile: TileShape, max_query_len: int, num_requests: int, num_kv_heads: int) -> int:
+    """Programs of an unsplit launch of ``tile``: per request its query tiles (the root
+    aside when ``tile.root_side``), per KV head."""
+    main_queries = max(1, max_query_len) - tile.first_query()
+    return num_requests * max(1, cdiv(main_queries, tile.block_q)) * num_kv_heads
 
 
 def choose_splits(tile: TileShape, max_query_len: int, group: int, num_requests: int, num_kv_heads: int,
                   max_context_len: int, num_sms: int, head_dim: int, kv_elem_bytes: int) -> int:
     """The split-KV count :func:`split_kv_cost` finds cheapest for ``tile``'s programs
     at a context of ``max_context_len`` keys (segments of at least ``MIN_SPLIT_KEYS``)."""
-    main_queries = max(1, max_query_len) - tile.first_query()
-    num_tiles = num_requests * max(1, cdiv(main_queries, tile.block_q))
-    programs = num_tiles * num_kv_heads
+    programs = launch_programs(tile, max_query_len, num_requests, num_kv_heads)
     kv_bytes = programs * max_context_len * head_dim * 2 * kv_elem_bytes  # K and V, read once per program
     partial_bytes = num_requests * max(1, max_query_len) * group * num_kv_heads * (next_power_of_2(head_dim) + 2) * 8
     choices = [s for s in SPLIT_CHOICES if s == 1 or s * MIN_SPLIT_KEYS <= max_context_len]
