@@ -32,12 +32,14 @@ LAYERS = (("qkv", 2048, 1536, False, (1,)), ("o", 1536, 1536, False, (1,)),
           ("gate_up", 8960, 1536, True, (1, 2080)), ("down", 1536, 8960, False, (1, 2080)),
           ("head", 151_936, 1536, False, (1, 2080)))
 TINY_LAYERS = (("gate_up", 80, 64, True, (1, 16)), ("down", 64, 160, False, (1, 16)))
-# (BLOCK_N, BLOCK_K, warps, stages, programs per SM at one row); the first is the
-# shipped one (gated layers ship 8 warps and 2 stages).
-CONFIGS = [(64, 64, 4, 4, 2), (64, 64, 4, 3, 4), (32, 64, 4, 4, 2), (32, 128, 4, 3, 2), (64, 128, 4, 3, 2),
-           (128, 64, 4, 3, 2), (128, 64, 8, 3, 2), (64, 64, 8, 2, 2)]
-TINY_CONFIGS = [(64, 64, 4, 3, 2), (32, 64, 4, 3, 4)]
-
+# (BLOCK_N, BLOCK_K, warps, stages, programs per SM at one row, groups a split tile's
+# last program loads together: 0 for the shipped ``dense_ops.reduce_unroll``); the
+# first is the shipped one (gated layers ship 8 warps and 2 stages before sm_90), the
+# second the same with one group's load in flight at a time.
+CONFIGS = [(64, 64, 4, 4, 2, 0), (64, 64, 4, 4, 2, 1), (64, 64, 4, 3, 4, 0), (64, 64, 4, 4, 8, 0),
+           (32, 64, 4, 4, 2, 0), (32, 128, 4, 3, 2, 0), (64, 128, 4, 3, 2, 0), (128, 64, 4, 3, 2, 0),
+           (128, 64, 8, 3, 2, 0), (64, 64, 8, 2, 2, 0)]
+TINY_CONFIGS = [(64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 1)]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -72,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = weight.numel() * 2
         copies = max(1, min(16, -(-(256 << 20) // nbytes))) if device.type == "cuda" else 1
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-        for block_n, block_k, warps, stages, per_sm in configs:
+        for block_n, block_k, warps, stages, per_sm, unroll in configs:
             tiles_n = -(-n_out // block_n)
             steps = -(-k // block_k)
             wanted = min(steps, max(1, -(-per_sm * sms // tiles_n)))
             per_group = max(1, steps // wanted)
             groups = -(-steps // per_group)
+            unroll = unroll or dense_ops.reduce_unroll(groups, gated)
             for m in rows_list:
                 x = (torch.randn(m, k, generator=gen, device=device)).to(torch.bfloat16)
                 out = torch.empty(m, n_out, dtype=torch.bfloat16, device=device)
@@ -87,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                 counters = dense_ops._counters(device)
 
                 def call(w, x=x, out=out, parts=parts, split=split, groups=groups, per_group=per_group,
-                         block_n=block_n, block_k=block_k, warps=warps, stages=stages, tiles=tiles, m=m):
+                         block_n=block_n, block_k=block_k, warps=warps, stages=stages, tiles=tiles, m=m,
+                         unroll=unroll):
                     return lambda: D._invariant_matmul_kernel[(tiles, groups if split else 1)](
                         x, w, out, out, parts, counters, m, k, n_out, x.stride(0), w.stride(0), out.stride(0),
                         NUM_GROUPS=groups, GROUP_K=per_group * block_k, BLOCK_M=dense_ops.BLOCK_M,
-                        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, GATED=gated, HAS_BIAS=False,
+                        BLOCK_N=block_n, BLOCK_K=block_k, REDUCE_M=dense_ops.REDUCE_M, REDUCE_UNROLL=unroll,
+                        SPLIT=split, GATED=gated, HAS_BIAS=False,
                         DOT_FP32=dense_ops.INTERPRETED, ROW_EXACT_DOT=dense_ops.INTERPRETED,
                         MANUAL_BF16=dense_ops.INTERPRETED, num_warps=warps, num_stages=stages)
 
@@ -103,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     error = None
                 results.append(dict(layer=name, rows=m, block_n=block_n, block_k=block_k, warps=warps,
-                                    stages=stages, per_sm=per_sm, groups=groups, split=split, seconds=seconds,
+                                    stages=stages, per_sm=per_sm, groups=groups, unroll=unroll, split=split,
+                                    seconds=seconds,
                                     gbps=nbytes / seconds / 1e9 if seconds else None, error=error))
                 shown = f"{seconds * 1e6:8.1f} us {nbytes / seconds / 1e9:6.0f} GB/s" if seconds else error
                 print(f"{name:14s} rows {m:5d} BN {block_n:3d} BK {block_k:3d} w{warps} s{stages} "
-                      f"{per_sm}/SM groups {groups:3d} {'split' if split else 'whole'}: {shown}", flush=True)
+                      f"{per_sm}/SM groups {groups:3d} x{unroll:<2d} {'split' if split else 'whole'}: {shown}",
+                      flush=True)
         del weights, weight
     print("best per layer and rows:")
     for (name, m), group in itertools.groupby(sorted((r for r in results if r["seconds"]),
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                               key=lambda r: (r["layer"], r["rows"])):
         best = next(group)
         print(f"  {name:14s} rows {m:5d}: BN {best['block_n']} BK {best['block_k']} w{best['warps']} "
-              f"s{best['stages']} {best['per_sm']}/SM -> {best['seconds'] * 1e6:.1f} us")
+              f"s{best['stages']} {best['per_sm']}/SM x{best['unroll']} -> {best['seconds'] * 1e6:.1f} us")
     print(f"sweep took {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

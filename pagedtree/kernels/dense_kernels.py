@@ -90,6 +90,7 @@ def _invariant_matmul_kernel(
     M, K, n_out, stride_xm, stride_wn, stride_om,
     NUM_GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    REDUCE_M: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr, ROW_EXACT_DOT: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
@@ -100,7 +101,8 @@ def _invariant_matmul_kernel(
     fastest (neighbouring programs share a weight tile in L2). ``SPLIT``: program
     ``(t, g)`` writes K-group ``g``'s sum to ``part[g]`` (``[NUM_GROUPS, 1 + GATED,
     M, n_out]`` fp32), then counts itself in ``count[t]``; the tile's last program
-    adds the groups in order, finishes the tile and puts the counter back to 0.
+    adds the groups in order (``REDUCE_M`` rows at a time, ``REDUCE_UNROLL`` groups'
+    loads in flight at once), finishes the tile and puts the counter back to 0.
     """
     tile = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -131,15 +133,32 @@ def _invariant_matmul_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_GROUPS - 1:
-            for g in range(NUM_GROUPS):
-                # .cg: from L2, never a stale line of this SM's L1.
-                total += tl.load(part_ptr + (g * halves) * plane + cell, mask=cell_ok, other=0.0,
-                                 cache_modifier=".cg")
-                if GATED:
-                    total_up += tl.load(part_ptr + (g * 2 + 1) * plane + cell, mask=cell_ok, other=0.0,
-                                        cache_modifier=".cg")
-            _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, n_out, stride_om,
-                             HAS_BIAS, GATED, MANUAL_BF16)
+            # The tile's rows that exist, REDUCE_M at a time (a decode's rows in one
+            # pass); each pass issues REDUCE_UNROLL groups' loads together, so the
+            # reduction waits about one L2 round trip per REDUCE_UNROLL groups rather
+            # than one per group. The adds stay in group order from zero: the same
+            # bits as the one-program path, whatever the row chunk.
+            tile_rows = tl.minimum(M - tile_m * BLOCK_M, BLOCK_M)
+            for r0 in range(0, tile_rows, REDUCE_M):
+                sub_rows = (tile_m * BLOCK_M + r0 + tl.arange(0, REDUCE_M)).to(tl.int64)
+                sub_ok = sub_rows < M  # REDUCE_M divides BLOCK_M: the chunk stays in the tile
+                sub_cell = sub_rows[:, None] * n_out + cols[None, :]
+                sub_cell_ok = sub_ok[:, None] & col_ok[None, :]
+                sub_total = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
+                sub_up = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
+                for g0 in range(0, NUM_GROUPS, REDUCE_UNROLL):
+                    for j in tl.static_range(REDUCE_UNROLL):
+                        # A group past the last adds 0.0 (masked): exact, as a sum
+                        # from +0.0 is never -0.0.
+                        g_ok = sub_cell_ok & (g0 + j < NUM_GROUPS)
+                        # .cg: from L2, never a stale line of this SM's L1.
+                        sub_total += tl.load(part_ptr + ((g0 + j) * halves) * plane + sub_cell, mask=g_ok,
+                                             other=0.0, cache_modifier=".cg")
+                        if GATED:
+                            sub_up += tl.load(part_ptr + ((g0 + j) * 2 + 1) * plane + sub_cell, mask=g_ok,
+                                              other=0.0, cache_modifier=".cg")
+                _matmul_epilogue(sub_total, sub_up, bias_ptr, out_ptr, sub_rows, cols, sub_ok, col_ok, n_out,
+                                 stride_om, HAS_BIAS, GATED, MANUAL_BF16)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         for group in range(NUM_GROUPS):

@@ -36,6 +36,15 @@ BLOCK_K = 64
 SPLIT_MAX_ROWS = 256
 # One arrival counter per output tile of a split launch, reset by the launch itself.
 COUNTER_SLOTS = 1 << 16
+# A split tile's last program adds the groups' sums for this many rows at a time
+# (divides BLOCK_M; 8 rows x 64 columns is one 16-byte load a thread a group, so
+# ptxas issues a decode's 12-20 group loads before the first add: one L2 round trip,
+# where one a group cost 12 in sequence), this many groups per unrolled pass (fewer
+# for a gated layer, which loads two sums a group). The launch's speed only: the
+# adds are the same, in group order, whatever the chunk.
+REDUCE_M = 8
+REDUCE_UNROLL = 16
+REDUCE_UNROLL_GATED = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +141,11 @@ def uses_split(rows: int, config: MatmulConfig, num_sms: int) -> bool:
     return config.num_groups > 1 and rows <= SPLIT_MAX_ROWS and tiles < 2 * num_sms and tiles <= COUNTER_SLOTS
 
 
+def reduce_unroll(num_groups: int, gated: bool) -> int:
+    """Groups whose sums a split tile's last program loads together."""
+    return max(1, min(num_groups, REDUCE_UNROLL_GATED if gated else REDUCE_UNROLL))
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: MatmulConfig,
                      split: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``gated``: ``SiLU(x @ gate.T) * (x @ up.T)`` with ``weight``
@@ -174,7 +188,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         m, config.k, config.n_out, rows.stride(0), weight.stride(0), out.stride(0),
         NUM_GROUPS=config.num_groups, GROUP_K=config.group_k,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        SPLIT=split, GATED=config.gated, HAS_BIAS=bias is not None,
+        REDUCE_M=REDUCE_M, REDUCE_UNROLL=reduce_unroll(config.num_groups, config.gated), SPLIT=split, GATED=config.gated, HAS_BIAS=bias is not None,
         DOT_FP32=INTERPRETED or x.dtype == torch.float32, ROW_EXACT_DOT=INTERPRETED, MANUAL_BF16=INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -52,6 +52,25 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_either_launch(dtype, gat
     torch.testing.assert_close(alone.float(), _eager(x, weight, bias, gated).float(), rtol=tol, atol=tol * 8)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_a_split_tile_adds_its_groups_in_order_however_many_loads_it_has_in_flight(monkeypatch, gated, unroll):
+    """A split tile's last program loads a few groups' sums at once (the last pass
+    masked past the final group) and 16 rows at a time: the bits of the one-program
+    launch, with 5 groups in passes of 1 or 3 and a tile of 64 rows plus one of 6."""
+    monkeypatch.setattr(dense_ops, "REDUCE_UNROLL", unroll)
+    monkeypatch.setattr(dense_ops, "REDUCE_UNROLL_GATED", unroll)
+    gen = torch.Generator().manual_seed(2)
+    n, k = 72, 300
+    halves = 2 if gated else 1
+    weight = torch.randn(halves * n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
+    config = matmul_config(n, k, gated, torch.bfloat16, num_sms=132)
+    assert config.num_groups == 5 and dense_ops.reduce_unroll(config.num_groups, gated) == unroll
+    whole = dense_ops.invariant_linear(x, weight, None, config, split=False)
+    assert torch.equal(dense_ops.invariant_linear(x, weight, None, config, split=True), whole)
+
+
 def test_a_split_launch_leaves_its_counters_at_zero():
     """The tile's last program resets its arrival counter, so the next split launch
     (and the next graph replay) starts from zero."""
