@@ -9,6 +9,10 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
   prefill and start-up cancel out), with each step launched ahead of the previous
   one's readback (async scheduling) against the same engine one step at a time,
   and the 0.5B draft's own decode step (one draft level at batch 1);
+- overlap: plain decoding at batch 1, 16 and 64, the 0.5B draft's step and a
+  chain-4 step at batch 1, with launches one after another and overlapping
+  (programmatic dependent launch, sm_90 and later; ``PAGEDTREE_PDL=1``), an engine
+  each, graphs captured under the setting; skipped on older GPUs;
 - speculation: a forced chain of 4 and the 16-node static tree at batch 1 and 16,
   each also drafted level by level in the same engine (what whole drafts save)
   and, where the draft has graphs, with a graph per level instead of one graph a
@@ -17,17 +21,17 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
   and the speed-up those costs give at the mean acceptance lengths measured on
   CPU with the real Qwen pair (``--acceptance``; random weights accept what they
   accept, so their own acceptance is reported but not used);
-- suffix: the model-free suffix drafter (16 nodes, fixed) at batch 1, its step cost;
-- flashinfer: plain decoding at batch 1, 16 and 64 with FlashInfer's kernels
-  attending (``attention_backend="flashinfer"``), against the Triton kernels in the
-  same run, both eager (FlashInfer's steps are not captured); skipped where
-  FlashInfer does not import;
 - tiles: plain decoding at batch 1, 16 and 64 under three rules for the attention
   kernel's key tiles on sm_90, an engine each (its graphs captured under the rule):
   the launch code's own (64-key tiles in launches of up to half a wave of small
   programs), 64-key tiles in every launch of small programs, and 16-key tiles
   everywhere; each row with its graph's replay and the rest of the step (the rules
   differ on sm_90 only; elsewhere the section says so and is skipped);
+- suffix: the model-free suffix drafter (16 nodes, fixed) at batch 1, its step cost;
+- flashinfer: plain decoding at batch 1, 16 and 64 with FlashInfer's kernels
+  attending (``attention_backend="flashinfer"``), against the Triton kernels in the
+  same run, both eager (FlashInfer's steps are not captured); skipped where
+  FlashInfer does not import;
 - llama8b: plain decoding of the 8B shape at batch 1 and 16;
 - transformers: ``generate`` of the same 1.5B shape (bf16, random weights) at batch
   1 and 16 in the same run, after a warm-up.
@@ -55,7 +59,8 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SECTIONS = ("plain", "speculation", "suffix", "flashinfer", "tiles", "llama8b", "transformers")
+# In the order they run: what a time-bounded run most needs first.
+SECTIONS = ("plain", "overlap", "speculation", "tiles", "suffix", "flashinfer", "llama8b", "transformers")
 # Mean acceptance lengths (tokens a step, the target's own included) of the real
 # Qwen2.5-Coder 1.5B/0.5B pair on coding prompts, greedy, batch 1, bf16, measured on
 # CPU with `benchmarks/spec_decode.py --configs chain-4,static-16 --batch-sizes 1
@@ -339,13 +344,16 @@ def static_steps(llm, max_num_seqs: int, max_tree_tokens: int) -> None:
         draft.runner.enable_cuda_graphs(max_num_seqs * 4, engine.max_model_len, DRAFT_GRAPH_TOKENS, capture=False)
 
 
+# The speculative steps timed: a forced chain of 4 and a static 16-node tree.
+SPEC_CONFIGS = {"chain-4": dict(tree="chain", depth=4, max_nodes=4, adaptive=False),
+                "static-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=False)}
+
+
 def section_speculation(run: Runner, plain_steps: dict, acceptance: dict) -> list[Figure]:
     from pagedtree.speculative import SpeculativeConfig
 
-    configs = {"chain-4": dict(tree="chain", depth=4, max_nodes=4, adaptive=False),
-               "static-16": dict(tree="static", expansion=(2, 2, 1, 1, 1, 1), max_nodes=16, adaptive=False)}
     figures = []
-    for name, spec in configs.items():
+    for name, spec in SPEC_CONFIGS.items():
         max_num_seqs = 4 if run.tiny else 16
         llm = run.llm(run.target, max_num_seqs=max_num_seqs, draft_model=run.draft,
                       speculative=SpeculativeConfig(**spec))
@@ -478,6 +486,51 @@ def section_tiles(run: Runner) -> list[Figure]:
         finally:
             for key, value in saved.items():
                 setattr(tiles, key, value)
+    return figures
+
+
+def section_overlap(run: Runner) -> list[Figure]:
+    """Plain decoding of the 1.5B at batch 1, 16 and 64, the 0.5B draft's own step and
+    a chain-4 speculative step at batch 1, with launches one after another and then
+    overlapping (``launch_overlap``), an engine each built and timed under the
+    setting (its CUDA graphs hold the launches of their capture)."""
+    import torch
+
+    from pagedtree.kernels import launch_overlap
+    from pagedtree.speculative import SpeculativeConfig
+
+    if run.device == "cuda" and not launch_overlap.supported(torch.device("cuda")):
+        return [Figure("overlap", "skipped", "-", "overlapping launches need a GPU of sm_90 or later")]
+    batches = (1, 2) if run.tiny else (1, 16, 64)
+    timed: dict[tuple[str, bool], tuple[dict, float | None]] = {}
+    for on in (False, True):
+        with launch_overlap.overlapping(on):
+            llm = run.llm(run.target, max_num_seqs=4 if run.tiny else 64)
+            for batch in batches:
+                t = run.step_time(llm, batch, _vocab(run.tiny, QWEN_1_5B))
+                timed[f"1.5B, batch {batch}", on] = t, graph_replay_seconds(llm, (batch, 1))
+            free(llm)
+            llm = run.llm(run.draft, max_num_seqs=4)
+            t = run.step_time(llm, 1, _vocab(run.tiny, QWEN_0_5B))
+            timed["0.5B draft alone, batch 1", on] = t, graph_replay_seconds(llm, (1, 1))
+            free(llm)
+            spec = SPEC_CONFIGS["chain-4"]
+            llm = run.llm(run.target, max_num_seqs=4, draft_model=run.draft, speculative=SpeculativeConfig(**spec))
+            if run.device == "cpu":
+                static_steps(llm, 4, 1 + spec["max_nodes"])
+            timed["chain-4, batch 1", on] = run.step_time(llm, 1, _vocab(run.tiny, QWEN_1_5B)), None
+            free(llm)
+    figures = []
+    for case in dict.fromkeys(case for case, _ in timed):
+        (apart, apart_replay), (overlapped, replay) = timed[case, False], timed[case, True]
+        graphs = (f"; graph {replay * 1e3:.3f} ms against {apart_replay * 1e3:.3f} ms"
+                  if replay is not None and apart_replay is not None else "")
+        figures.append(Figure("overlap", f"{case}, launches overlapping",
+                              f"{overlapped['step_seconds'] * 1e3:.2f} ms a step",
+                              f"{apart['step_seconds'] / overlapped['step_seconds']:.2f}x the speed of launches one "
+                              f"after another ({apart['step_seconds'] * 1e3:.2f} ms){graphs}",
+                              dict(overlapping=overlapped | dict(replay_seconds=replay),
+                                   apart=apart | dict(replay_seconds=apart_replay))))
     return figures
 
 
@@ -623,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
                 return section_flashinfer(run)
             if name == "tiles":
                 return section_tiles(run)
+            if name == "overlap":
+                return section_overlap(run)
             if name == "llama8b":
                 return section_llama(run, gpu)
             return section_transformers(run)

@@ -160,6 +160,28 @@ def test_flashinfer_in_the_engine_gives_its_tokens_beside_the_triton_kernels(tmp
 
 
 @INTERPRETER
+def test_overlapping_launches_are_switched_on_for_their_runs_only(tmp_path, monkeypatch):
+    """Where a GPU can overlap launches, the check builds and runs one engine with
+    them on and one with them off (the switch set for each whole run, graphs
+    included) and sets their tokens side by side; elsewhere the row is skipped."""
+    from pagedtree.diagnostics.tiny_models import CPU_SHAPE, save_model_pair
+    from pagedtree.kernels import launch_overlap
+
+    pair = save_model_pair(str(tmp_path), CPU_SHAPE, 0)
+    setup = engine_checks.engine_setup("cpu", True, str(pair.target), str(pair.draft))
+    assert [row.verdict for row in engine_checks.overlap_rows(engine_checks.EngineRuns(setup))] == [SKIPPED]
+    monkeypatch.setattr(launch_overlap, "supported", lambda device: True)
+    monkeypatch.setattr(launch_overlap, "active", lambda device: False)  # the interpreter runs no PTX
+    seen, make_llm = [], engine_checks.make_llm
+    monkeypatch.setattr(engine_checks, "make_llm", lambda *a, **k: seen.append(launch_overlap.enabled()) or
+                        make_llm(*a, **k))
+    rows = engine_checks.overlap_rows(engine_checks.EngineRuns(setup))
+    assert [row.check for row in rows] == ["overlapping launches"] * 2
+    assert [row.verdict for row in rows] == [PASS, PASS], [row.result for row in rows]
+    assert seen == [False, True, False, True] and not launch_overlap.enabled()
+
+
+@INTERPRETER
 def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
     """Every check in the smallest shapes: kernels and engine runs pass, graph capture
     and the sync count are skipped without CUDA, the timings are informational."""
@@ -174,6 +196,7 @@ def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
     assert by_check == {
         "kernel vs reference": [PASS, PASS],
         "cuda graphs vs eager": [PASS, PASS, SKIPPED],
+        "overlapping launches": [SKIPPED],  # sm_90 and later
         "async vs ordered steps": [PASS],
         "speculative vs plain": [PASS, PASS],
         "FlashInfer in the engine": [SKIPPED],  # CUDA only

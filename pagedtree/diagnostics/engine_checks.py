@@ -7,6 +7,10 @@
 - Tree speculation against plain decoding, in bf16: greedy outputs must be equal
   token for token (a tree pass and a one-token decode must give a token the same
   logits).
+- Overlapping launches (``launch_overlap``, sm_90 and later) against launches one
+  after another: the same greedy tokens, graphs captured with them, for plain
+  decoding and tree speculation (the kernels' arithmetic does not change, only when
+  their programs start).
 
 Every run asks for the top-2 logprobs, so a difference is reported with the
 reference run's gap between its two best tokens there: a gap near bf16 rounding
@@ -15,6 +19,8 @@ points at a near-tie, a wide one at a bug.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
@@ -28,6 +34,7 @@ GRAPHS = "cuda graphs vs eager"
 ASYNC = "async vs ordered steps"
 SPECULATION = "speculative vs plain"
 FLASHINFER = "FlashInfer in the engine"
+OVERLAP = "overlapping launches"
 # On a GPU, verify steps of up to 16 nodes and their root (token buckets 1, 2, 4, 8
 # and 17); in the interpreter, small trees (every padded token is interpreted).
 CUDA_TREE = SpeculativeConfig(tree="static", expansion=(2, 2, 2, 1), max_nodes=16, adaptive=False)
@@ -152,8 +159,18 @@ def top2_gap(logprobs: dict[int, float] | None) -> float:
 
 
 def greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
-               asynchronous: bool | None = None, backend: str = "triton") -> RunResult:
-    """Generate greedily for every prompt (EOS ignored) and collect the run's result."""
+               asynchronous: bool | None = None, backend: str = "triton", overlap: bool | None = None) -> RunResult:
+    """Generate greedily for every prompt (EOS ignored) and collect the run's result;
+    ``overlap`` switches overlapping launches on or off for the whole run (None:
+    as the process has it)."""
+    from pagedtree.kernels import launch_overlap
+
+    with launch_overlap.overlapping(overlap) if overlap is not None else contextlib.nullcontext():
+        return _greedy_run(setup, speculative, graphs, asynchronous, backend)
+
+
+def _greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
+                asynchronous: bool | None, backend: str) -> RunResult:
     from pagedtree import SamplingParams
 
     llm = make_llm(setup, speculative, graphs, asynchronous, backend)
@@ -192,14 +209,19 @@ class EngineRuns:
         self._runs: dict[tuple, RunResult] = {}
 
     def get(self, speculative: bool | SpeculativeConfig, graphs: bool, asynchronous: bool | None = None,
-            backend: str = "triton") -> RunResult:
+            backend: str = "triton", overlap: bool | None = None) -> RunResult:
         """The run with tree speculation (the setup's tree, or the configuration given)
         or not, graphs or eager, plain steps ahead of their readback or not (None: the
-        device's default), on an attention backend; made on first use."""
+        device's default), on an attention backend, with launches overlapping or not
+        (None: as the process has it); made on first use."""
+        from pagedtree.kernels import launch_overlap
+
+        if overlap is None:  # the process's setting: the same run as naming it
+            overlap = launch_overlap.enabled()
         key = (speculative if isinstance(speculative, bool) else tree_name(speculative), graphs, asynchronous,
-               backend)
+               backend, overlap)
         if key not in self._runs:
-            self._runs[key] = greedy_run(self.setup, speculative, graphs, asynchronous, backend)
+            self._runs[key] = greedy_run(self.setup, speculative, graphs, asynchronous, backend, overlap)
         return self._runs[key]
 
 
@@ -350,6 +372,28 @@ def flashinfer_rows(runs: EngineRuns) -> list[Row]:
         comparison = compare_tokens(reference, other)
         figure = f"{other.draft_tokens} draft tokens, {other.accepted_tokens} accepted" if other.draft_tokens else ""
         rows.append(Row(FLASHINFER, case, comparison.describe(), figure, INFO, _detail(comparison, other)))
+    return rows
+
+
+def overlap_rows(runs: EngineRuns) -> list[Row]:
+    """Greedy tokens with launches overlapping against launches one after another,
+    graphs captured under each (plain decoding and the setup's tree), where the GPU
+    can overlap them; a skipped row elsewhere."""
+    from pagedtree.kernels import launch_overlap
+
+    setup = runs.setup
+    if not launch_overlap.supported(torch.device(setup.device)):
+        return [skipped(OVERLAP, "overlapping against one after another", "needs a CUDA GPU of sm_90 or later")]
+    cuda = setup.device == "cuda"
+    rows = []
+    for speculative, name in ((False, "decode"), (True, f"tree speculation ({tree_name(setup.speculative)})")):
+        case = f"{name}, {short_dtype(setup.dtype)}, graphs"
+        try:
+            apart, overlapped = runs.get(speculative, True, overlap=False), runs.get(speculative, True, overlap=True)
+        except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+            rows.append(failed_run(OVERLAP, case, exc))
+            continue
+        rows.append(dataclasses.replace(_graph_row(case, apart, overlapped, cuda), check=OVERLAP))
     return rows
 
 

@@ -10,7 +10,8 @@ It runs, in order, and prints one table (check, case, result, figure, verdict):
    bits alone and in batches of 1 to 2,080 rows, then their speed against cuBLAS
    and eager ops (``dense_check.py``);
 3. graphs: greedy tokens with CUDA graphs against eager steps (plain decoding and
-   tree speculation) on a tiny random Llama built in-process;
+   tree speculation) on a tiny random Llama built in-process, and (sm_90 and later)
+   with launches overlapping against launches one after another;
 4. speculation: greedy tree speculation against plain decoding in bf16, token for token;
 5. syncs: host-device syncs per speculative step (the engine's sync guard over torch's
    sync debug mode), one expected;
@@ -212,7 +213,7 @@ def check_functions(settings: Settings, models: EngineModels,
     return {
         "kernels": kernels,
         "dense": lambda: dense_check.dense_rows(settings.device, settings.quick, settings.seed),
-        "graphs": lambda: engine_checks.graph_rows(models.runs()),
+        "graphs": lambda: engine_checks.graph_rows(models.runs()) + engine_checks.overlap_rows(models.runs()),
         "speculation": lambda: engine_checks.speculation_rows(models.runs()) + engine_checks.flashinfer_rows(
             models.runs()),
         "syncs": lambda: sync_check.sync_rows(models.setup(), settings.quick),

@@ -104,6 +104,9 @@ class KernelBuild:
     shared_bytes: int = 0
     constexprs: dict = field(default_factory=dict)
     error: str | None = None
+    # Launched to overlap the kernel before (``launch_overlap``): a global memory
+    # access the PTX makes before its ``griddepcontrol.wait``, if any.
+    early_access: str | None = None
 
     @property
     def spills(self) -> bool:
@@ -154,11 +157,13 @@ class _CompileOnly:
 
 
 @contextlib.contextmanager
-def compile_only(capability: int) -> Iterator[list]:
+def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
     """Within: Triton targets ``sm_<capability>`` and the launchers compile instead of
-    launching. Yields the list of ``(jit function, compiled kernel, constexprs)``."""
+    launching (``overlap``: as they launch when launches overlap, on sm_90 and
+    later). Yields the list of ``(jit function, compiled kernel, constexprs)``."""
     from triton.runtime import driver
 
+    from pagedtree.kernels import launch_overlap
     from pagedtree.kernels import triton_kernels as K
     from pagedtree.kernels import triton_ops
 
@@ -177,12 +182,26 @@ def compile_only(capability: int) -> Iterator[list]:
         for n in names:
             setattr(K, n, _CompileOnly(saved[n], sink))
         triton_ops.check_device = lambda device: None  # CPU tensors stand in for CUDA ones
-        yield sink
+        with overlapping_launches(launch_overlap, capability, overlap):
+            yield sink
     finally:
         for n, fn in saved.items():
             setattr(K, n, fn)
         triton_ops.check_device = saved_check
         driver._active = saved_driver
+
+
+@contextlib.contextmanager
+def overlapping_launches(module, capability: int, overlap: bool) -> Iterator[None]:
+    """Within: ``module.active`` (``launch_overlap``'s) says what a GPU of
+    ``capability`` would with launches overlapping (``overlap``) or not, for the
+    CPU tensors that stand in for CUDA ones."""
+    saved = module.active
+    module.active = lambda device: overlap and capability >= module.MIN_CAPABILITY
+    try:
+        yield
+    finally:
+        module.active = saved
 
 
 def _step(block_size: int, requests: int, new: int, context: int, tree: bool):
@@ -303,6 +322,38 @@ def resource_usage(cubin: bytes, tools: Path) -> dict[str, int]:
             "spill_stores": len(re.findall(r"\bSTL(?:\.\w+)*\b", sass))}
 
 
+# PTX instructions that touch global memory (an L2 prefetch does not count: it
+# reads what no kernel writes, and the products issue it on purpose before waiting).
+_GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?"
+                            r"(?:ld\.global|st\.global|atom\.|red\.|cp\.async|ld\.volatile\.global)")
+
+
+def early_access(ptx: str) -> str | None:
+    """The first global memory access a kernel launched to overlap its predecessor
+    makes before its ``griddepcontrol.wait`` (None: none, or no wait at all)."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    if wait is None:
+        return None
+    early = next((line.strip() for line in lines[:wait] if _GLOBAL_ACCESS.match(line)), None)
+    return f"accesses global memory before its wait: {early}" if early else None
+
+
+def make_build(fn, compiled, kwargs: dict, case: str, arch: int, dname: str, tools: Path) -> KernelBuild:
+    """The ``KernelBuild`` of one compiled specialisation: its launch, resources and
+    (launched to overlap) whether it waits before touching memory."""
+    constexprs = {k: (str(v) if not isinstance(v, (int, float, bool)) else v) for k, v in kwargs.items()}
+    build = KernelBuild(fn.__name__, case, arch, dname, num_warps=compiled.metadata.num_warps,
+                        num_stages=compiled.metadata.num_stages, shared_bytes=compiled.metadata.shared,
+                        constexprs=constexprs, early_access=early_access(compiled.asm["ptx"]))
+    try:
+        for k, v in resource_usage(compiled.asm["cubin"], tools).items():
+            setattr(build, k, v)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        build.error = f"cuobjdump: {exc}"
+    return build
+
+
 def _tools() -> Path:
     import triton
 
@@ -310,9 +361,11 @@ def _tools() -> Path:
 
 
 def compile_all(arch: int, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GROUPS, block_sizes=BLOCK_SIZES,
-                phases=tuple(PHASES), progress: bool = False, cover: str = "all") -> list[KernelBuild]:
+                phases=tuple(PHASES), progress: bool = False, cover: str = "all",
+                overlap: bool = False) -> list[KernelBuild]:
     """Every kernel specialisation of the given cases compiled for ``sm_<arch>``, one
-    entry per distinct specialisation (the first case that produced it)."""
+    entry per distinct specialisation (the first case that produced it); ``overlap``:
+    as launched when launches overlap."""
     tools = _tools()
     builds: list[KernelBuild] = []
     seen: set[tuple] = set()
@@ -323,25 +376,17 @@ def compile_all(arch: int, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GRO
 
         bar = tqdm(total=len(cases), desc=f"sm_{arch}", unit="case", file=sys.stderr)
     for case, dname, launch in cases:
-        with compile_only(arch) as sink:
+        with compile_only(arch, overlap) as sink:
             try:
                 launch()
             except Exception as exc:  # noqa: BLE001 - recorded; the other cases go on
                 builds.append(KernelBuild("?", case, arch, dname, error=f"{type(exc).__name__}: {exc}"))
         for fn, compiled, kwargs in sink:
-            constexprs = {k: (str(v) if not isinstance(v, (int, float, bool)) else v) for k, v in kwargs.items()}
-            key = (fn.__name__, tuple(sorted(constexprs.items())), str(compiled.metadata.hash))
+            build = make_build(fn, compiled, kwargs, case, arch, dname, tools)
+            key = (fn.__name__, tuple(sorted(build.constexprs.items())), str(compiled.metadata.hash))
             if key in seen:
                 continue
             seen.add(key)
-            build = KernelBuild(fn.__name__, case, arch, dname, num_warps=compiled.metadata.num_warps,
-                                num_stages=compiled.metadata.num_stages, shared_bytes=compiled.metadata.shared,
-                                constexprs=constexprs)
-            try:
-                for k, v in resource_usage(compiled.asm["cubin"], tools).items():
-                    setattr(build, k, v)
-            except (OSError, subprocess.CalledProcessError) as exc:
-                build.error = f"cuobjdump: {exc}"
             builds.append(build)
         if bar is not None:
             bar.update(1)
@@ -359,6 +404,8 @@ def problems(builds: list[KernelBuild]) -> list[str]:
         elif b.spills and b.dtype in ("fp16", "bf16"):
             out.append(f"sm_{b.arch} {b.kernel} ({b.case}): spills ({b.spill_stores} spill stores, "
                        f"{b.stack_bytes} bytes of stack, {b.registers} registers)")
+        if b.early_access:
+            out.append(f"sm_{b.arch} {b.kernel} ({b.case}): {b.early_access}")
     return out
 
 
@@ -375,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every combination of the values above, or a pairwise covering of them (every "
                              "pair of values of two dimensions at least once: about a tenth of the compiles)")
     parser.add_argument("--json", default=None, help="write every build's resource usage here")
+    parser.add_argument("--overlap", action="store_true",
+                        help="compile the launches as they are when launches overlap (PAGEDTREE_PDL=1; sm_90 and "
+                             "later), each checked to wait before it touches memory")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
@@ -392,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unsupported arch {arch}; known: {', '.join(map(str, ARCH_SMS))}")
         builds += compile_all(arch, strs(args.dtypes), ints(args.head_dims), ints(args.groups),
                               ints(args.block_sizes), strs(args.phases), progress=not args.no_progress,
-                              cover=args.cover)
+                              cover=args.cover, overlap=args.overlap)
     stable = {arch: varying_steps(arch) for arch in ints(args.arch)}
     import triton
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedtree.kernels.cuda_compile import ARCH_SMS, DTYPES, FakeCudaDriver, KernelBuild, _CompileOnly, _tools, \
-    problems, resource_usage
+    make_build, overlapping_launches, problems
 
 # (name, hidden, intermediate, heads, kv heads, head dim, vocabulary)
 MODELS = {
@@ -35,13 +35,14 @@ ROWS = (1, 2080)  # a decode (split K-groups) and 32 trees of 64 nodes with thei
 
 
 @contextlib.contextmanager
-def compile_only(capability: int) -> Iterator[list]:
+def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
     """Within: Triton targets ``sm_<capability>`` and the dense launchers compile instead
-    of launching. Yields the list of ``(jit function, compiled kernel, constexprs)``."""
+    of launching (``overlap``: as they launch when launches overlap). Yields the list
+    of ``(jit function, compiled kernel, constexprs)``."""
     from triton.runtime import driver
 
     from pagedtree.kernels import dense_kernels as D
-    from pagedtree.kernels import dense_ops
+    from pagedtree.kernels import dense_ops, launch_overlap
 
     if dense_ops.INTERPRETED:
         raise RuntimeError("TRITON_INTERPRET is set: run the compile check in a process without it")
@@ -56,7 +57,8 @@ def compile_only(capability: int) -> Iterator[list]:
             setattr(D, n, _CompileOnly(saved[n], sink))
         dense_ops.check_kernel_device = lambda device: None  # CPU tensors stand in for CUDA ones
         dense_ops.device_kind = lambda device: (ARCH_SMS[capability], capability)
-        yield sink
+        with overlapping_launches(launch_overlap, capability, overlap):
+            yield sink
     finally:
         for n, fn in saved.items():
             setattr(D, n, fn)
@@ -86,9 +88,11 @@ def _launch_model(arch: int, dtype: torch.dtype, model: str, rows: int) -> None:
                            heads, kv_heads, head_dim, torch.zeros(rows, dtype=torch.long), cache, cache)
 
 
-def compile_all(arch: int, dtypes=tuple(DTYPES), models=tuple(MODELS), rows=ROWS) -> list[KernelBuild]:
+def compile_all(arch: int, dtypes=tuple(DTYPES), models=tuple(MODELS), rows=ROWS,
+                overlap: bool = False) -> list[KernelBuild]:
     """Every dense kernel specialisation of those models, dtypes and row counts, compiled
-    for ``sm_<arch>`` (one entry per distinct specialisation)."""
+    for ``sm_<arch>`` (one entry per distinct specialisation; ``overlap``: as launched
+    when launches overlap)."""
     tools = _tools()
     builds: list[KernelBuild] = []
     seen: set[str] = set()
@@ -96,7 +100,7 @@ def compile_all(arch: int, dtypes=tuple(DTYPES), models=tuple(MODELS), rows=ROWS
         for model in models:
             for m in rows:
                 case = f"{dname} {model} rows {m}"
-                with compile_only(arch) as sink:
+                with compile_only(arch, overlap) as sink:
                     try:
                         _launch_model(arch, DTYPES[dname], model, m)
                     except Exception as exc:  # noqa: BLE001 - recorded; the other cases go on
@@ -106,17 +110,7 @@ def compile_all(arch: int, dtypes=tuple(DTYPES), models=tuple(MODELS), rows=ROWS
                     if key in seen:
                         continue
                     seen.add(key)
-                    constexprs = {k: (str(v) if not isinstance(v, (int, float, bool)) else v)
-                                  for k, v in kwargs.items()}
-                    build = KernelBuild(fn.__name__, case, arch, dname, num_warps=compiled.metadata.num_warps,
-                                        num_stages=compiled.metadata.num_stages,
-                                        shared_bytes=compiled.metadata.shared, constexprs=constexprs)
-                    try:
-                        for k, v in resource_usage(compiled.asm["cubin"], tools).items():
-                            setattr(build, k, v)
-                    except Exception as exc:  # noqa: BLE001
-                        build.error = f"cuobjdump: {exc}"
-                    builds.append(build)
+                    builds.append(make_build(fn, compiled, kwargs, case, arch, dname, tools))
     return builds
 
 
@@ -125,13 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"of {', '.join(DTYPES)}")
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--overlap", action="store_true",
+                        help="compile the launches as they are when launches overlap (PAGEDTREE_PDL=1; sm_90 and "
+                             "later), each checked to wait before it touches memory")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     builds: list[KernelBuild] = []
     for arch in (int(a) for a in args.arch.split(",") if a):
         if arch not in ARCH_SMS:
             parser.error(f"unsupported arch {arch}; known: {', '.join(map(str, ARCH_SMS))}")
-        builds += compile_all(arch, tuple(args.dtypes.split(",")), tuple(args.models.split(",")))
+        builds += compile_all(arch, tuple(args.dtypes.split(",")), tuple(args.models.split(",")),
+                              overlap=args.overlap)
     bad = problems(builds)
     print(f"{len(builds)} dense kernel specialisations compiled for sm_{'/sm_'.join(args.arch.split(','))} in "
           f"{time.perf_counter() - started:.0f} s; {len(bad)} problems")

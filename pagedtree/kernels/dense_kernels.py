@@ -36,7 +36,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedtree.kernels.triton_kernels import _cast
+from pagedtree.kernels.triton_kernels import _cast, _wait_previous_grid
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (no result, no fault: every pointer
+    is inside a tensor)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_weights(w_ptr, cols, col_ok, k0, K, stride_wn, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Prefetch the first ``STEPS`` K steps of this program's weight rows into L2, a
+    line a row a step (clamped to the first row outside the layer)."""
+    for step in tl.static_range(STEPS):
+        k = k0 + step * BLOCK_K
+        ok = col_ok & (k < K)
+        _prefetch_l2(tl.where(ok, w_ptr + cols * stride_wn + k, w_ptr))
 
 
 @triton.jit
@@ -93,6 +111,7 @@ def _invariant_matmul_kernel(
     REDUCE_M: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr, ROW_EXACT_DOT: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0,
 ):
     """``out[M, n_out] = x[M, K] @ w.T (+ bias)``; ``GATED``: ``w`` holds the gate rows
     then the up rows (``2 * n_out``) and ``out = SiLU(x @ gate.T) * (x @ up.T)``.
@@ -103,6 +122,10 @@ def _invariant_matmul_kernel(
     M, n_out]`` fp32), then counts itself in ``count[t]``; the tile's last program
     adds the groups in order (``REDUCE_M`` rows at a time, ``REDUCE_UNROLL`` groups'
     loads in flight at once), finishes the tile and puts the counter back to 0.
+
+    ``PDL``: launched to overlap the kernel before (``launch_overlap``); a split
+    program first prefetches ``PREFETCH_STEPS`` K steps of its weights (which no
+    kernel writes) into L2, then waits for that kernel.
     """
     tile = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -112,6 +135,12 @@ def _invariant_matmul_kernel(
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < M
     col_ok = cols < n_out
+    if PDL and SPLIT and PREFETCH_STEPS > 0:
+        k0 = tl.program_id(1) * GROUP_K
+        _prefetch_weights(w_ptr, cols, col_ok, k0, K, stride_wn, PREFETCH_STEPS, BLOCK_K)
+        if GATED:
+            _prefetch_weights(w_ptr + n_out * stride_wn, cols, col_ok, k0, K, stride_wn, PREFETCH_STEPS, BLOCK_K)
+    _wait_previous_grid(PDL)
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT:
@@ -175,12 +204,13 @@ def _invariant_matmul_kernel(
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, MANUAL_BF16: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row. ``HAS_RESIDUAL``: ``residual += x`` (rounded to its dtype,
     in place), then ``out = weight * rmsnorm(residual)``; else ``out = weight *
     rmsnorm(x)``. The norm in fp32, cast to the dtype before the weight (transformers'
-    order)."""
+    order). ``PDL``: waits for the kernel before first (``launch_overlap``)."""
+    _wait_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < n
@@ -211,13 +241,15 @@ def _rotary_store_kernel(
     num_positions, stride_t, stride_cs, stride_cb, stride_cblk, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    STORE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    STORE: tl.constexpr, MANUAL_BF16: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per token of the q/k/v projection's output ``[T, (H + 2 H_kv) * D]``:
     its query and key heads rotated in place (half-split layout, ``cos_sin[pos]`` =
     the position's ``[cos | sin]`` table row in the model's dtype), and with ``STORE``
     its rotated keys and its values written to cache slot ``slot[t]`` (``[blocks,
-    block_size, H_kv, D]`` caches; a negative slot stores nothing)."""
+    block_size, H_kv, D]`` caches; a negative slot stores nothing). ``PDL``: waits
+    for the kernel before first (``launch_overlap``)."""
+    _wait_previous_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HEAD_DIM)

@@ -20,6 +20,7 @@ import torch
 
 from pagedtree.devices import same_device
 from pagedtree.kernels import dense_kernels as D
+from pagedtree.kernels import launch_overlap
 from pagedtree.kernels.tiles import next_power_of_2
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
@@ -45,6 +46,10 @@ COUNTER_SLOTS = 1 << 16
 REDUCE_M = 8
 REDUCE_UNROLL = 16
 REDUCE_UNROLL_GATED = 8
+# Under overlapping launches a split program prefetches up to this many bytes of its
+# weight slice into L2 before it waits for the kernel before it (a wave of programs'
+# prefetches, about 13-26 MB, stays well inside an H100's 50 MB of L2).
+PREFETCH_BYTES = 32 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,12 @@ def reduce_unroll(num_groups: int, gated: bool) -> int:
     return max(1, min(num_groups, REDUCE_UNROLL_GATED if gated else REDUCE_UNROLL))
 
 
+def prefetch_steps(config: MatmulConfig, element_size: int) -> int:
+    """K steps of weights a split program prefetches while it waits to start."""
+    step_bytes = BLOCK_N * BLOCK_K * element_size * (2 if config.gated else 1)
+    return max(1, min(config.group_k // BLOCK_K, PREFETCH_BYTES // step_bytes))
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: MatmulConfig,
                      split: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``gated``: ``SiLU(x @ gate.T) * (x @ up.T)`` with ``weight``
@@ -183,6 +194,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     parts = (torch.empty(config.num_groups, halves, m, config.n_out, dtype=torch.float32, device=x.device)
              if split else out)
     counters = _counters(x.device) if split else out
+    overlap = launch_overlap.launch_options(x.device)
     D._invariant_matmul_kernel[(tiles, config.num_groups if split else 1)](
         rows, weight, bias if bias is not None else out, out, parts, counters,
         m, config.k, config.n_out, rows.stride(0), weight.stride(0), out.stride(0),
@@ -190,7 +202,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         REDUCE_M=REDUCE_M, REDUCE_UNROLL=reduce_unroll(config.num_groups, config.gated), SPLIT=split, GATED=config.gated, HAS_BIAS=bias is not None,
         DOT_FP32=INTERPRETED or x.dtype == torch.float32, ROW_EXACT_DOT=INTERPRETED, MANUAL_BF16=INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PREFETCH_STEPS=prefetch_steps(config, x.element_size()) if split and overlap["PDL"] else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, **overlap,
     )
     return out.view(*x.shape[:-1], config.n_out)
 
@@ -218,7 +231,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, residual if residual is not None else x, weight, out, n, float(eps),
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_N=block, MANUAL_BF16=INTERPRETED,
-        num_warps=min(16, max(4, block // 512)),
+        num_warps=min(16, max(4, block // 512)), **launch_overlap.launch_options(x.device),
     )
     return out
 
@@ -267,5 +280,5 @@ def rotary_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=max(2, next_power_of_2(num_heads)), KV_HEADS_P=max(2, next_power_of_2(num_kv_heads)),
         BLOCK_SIZE=key_cache.shape[1] if store else 1, STORE=store, MANUAL_BF16=INTERPRETED,
-        num_warps=4,
+        num_warps=4, **launch_overlap.launch_options(qkv.device),
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 try:  # the class moved between Triton releases; only its presence matters here
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
@@ -39,14 +40,27 @@ def _cast(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 
 @triton.jit
+def _wait_previous_grid(PDL: tl.constexpr):
+    """Under programmatic dependent launch (``launch_overlap``): wait until the kernel
+    before has finished and its writes are visible, then let the next one launch.
+    Called first in every program that may run early, before any load of what an
+    earlier kernel wrote and before any store."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per new token: its ``[H_kv, D]`` keys and values into its slot."""
+    _wait_previous_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.arange(0, HEADS_P)
@@ -207,7 +221,7 @@ def _unified_attention_kernel(
     ROOT_SIDE: tl.constexpr, ROOT_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    COUNT_LOADS: tl.constexpr,
+    COUNT_LOADS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Paged attention for a whole mixed batch in one launch.
 
@@ -225,7 +239,9 @@ def _unified_attention_kernel(
     results for :func:`_reduce_splits_kernel`; the step uses the first
     ``splits_ptr[0]`` of the ``NUM_SPLITS`` segment programs (a CUDA graph's grid
     is fixed, the split its step calls for is not), the others return at once.
+    ``PDL``: every program waits for the kernel before first (``launch_overlap``).
     """
+    _wait_previous_grid(PDL)
     BLOCK_ALIGNED: tl.constexpr = BLOCK_SIZE % TILE_N == 0
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -299,10 +315,12 @@ def _unified_attention_kernel(
 def _reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, splits_ptr, num_tokens, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, MANUAL_BF16: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per (token, head): merge the split-KV partial softmax results of
-    the first ``splits_ptr[0]`` segments (of at most ``NUM_SPLITS``)."""
+    the first ``splits_ptr[0]`` segments (of at most ``NUM_SPLITS``). ``PDL``: waits
+    for the kernel before first (``launch_overlap``)."""
+    _wait_previous_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P)

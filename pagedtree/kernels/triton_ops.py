@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedtree.devices import same_device
+from pagedtree.kernels import launch_overlap
 from pagedtree.kernels import triton_kernels as K
 from pagedtree.kernels.attention_plan import KernelPlan
 from pagedtree.kernels.tiles import TileShape, choose_splits, choose_tile_shape, next_power_of_2
@@ -98,7 +99,7 @@ def store_kv(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=max(2, next_power_of_2(num_kv_heads)), HEAD_DIM_P=next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, MANUAL_BF16=K.INTERPRETED,
+        BLOCK_SIZE=block_size, MANUAL_BF16=K.INTERPRETED, **launch_overlap.launch_options(key_cache.device),
     )
 
 
@@ -214,6 +215,7 @@ def unified_attention(
         part_ml = plan.buffers.scratch("part_ml" + plan.slot_tag, splits * plan.num_tokens * num_heads * 2)
     else:  # never touched: the kernel writes partials only when NUM_SPLITS > 1
         part_acc = part_ml = out
+    overlap = launch_overlap.launch_options(device)
     K._unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
         out, query, key_cache, value_cache,
         plan.block_tables, plan.query_start, plan.context_lens, plan.is_tree, plan.tree_mask,
@@ -229,13 +231,13 @@ def unified_attention(
         TILE_N=tile.tile_n, NUM_SPLITS=splits, DOT_FP32=dot_fp32, MANUAL_BF16=K.INTERPRETED,
         COUNT_LOADS=kv_loads is not None, **({"num_warps": tile.num_warps} if tile.num_warps else {}),
         **({"num_stages": tile.num_stages} if tile.num_stages else {}),
-        **({"maxnreg": tile.max_registers} if tile.max_registers else {}),
+        **({"maxnreg": tile.max_registers} if tile.max_registers else {}), **overlap,
     )
     if splits > 1:
         K._reduce_splits_kernel[(plan.num_tokens, num_heads)](
             out, part_acc, part_ml, split_count, plan.num_tokens, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, SPLITS_P=next_power_of_2(splits),
-            MANUAL_BF16=K.INTERPRETED,
+            MANUAL_BF16=K.INTERPRETED, **overlap,
         )
     return out
 

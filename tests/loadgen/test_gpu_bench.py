@@ -87,6 +87,33 @@ def test_the_tiles_section_times_each_key_tile_rule_with_the_rule_in_force(tmp_p
     assert (tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE) == shipped
 
 
+def test_the_overlap_section_times_each_setting_with_it_in_force(tmp_path, monkeypatch):
+    """Launches one after another, then overlapping: an engine each (the 1.5B at every
+    batch, the draft alone, a chain-4 step), timed while the switch holds; the
+    process's own setting back afterwards."""
+    from pagedtree.kernels import launch_overlap
+
+    bench = load_benchmark("gpu_bench")
+    seen = []
+    step_time = bench.Runner.step_time
+
+    def recording(self, llm, batch, vocab):
+        seen.append(launch_overlap.enabled())
+        return step_time(self, llm, batch, vocab)
+
+    monkeypatch.setattr(bench.Runner, "step_time", recording)
+    before = launch_overlap.enabled()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--no-progress", "--json", str(out), "--sections",
+                       "overlap"]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert [f["case"] for f in figures] == [f"{case}, launches overlapping" for case in (
+        "1.5B, batch 1", "1.5B, batch 2", "0.5B draft alone, batch 1", "chain-4, batch 1")]
+    assert seen == [False] * 4 + [True] * 4 and launch_overlap.enabled() == before
+    assert all(f["detail"]["apart"]["step_seconds"] > 0 and f["detail"]["overlapping"]["step_seconds"] > 0
+               for f in figures)
+
+
 def test_a_bad_section_or_acceptance_is_refused(capsys):
     bench = load_benchmark("gpu_bench")
     with pytest.raises(SystemExit):
