@@ -23,8 +23,8 @@ Qwen2.5-Coder-1.5B target and its 0.5B draft, and a Llama-3-8B, loaded with
   accept, so their own acceptance is reported but not used);
 - tiles: plain decoding at batch 1, 16 and 64 under three rules for the attention
   kernel's key tiles on sm_90, an engine each (its graphs captured under the rule):
-  the launch code's own (64-key tiles in launches of up to half a wave of small
-  programs), 64-key tiles in every launch of small programs, and 16-key tiles
+  the launch code's own (the widest key tiles that do not spill, in launches of up
+  to half a wave of programs), those tiles in every launch, and 16-key tiles
   everywhere; each row with its graph's replay and the rest of the step (the rules
   differ on sm_90 only; elsewhere the section says so and is skipped);
 - suffix: the model-free suffix drafter (16 nodes, fixed) at batch 1, its step cost;
@@ -450,8 +450,8 @@ def section_flashinfer(run: Runner) -> list[Figure]:
 # The key-tile rules the tiles section compares: name -> the tiles module's settings.
 TILE_RULES = {
     "the launch code's rule": {},
-    "64-key tiles in every launch": {"SM90_WIDE_WAVE": 1e9},
-    "16-key tiles": {"SM90_WIDE_ROWS": 0},
+    "wide key tiles in every launch": {"SM90_WIDE_WAVE": 1e9},
+    "16-key tiles": {"SM90_KEY_TILES": ()},
 }
 
 

@@ -76,20 +76,28 @@ MAX_TREE_QUERY = 65
 # Keys per tile on a GPU: 16, so a tile never crosses a cache block of 16, 32, ...
 # keys (one block id per tile) and its scores and mask stay small in registers.
 GPU_TILE_N = 16
-# On sm_90, 64 keys a tile (block ids gathered key by key across blocks of 16): more
+# On sm_90, wider key tiles (block ids gathered key by key across blocks of 16): more
 # loads in flight per iteration. Timed in CUDA graphs on an H200 (32/8 heads, D=128,
-# bf16, blocks of 16), at the same split count it took 1.35-1.8x less time than 16
-# keys in every workload swept: decodes of 1 and 8 requests over 256-4,096 keys and
-# trees of 16 and 64 nodes (``benchmarks/attention_sweep.py``). Programs of up to
-# SM90_WIDE_ROWS rows take them: at 128-256 rows (bigger trees) 64-key tiles spill
-# 14-916 stores at 255 registers (``cuda_compile``), so those keep 16. And only in
-# launches of at most half a wave of programs (where few programs must keep many
-# loads in flight): in the engine on the H200 they made plain decoding's CUDA graph
-# 5-7% faster at batch 1, 16 and 64, but the batch-64 step (128 programs) took
-# 0.8-1.1 ms more outside its graph replay, unexplained, so it keeps 16 keys
-# (``gpu_bench.py --sections tiles`` times the three rules side by side).
-SM90_TILE_N = 64
-SM90_WIDE_ROWS = 64
+# bf16, blocks of 16), at the same split count 64 keys took 1.35-1.8x less time than
+# 16 in every workload swept (decodes of 1 and 8 requests over 256-4,096 keys, trees
+# of 16 and 64 nodes), 32 keys 1.3-1.9x less (``benchmarks/attention_sweep.py``).
+# A program takes the widest that ptxas keeps in registers without spilling, by head
+# dim and program rows (``cuda_compile`` over every case, bf16): at head dim 64, 64
+# keys up to 128 rows and 32 at 256; at head dim 128, 64 keys at 16 rows (decodes),
+# 32 up to 128 rows (at 32-64 rows 64 keys spilled 9-89 stores, at 128 rows 14-37, at
+# 256 rows 32 keys 1-26), 16 beyond; larger head dims keep 16. The 16-node trees of
+# the sweep (64 rows) took 10% less time with 64 keys, spills and all, than with 32:
+# the rule gives that up to spill nowhere. And only in launches of at most half a
+# wave of programs (where few programs must keep many loads in flight): in the engine
+# on the H200 64-key tiles made plain decoding's CUDA graph 5-7% faster at batch 1, 16
+# and 64, but the batch-64 step (128 programs) took 0.8-1.1 ms more outside its graph
+# replay, unexplained, so it keeps 16 keys (``gpu_bench.py --sections tiles`` times
+# the rules side by side).
+# (largest head dim, ((most program rows, keys a tile), ...)), in order.
+SM90_KEY_TILES: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = (
+    (64, ((128, 64), (256, 32))),
+    (128, ((16, 64), (128, 32))),
+)
 SM90_WIDE_WAVE = 0.5  # launches of at most this share of a wave of programs (one per SM)
 # Warps per tile: 16 rows each, at least 4 (so sm_90's warpgroup MMA applies).
 MIN_WARPS = 4
@@ -211,8 +219,8 @@ def choose_tile_shape(
     them) take tiles of ``PREFILL_ROWS`` rows, many programs. Key tiles of
     ``GPU_TILE_N`` keys lie inside one cache block when the block size is a multiple
     of it (one block id per tile, regular loads); other block sizes gather keys one
-    by one, as sm_90's tiles of ``SM90_TILE_N`` keys (programs of up to
-    ``SM90_WIDE_ROWS`` rows in small launches) do in blocks of 16. Split-KV
+    by one, as sm_90's wider tiles (``sm90_key_tile``, in small launches) do in
+    blocks of 16. Split-KV
     (flash-decoding) is used where :func:`split_kv_cost` says it pays: when the
     step has too few programs to fill the GPU and the partials it
     writes and reads back cost less than the idle SMs. In the interpreter, cost is
@@ -259,12 +267,23 @@ def _gpu_tile(max_rows: int, max_query_len: int, group: int, num_requests: int, 
     tile = TileShape(block_q=block_q, group_p=group, tile_n=tile_n, num_splits=1, num_warps=num_warps,
                      root_side=root_side, num_stages=num_stages, min_rows=16,
                      max_registers=SM100_MAX_REGISTERS if _caps_registers(capability, num_warps) else None)
-    if (capability == 90 and block_m <= SM90_WIDE_ROWS
-            and launch_programs(tile, max_query_len, num_requests, num_kv_heads) <= SM90_WIDE_WAVE * num_sms):
-        tile = replace(tile, tile_n=SM90_TILE_N)
+    if capability == 90 and launch_programs(tile, max_query_len, num_requests, num_kv_heads) <= \
+            SM90_WIDE_WAVE * num_sms:
+        tile = replace(tile, tile_n=max(tile_n, sm90_key_tile(block_m, head_dim)))
     num_splits = choose_splits(tile, max_query_len, group, num_requests, num_kv_heads, max_context_len, num_sms,
                                head_dim, kv_elem_bytes)
     return replace(tile, num_splits=num_splits)
+
+
+def sm90_key_tile(block_m: int, head_dim: int) -> int:
+    """Keys a tile of a ``block_m``-row program at ``head_dim`` takes on sm_90 in a small
+    launch: the widest of ``SM90_KEY_TILES`` that does not spill (``GPU_TILE_N``
+    where none is listed)."""
+    padded = next_power_of_2(head_dim)
+    for largest_head_dim, limits in SM90_KEY_TILES:
+        if padded <= largest_head_dim:
+            return next((keys for rows, keys in limits if block_m <= rows), GPU_TILE_N)
+    return GPU_TILE_N
 
 
 def launch_programs(tile: TileShape, max_query_len: int, num_requests: int, num_kv_heads: int) -> int:

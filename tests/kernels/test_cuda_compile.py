@@ -70,6 +70,18 @@ def test_real_model_head_groups_compile_without_spills(tmp_path, archs, groups):
     assert all(counts and all(n == 1 for n in counts.values()) for counts in data["variants_over_varying_steps"].values())
 
 
+def test_sm90_wide_key_tiles_do_not_spill_at_the_real_models_groups(tmp_path):
+    # 16-node trees at 4, 6 and 7 query heads per KV head (Llama-3-8B, Qwen2.5-1.5B,
+    # Qwen2.5-7B) at head dim 128 take 32-key tiles on sm_90 in small launches (64 keys
+    # spilled 89 stores at 4 heads); a triple of values the pairwise record may miss.
+    proc, data = _compile(tmp_path, "all", "90", "--dtypes", "bf16", "--head-dims", "128", "--groups", "4,6,7",
+                          "--block-sizes", "16", "--phases", "tree16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    attention = [b for b in data["builds"] if b["kernel"] == "_unified_attention_kernel"]
+    assert {b["constexprs"]["GROUP"] for b in attention} == {4, 6, 7}
+    assert all(b["constexprs"]["TILE_N"] == 32 and not b["spills"] for b in attention)
+
+
 @pytest.fixture(scope="module", params=[90, 80], ids=lambda a: f"sm{a}")
 def report(request, tmp_path_factory):
     return request.param, _compile(tmp_path_factory.mktemp("cubin"), "pairwise", str(request.param))

@@ -9,9 +9,10 @@ import pytest
 from pagedtree.kernels.tiles import (
     GPU_TILE_N,
     MAX_ROWS,
-    SM90_TILE_N,
+    SM90_KEY_TILES,
     SPLIT_CHOICES,
     choose_tile_shape,
+    sm90_key_tile,
     split_kv_cost,
 )
 
@@ -99,20 +100,33 @@ def test_sm100_lets_eight_warp_programs_use_their_registers(group):
     assert _tree(65, group, 80).max_registers is None
 
 
-@pytest.mark.parametrize("tokens,batch,capability,tile_n", [
-    (1, 1, 90, SM90_TILE_N),    # one decode: 8 programs
-    (1, 8, 90, SM90_TILE_N),    # 64 programs: half a wave of 132 SMs
-    (16, 8, 90, SM90_TILE_N),   # 16-node trees: 64-row programs
-    (1, 16, 90, GPU_TILE_N),    # 128 programs: a wave
-    (32, 1, 90, GPU_TILE_N),    # 128-row programs: wide key tiles spill
-    (1, 1, 80, GPU_TILE_N),     # not measured off sm_90
-    (1, 1, 100, GPU_TILE_N),
+@pytest.mark.parametrize("tokens,batch,capability,head_dim,tile_n", [
+    (1, 1, 90, 128, 64),            # one decode: 8 programs
+    (1, 8, 90, 128, 64),            # 64 programs: half a wave of 132 SMs
+    (16, 8, 90, 128, 32),           # 16-node trees: 64-row programs (64 keys spill at head dim 128)
+    (32, 1, 90, 128, 32),           # 128-row programs
+    (64, 1, 90, 128, GPU_TILE_N),   # 256-row programs: 32 keys spill at head dim 128
+    (16, 8, 90, 64, 64),            # head dim 64: 64 keys up to 128 rows,
+    (64, 1, 90, 64, 32),            # 32 at 256
+    (1, 16, 90, 128, GPU_TILE_N),   # 128 programs: a wave
+    (1, 1, 80, 128, GPU_TILE_N),    # not measured off sm_90
+    (1, 1, 100, 128, GPU_TILE_N),
 ])
-def test_sm90_takes_wide_key_tiles_in_small_launches_of_small_programs(tokens, batch, capability, tile_n):
-    assert _shape(tokens, batch, 1024, capability=capability).tile_n == tile_n
+def test_sm90_takes_the_widest_key_tiles_that_do_not_spill_in_small_launches(tokens, batch, capability, head_dim,
+                                                                             tile_n):
+    assert _shape(tokens, batch, 1024, capability=capability, head_dim=head_dim).tile_n == tile_n
+
+
+def test_the_sm90_key_tile_table_narrows_with_rows_and_head_dim():
+    assert [sm90_key_tile(rows, 128) for rows in (16, 32, 64, 128, 256)] == [64, 32, 32, 32, GPU_TILE_N]
+    assert [sm90_key_tile(rows, 64) for rows in (16, 128, 256)] == [64, 64, 32]
+    assert sm90_key_tile(16, 80) == 64 and sm90_key_tile(16, 256) == GPU_TILE_N  # padded head dims
+    for _, limits in SM90_KEY_TILES:  # each a narrower tile for more rows
+        assert [rows for rows, _ in limits] == sorted(rows for rows, _ in limits)
+        assert [keys for _, keys in limits] == sorted((keys for _, keys in limits), reverse=True)
 
 
 def test_a_short_decode_splits_into_segments_of_two_wide_tiles():
     # One request over 1,024 keys on sm_90: 8 segments of 128 keys (8 programs unsplit).
     tile = _shape(1, 1, 1024)
-    assert (tile.tile_n, tile.num_splits) == (SM90_TILE_N, 8)
+    assert (tile.tile_n, tile.num_splits) == (64, 8)

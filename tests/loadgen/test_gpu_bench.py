@@ -74,17 +74,17 @@ def test_the_tiles_section_times_each_key_tile_rule_with_the_rule_in_force(tmp_p
     step_time = bench.Runner.step_time
 
     def recording(self, llm, batch, vocab):
-        seen.append((tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE))
+        seen.append((tiles.SM90_KEY_TILES, tiles.SM90_WIDE_WAVE))
         return step_time(self, llm, batch, vocab)
 
     monkeypatch.setattr(bench.Runner, "step_time", recording)
-    shipped = (tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE)
+    shipped = (tiles.SM90_KEY_TILES, tiles.SM90_WIDE_WAVE)
     out = tmp_path / "bench.json"
     assert bench.main(["--device", "cpu", "--tiny", "--no-progress", "--json", str(out), "--sections", "tiles"]) == 0
     figures = json.loads(out.read_text())["figures"]
     assert [f["case"] for f in figures] == [f"{rule}, batch {b}" for rule in bench.TILE_RULES for b in (1, 2)]
-    assert seen == [shipped] * 2 + [(shipped[0], 1e9)] * 2 + [(0, shipped[1])] * 2
-    assert (tiles.SM90_WIDE_ROWS, tiles.SM90_WIDE_WAVE) == shipped
+    assert seen == [shipped] * 2 + [(shipped[0], 1e9)] * 2 + [((), shipped[1])] * 2
+    assert (tiles.SM90_KEY_TILES, tiles.SM90_WIDE_WAVE) == shipped
 
 
 def test_the_overlap_section_times_each_setting_with_it_in_force(tmp_path, monkeypatch):
