@@ -382,12 +382,11 @@ def compile_all(arch: int, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GRO
             except Exception as exc:  # noqa: BLE001 - recorded; the other cases go on
                 builds.append(KernelBuild("?", case, arch, dname, error=f"{type(exc).__name__}: {exc}"))
         for fn, compiled, kwargs in sink:
-            build = make_build(fn, compiled, kwargs, case, arch, dname, tools)
-            key = (fn.__name__, tuple(sorted(build.constexprs.items())), str(compiled.metadata.hash))
+            key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in kwargs.items())), str(compiled.metadata.hash))
             if key in seen:
                 continue
             seen.add(key)
-            builds.append(build)
+            builds.append(make_build(fn, compiled, kwargs, case, arch, dname, tools))
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -50,7 +50,7 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _prefetch_weights(w_ptr, cols, col_ok, k0, K, stride_wn, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Prefetch the first ``STEPS`` K steps of this program's weight rows into L2, a
-    line a row a step (clamped to the first row outside the layer)."""
+    line a row a step (a lane outside the layer asks for the weight's first line)."""
     for step in tl.static_range(STEPS):
         k = k0 + step * BLOCK_K
         ok = col_ok & (k < K)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pagedtree.kernels import triton_kernels
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
 ENV = "PAGEDTREE_PDL"
@@ -54,8 +55,8 @@ def _capability(index: int) -> int:
 
 def supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched this way (CUDA, sm_90 or later,
-    compiled kernels)."""
-    if device.type != "cuda" or INTERPRETED:
+    compiled kernels, a Triton with grid dependency control)."""
+    if device.type != "cuda" or INTERPRETED or triton_kernels.gdc_wait is None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= MIN_CAPABILITY

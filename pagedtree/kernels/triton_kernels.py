@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:  # grid dependency control (programmatic dependent launch), Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: launches never overlap (``launch_overlap``)
+    gdc_launch_dependents = gdc_wait = None
 
 try:  # the class moved between Triton releases; only its presence matters here
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction

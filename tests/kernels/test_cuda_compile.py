@@ -2,10 +2,11 @@
 and the 16-bit kernels do not spill registers (``pagedtree.kernels.cuda_compile``).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (the test process
-defines the kernels for the interpreter). The default suite compiles a real model
-shape on sm_90 (Qwen2.5-7B's 7 query heads per KV head at head dim 128, bf16: a
-64-node tree with its root, a split-KV tree); ``-m slow`` compiles the same on
-sm_80 and sm_90 with 6 and 7 query heads per KV head, a pairwise covering of the
+defines the kernels for the interpreter). The default suite compiles real model
+shapes on sm_90 (Llama-3-8B's 4, Qwen2.5-1.5B's 6 and Qwen2.5-7B's 7 query heads per
+KV head at head dim 128, bf16: a 16-node tree, a 64-node tree with its root, a
+split-KV tree); ``-m slow`` compiles the same on
+sm_80 and sm_90, a pairwise covering of the
 cases per GPU (every pair of values of dtype, head dim, GQA group 1-8, block size
 and step kind at least once: about 40 cases, 15 minutes for both GPUs on two cores
 with an empty Triton cache) and every combination. The default suite checks the
@@ -44,18 +45,20 @@ def _compile(out_dir, cover: str, arch: str = "80,90", *extra: str):
 
 
 # Each compile costs about 2 s on two cores (and the subprocess 6 s to import): the
-# default suite compiles one real shape on sm_90, -m slow both GPUs and both groups.
+# default suite compiles the real models' groups on sm_90, -m slow on both GPUs.
 @pytest.mark.parametrize("archs,groups", [
-    pytest.param((90,), (7,), id="sm90-G7"),
-    pytest.param((80, 90), (6, 7), id="sm80-sm90-G6-G7", marks=pytest.mark.slow),
+    pytest.param((90,), (4, 6, 7), id="sm90-G4-G6-G7"),
+    pytest.param((80, 90), (4, 6, 7), id="sm80-sm90-G4-G6-G7", marks=pytest.mark.slow),
 ])
 def test_real_model_head_groups_compile_without_spills(tmp_path, archs, groups):
-    # Qwen2.5-1.5B (the default model's family) has 6 query heads per KV head,
-    # Qwen2.5-7B 7: 64-node trees sent with their root (65 queries) and a lone tree
-    # on a long context (split-KV), in bf16 at head dim 128 (decodes: -m slow).
+    # Llama-3-8B has 4 query heads per KV head, Qwen2.5-1.5B (the default model's
+    # family) 6, Qwen2.5-7B 7: 16-node trees (sm_90's 32-key tiles in small launches;
+    # 64 keys spilled 89 stores at 4 heads, a triple the pairwise record may miss),
+    # 64-node trees sent with their root (65 queries) and a lone tree on a long
+    # context (split-KV), in bf16 at head dim 128 (decodes: -m slow).
     proc, data = _compile(tmp_path, "all", ",".join(map(str, archs)), "--dtypes", "bf16", "--head-dims", "128",
                           "--groups", ",".join(map(str, groups)), "--block-sizes", "16",
-                          "--phases", "tree64,split_tree16")
+                          "--phases", "tree16,tree64,split_tree16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     builds = data["builds"]
     assert {b["kernel"] for b in builds} == KERNELS
@@ -67,19 +70,10 @@ def test_real_model_head_groups_compile_without_spills(tmp_path, archs, groups):
     assert {b["constexprs"]["NUM_SPLITS"] > 1 for b in attention} == {True, False}
     # Packed rows: 65 queries of 6 or 7 heads in two programs of 33 tokens (256 rows on sm_90).
     assert any(b["arch"] == 90 and b["constexprs"]["BLOCK_Q"] == 33 and _rows(b) == 256 for b in attention)
+    # The 16-node trees' small launch on sm_90: 32-key tiles, at every group.
+    wide = [b for b in attention if b["arch"] == 90 and b["constexprs"]["TILE_N"] == 32]
+    assert {b["constexprs"]["GROUP"] for b in wide} == set(groups)
     assert all(counts and all(n == 1 for n in counts.values()) for counts in data["variants_over_varying_steps"].values())
-
-
-def test_sm90_wide_key_tiles_do_not_spill_at_the_real_models_groups(tmp_path):
-    # 16-node trees at 4, 6 and 7 query heads per KV head (Llama-3-8B, Qwen2.5-1.5B,
-    # Qwen2.5-7B) at head dim 128 take 32-key tiles on sm_90 in small launches (64 keys
-    # spilled 89 stores at 4 heads); a triple of values the pairwise record may miss.
-    proc, data = _compile(tmp_path, "all", "90", "--dtypes", "bf16", "--head-dims", "128", "--groups", "4,6,7",
-                          "--block-sizes", "16", "--phases", "tree16")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    attention = [b for b in data["builds"] if b["kernel"] == "_unified_attention_kernel"]
-    assert {b["constexprs"]["GROUP"] for b in attention} == {4, 6, 7}
-    assert all(b["constexprs"]["TILE_N"] == 32 and not b["spills"] for b in attention)
 
 
 @pytest.fixture(scope="module", params=[90, 80], ids=lambda a: f"sm{a}")
