@@ -41,6 +41,7 @@ CONFIGS = [(64, 64, 4, 4, 2, 0), (64, 64, 4, 4, 2, 1), (64, 64, 4, 3, 4, 0), (64
            (128, 64, 8, 3, 2, 0), (64, 64, 8, 2, 2, 0)]
 TINY_CONFIGS = [(64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 1)]
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),

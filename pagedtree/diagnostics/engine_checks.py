@@ -19,7 +19,6 @@ points at a near-tie, a wide one at a bug.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass, field
@@ -163,30 +162,24 @@ def greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs
     """Generate greedily for every prompt (EOS ignored) and collect the run's result;
     ``overlap`` switches overlapping launches on or off for the whole run (None:
     as the process has it)."""
+    from pagedtree import SamplingParams
     from pagedtree.kernels import launch_overlap
 
-    with launch_overlap.overlapping(overlap) if overlap is not None else contextlib.nullcontext():
-        return _greedy_run(setup, speculative, graphs, asynchronous, backend)
-
-
-def _greedy_run(setup: EngineSetup, speculative: bool | SpeculativeConfig, graphs: bool,
-                asynchronous: bool | None, backend: str) -> RunResult:
-    from pagedtree import SamplingParams
-
-    llm = make_llm(setup, speculative, graphs, asynchronous, backend)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True, logprobs=2)
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in setup.prompts], params, use_tqdm=False)
-        result = RunResult(tokens=[list(o.outputs[0].token_ids) for o in outs],
-                           gaps=[[top2_gap(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs])
-        _record_graphs(llm, result)
-        stats = llm.stats()
-        result.draft_tokens = int(stats.get("num_draft_tokens", 0))
-        result.accepted_tokens = int(stats.get("num_accepted_tokens", 0))
-        result.steps_ahead = llm.engine.async_steps.num_steps_ahead
-        return result
-    finally:
-        release(llm)
+    with launch_overlap.overlapping(launch_overlap.enabled() if overlap is None else overlap):
+        llm = make_llm(setup, speculative, graphs, asynchronous, backend)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True, logprobs=2)
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in setup.prompts], params, use_tqdm=False)
+            result = RunResult(tokens=[list(o.outputs[0].token_ids) for o in outs],
+                               gaps=[[top2_gap(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs])
+            _record_graphs(llm, result)
+            stats = llm.stats()
+            result.draft_tokens = int(stats.get("num_draft_tokens", 0))
+            result.accepted_tokens = int(stats.get("num_accepted_tokens", 0))
+            result.steps_ahead = llm.engine.async_steps.num_steps_ahead
+            return result
+        finally:
+            release(llm)
 
 
 def _record_graphs(llm, result: RunResult) -> None:

@@ -163,7 +163,6 @@ def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
     later). Yields the list of ``(jit function, compiled kernel, constexprs)``."""
     from triton.runtime import driver
 
-    from pagedtree.kernels import launch_overlap
     from pagedtree.kernels import triton_kernels as K
     from pagedtree.kernels import triton_ops
 
@@ -182,7 +181,7 @@ def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
         for n in names:
             setattr(K, n, _CompileOnly(saved[n], sink))
         triton_ops.check_device = lambda device: None  # CPU tensors stand in for CUDA ones
-        with overlapping_launches(launch_overlap, capability, overlap):
+        with overlapping_launches(capability, overlap):
             yield sink
     finally:
         for n, fn in saved.items():
@@ -192,16 +191,18 @@ def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
 
 
 @contextlib.contextmanager
-def overlapping_launches(module, capability: int, overlap: bool) -> Iterator[None]:
-    """Within: ``module.active`` (``launch_overlap``'s) says what a GPU of
-    ``capability`` would with launches overlapping (``overlap``) or not, for the
-    CPU tensors that stand in for CUDA ones."""
-    saved = module.active
-    module.active = lambda device: overlap and capability >= module.MIN_CAPABILITY
+def overlapping_launches(capability: int, overlap: bool) -> Iterator[None]:
+    """Within: ``launch_overlap.active`` says what a GPU of ``capability`` would with
+    launches overlapping (``overlap``) or not, for the CPU tensors that stand in for
+    CUDA ones."""
+    from pagedtree.kernels import launch_overlap
+
+    saved = launch_overlap.active
+    launch_overlap.active = lambda device: overlap and capability >= launch_overlap.MIN_CAPABILITY
     try:
         yield
     finally:
-        module.active = saved
+        launch_overlap.active = saved
 
 
 def _step(block_size: int, requests: int, new: int, context: int, tree: bool):

@@ -42,7 +42,7 @@ def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
     from triton.runtime import driver
 
     from pagedtree.kernels import dense_kernels as D
-    from pagedtree.kernels import dense_ops, launch_overlap
+    from pagedtree.kernels import dense_ops
 
     if dense_ops.INTERPRETED:
         raise RuntimeError("TRITON_INTERPRET is set: run the compile check in a process without it")
@@ -57,7 +57,7 @@ def compile_only(capability: int, overlap: bool = False) -> Iterator[list]:
             setattr(D, n, _CompileOnly(saved[n], sink))
         dense_ops.check_kernel_device = lambda device: None  # CPU tensors stand in for CUDA ones
         dense_ops.device_kind = lambda device: (ARCH_SMS[capability], capability)
-        with overlapping_launches(launch_overlap, capability, overlap):
+        with overlapping_launches(capability, overlap):
             yield sink
     finally:
         for n, fn in saved.items():

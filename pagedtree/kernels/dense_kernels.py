@@ -141,8 +141,6 @@ def _invariant_matmul_kernel(
         if GATED:
             _prefetch_weights(w_ptr + n_out * stride_wn, cols, col_ok, k0, K, stride_wn, PREFETCH_STEPS, BLOCK_K)
     _wait_previous_grid(PDL)
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT:
         group = tl.program_id(1)
         part = _matmul_group(x_ptr, w_ptr, rows, cols, row_ok, col_ok, group * GROUP_K, K, stride_xm, stride_wn,
@@ -190,6 +188,8 @@ def _invariant_matmul_kernel(
                                  stride_om, HAS_BIAS, GATED, MANUAL_BF16)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for group in range(NUM_GROUPS):
             total += _matmul_group(x_ptr, w_ptr, rows, cols, row_ok, col_ok, group * GROUP_K, K, stride_xm,
                                    stride_wn, BLOCK_K, GROUP_K, BLOCK_M, BLOCK_N, DOT_FP32, ROW_EXACT_DOT)
