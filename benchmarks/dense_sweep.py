@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                          unroll=unroll):
                     return lambda: D._invariant_matmul_kernel[(tiles, groups if split else 1)](
                         x, w, out, out, parts, counters, m, k, n_out, x.stride(0), w.stride(0), out.stride(0),
+                        *dense_ops.epilogue_args(None, out),
                         NUM_GROUPS=groups, GROUP_K=per_group * block_k, BLOCK_M=dense_ops.BLOCK_M,
-                        BLOCK_N=block_n, BLOCK_K=block_k, REDUCE_M=dense_ops.REDUCE_M, REDUCE_UNROLL=unroll,
+                        BLOCK_N=block_n, BLOCK_K=block_k, REDUCE_M=dense_ops.reduce_rows(block_n),
+                        REDUCE_UNROLL=unroll,
                         SPLIT=split, GATED=gated, HAS_BIAS=False,
                         DOT_FP32=dense_ops.INTERPRETED, ROW_EXACT_DOT=dense_ops.INTERPRETED,
                         MANUAL_BF16=dense_ops.INTERPRETED, num_warps=warps, num_stages=stages)

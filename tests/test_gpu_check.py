@@ -111,20 +111,44 @@ def test_a_product_whose_rows_depend_on_the_batch_fails_the_dense_check(monkeypa
     with others) fails its shape's row; the honest kernels pass."""
     from pagedtree.kernels import dense_ops
 
+    # The rotating q/k/v row has a planted-fault test of its own (below).
+    monkeypatch.setattr(dense_check, "_rotary_epilogue_row", lambda device, gen: Row(
+        dense_check.CHECK, "rotating q/k/v", "not run here", "-", PASS))
     honest = dense_check.invariance_rows(CPU, quick=True)
     assert [row.verdict for row in honest] == [PASS] * len(honest)
     real = dense_ops.invariant_linear
 
-    def batch_dependent(x, weight, bias, config, split=None):
-        out = real(x, weight, bias, config, split)
-        if out.shape[0] > 1:
+    def batch_dependent(x, weight, bias, config, split=None, rotary=None):
+        out = real(x, weight, bias, config, split, rotary)
+        if out.shape[0] > 1 and rotary is None:
             out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(float("inf"), dtype=out.dtype))
         return out
 
     monkeypatch.setattr(dense_ops, "invariant_linear", batch_dependent)
     rows = dense_check.invariance_rows(CPU, quick=True)
-    assert [row.verdict for row in rows[:-1]] == [FAIL] * (len(rows) - 1) and rows[-1].verdict == PASS
+    products = len(dense_check.TINY)
+    assert [row.verdict for row in rows[:products]] == [FAIL] * products
     assert "differ" in rows[0].result
+
+
+@INTERPRETER
+def test_an_epilogue_rotation_that_differs_from_the_rotary_kernel_fails_the_dense_check(monkeypatch):
+    """A planted fault in the rotating q/k/v product (one element nudged when it
+    rotates in its epilogue) fails that row (the honest kernel passes it in the whole
+    check below)."""
+    from pagedtree.kernels import dense_ops
+
+    real = dense_ops.invariant_linear
+
+    def off_by_one(x, weight, bias, config, split=None, rotary=None):
+        out = real(x, weight, bias, config, split, rotary)
+        if rotary is not None:
+            out[-1, -1] = torch.nextafter(out[-1, -1], torch.tensor(float("inf"), dtype=out.dtype))
+        return out
+
+    monkeypatch.setattr(dense_ops, "invariant_linear", off_by_one)
+    row = dense_check._rotary_epilogue_row(CPU, torch.Generator().manual_seed(0))
+    assert row.verdict == FAIL and "epilogue" in row.case and "differ" in row.result
 
 
 def test_a_library_that_does_not_run_is_a_finding_not_a_failure():
@@ -201,7 +225,9 @@ def test_the_whole_check_in_process(tiny_checks, tmp_path, capsys):
         "speculative vs plain": [PASS, PASS],
         "FlashInfer in the engine": [SKIPPED],  # CUDA only
         "syncs per step": ([PASS] if sync_check.default_recorder(CPU)[0] == "SyncGuard" else []) + [SKIPPED],
-        "dense kernels": [PASS] * (len(dense_check.TINY) + 1) + [INFO] * (2 * len(dense_check.TINY) + 4),
+        # products, norm, rotating q/k/v; then speed: products x 2 row counts, the
+        # rotating q/k/v at 2, norm and rotary at 1 and 64 rows
+        "dense kernels": [PASS] * (len(dense_check.TINY) + 2) + [INFO] * (2 * len(dense_check.TINY) + 2 + 4),
         "tree/decode kernel time": [INFO, INFO],  # decode and tree
     }, out
     assert "skipped (no CUDA)" in out and "PASSED" in out

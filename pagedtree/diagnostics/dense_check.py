@@ -3,11 +3,15 @@
 1. Bits: every product of a real layer shape (the Qwen2.5 1.5B's, a Llama-3-8B's)
    gives each row the same bits alone, in batches of 1 to 2,080 rows and in both
    launch modes (K-groups spread over programs, or walked by one), and stays within
-   the dtype's rounding of an fp32 reference; RMSNorm rows likewise. A row that
-   differs fails the check: greedy speculation would then differ from plain decoding.
+   the dtype's rounding of an fp32 reference; RMSNorm rows likewise, and the q/k/v
+   product that rotates and stores in its epilogue gives the product-then-rotary
+   kernel's bits. A row that differs fails the check: greedy speculation would then
+   differ from plain decoding.
 2. Speed (informational): each product against cuBLAS (``F.linear``; for the gated
    MLP, ``F.linear`` then SiLU * up) at 1 to 2,080 rows, and the weights' stream in
-   GB/s at one row; the fused norm and rotary + KV store against their eager ops
+   GB/s at one row; the q/k/v product rotating in its epilogue against the product
+   and the rotary kernel launched apart; the fused norm and rotary + KV store against
+   their eager ops
    and, on a GPU, the libraries that fuse them (Inductor through ``torch.compile``;
    FlashInfer's and Liger's fused add + RMSNorm and rotary where they import).
    Timed as CUDA graphs of repeated calls over enough weight copies to spill the
@@ -103,7 +107,63 @@ def invariance_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Ro
                                                            group_k=config.group_k, groups=config.num_groups)))
                 del weight, b, x, full, ref
     rows.append(_norm_row(device, gen))
+    rows.append(_rotary_epilogue_row(device, gen))
     return rows
+
+
+def _rotary_case(device: torch.device, gen: torch.Generator, m: int):
+    """The 1.5B's q/k/v layer (a tiny one in the interpreter), ``m`` rows, a [cos | sin]
+    table, positions, slots and zeroed caches: ``(weight, bias, x, rotary, heads)``."""
+    from pagedtree.kernels import dense_ops
+
+    on_gpu = device.type == "cuda"
+    hidden, heads, kv_heads, head_dim = (1536, 12, 2, 128) if on_gpu else (96, 4, 2, 32)
+    dtype = torch.bfloat16
+    n_out = (heads + 2 * kv_heads) * head_dim
+    weight = (torch.randn(n_out, hidden, generator=gen, device=device) / hidden ** 0.5).to(dtype)
+    bias = (torch.randn(n_out, generator=gen, device=device) * 0.1).to(dtype)
+    x = torch.randn(m, hidden, generator=gen, device=device).to(dtype)
+    cos_sin = torch.randn(4096, 2 * head_dim, generator=gen, device=device).to(dtype)
+    positions = torch.randint(0, 4096, (m,), generator=gen, device=device)
+    blocks = -(-m // 16) + 8
+    slots = torch.randperm(blocks * 16, generator=gen, device=device)[:m]
+    caches = [torch.zeros(blocks, 16, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    rotary = dense_ops.RotaryEpilogue(positions, cos_sin, heads, kv_heads, head_dim, slots, *caches)
+    return weight, bias, x, rotary
+
+
+def _rotary_epilogue_row(device: torch.device, gen: torch.Generator) -> Row:
+    """The q/k/v product rotating and storing in its epilogue: its output and the keys
+    and values it stores are the bits of the same product followed by
+    ``rotary_store``, at a decode's, a tree's and a batch's row counts, both launch
+    modes."""
+    from pagedtree.kernels import dense_ops
+
+    counts = CUDA_ROWS if device.type == "cuda" else CPU_ROWS[:2]  # the interpreter: a decode and a tree
+    weight, bias, x, rotary = _rotary_case(device, gen, counts[-1])
+    config = dense_ops.qkv_config(rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, x.shape[1], x.dtype,
+                                  *dense_ops.device_kind(device))
+    mismatches = []
+    for m in counts:
+        part = dense_ops.RotaryEpilogue(rotary.positions[:m], rotary.cos_sin, rotary.num_heads, rotary.num_kv_heads,
+                                        rotary.head_dim, rotary.slot_mapping[:m], torch.zeros_like(rotary.key_cache),
+                                        torch.zeros_like(rotary.value_cache))
+        want = dense_ops.invariant_linear(x[:m], weight, bias, config)
+        want_caches = [torch.zeros_like(rotary.key_cache), torch.zeros_like(rotary.value_cache)]
+        dense_ops.rotary_store(want, part.positions, part.cos_sin, part.num_heads, part.num_kv_heads, part.head_dim,
+                               part.slot_mapping, *want_caches)
+        for split in (True, False) if m <= dense_ops.SPLIT_MAX_ROWS else (False,):
+            part.key_cache.zero_()
+            part.value_cache.zero_()
+            got = dense_ops.invariant_linear(x[:m], weight, bias, config, split=split, rotary=part)
+            if not (torch.equal(got, want) and torch.equal(part.key_cache, want_caches[0])
+                    and torch.equal(part.value_cache, want_caches[1])):
+                mismatches.append(f"{m} rows{' split' if split else ''}")
+    case = (f"q/k/v {config.n_out}x{config.k} rotating and storing in its epilogue, "
+            f"{rotary.num_heads}/{rotary.num_kv_heads} heads of {rotary.head_dim}, bf16")
+    return Row(CHECK, case, "the product-then-rotary-kernel bits" if not mismatches else
+               "differ: " + ", ".join(mismatches[:4]), "-", FAIL if mismatches else PASS,
+               dict(mismatches=mismatches))
 
 
 def _norm_row(device: torch.device, gen: torch.Generator) -> Row:
@@ -189,7 +249,43 @@ def speed_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
                             dict(rows=m, seconds=mine, cublas_seconds=theirs, weight_bytes=nbytes,
                                  split=dense_ops.uses_split(m, config, dense_ops.device_sms(device)))))
         del weights, weight
-    return rows + _glue_rows(device, gen, note)
+    return rows + _rotary_epilogue_speed_rows(device, gen, counts, note) + _glue_rows(device, gen, note)
+
+
+def _rotary_epilogue_speed_rows(device: torch.device, gen: torch.Generator, counts, note: str) -> list[Row]:
+    """The q/k/v product rotating and storing in its epilogue (one head a column tile)
+    against the product in its usual tiles and ``rotary_store`` launched after it."""
+    from pagedtree.kernels import dense_ops
+
+    on_gpu = device.type == "cuda"
+    rows = []
+    for m in counts:
+        weight, bias, x, rotary = _rotary_case(device, gen, m)
+        kind = dense_ops.device_kind(device)
+        fused_config = dense_ops.qkv_config(rotary.num_heads, rotary.num_kv_heads, rotary.head_dim, x.shape[1],
+                                            x.dtype, *kind)
+        apart_config = dense_ops.matmul_config(fused_config.n_out, x.shape[1], False, x.dtype, *kind)
+        nbytes = weight.numel() * weight.element_size()
+        copies = max(1, min(16, -(-L2_SPILL_BYTES // nbytes))) if on_gpu else 1
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+
+        def fused(w):
+            return lambda: dense_ops.invariant_linear(x, w, bias, fused_config, rotary=rotary)
+
+        def apart(w):
+            def run():
+                qkv = dense_ops.invariant_linear(x, w, bias, apart_config)
+                dense_ops.rotary_store(qkv, rotary.positions, rotary.cos_sin, rotary.num_heads, rotary.num_kv_heads,
+                                       rotary.head_dim, rotary.slot_mapping, rotary.key_cache, rotary.value_cache)
+            return run
+
+        one = graph_seconds(lambda: [fused(w) for w in weights], device)
+        two = graph_seconds(lambda: [apart(w) for w in weights], device)
+        rows.append(Row(CHECK, f"q/k/v + rotary + KV store, {m} rows: in the epilogue / two launches",
+                        f"{one * 1e6:.1f} us (two launches {two * 1e6:.1f} us){note}", f"{two / one:.2f}x", INFO,
+                        dict(rows=m, seconds=one, apart_seconds=two)))
+        del weights, weight
+    return rows
 
 
 def _alternatives(device: torch.device, calls: dict[str, Callable[[], Callable[[], object]]]) -> dict[str, object]:

@@ -16,7 +16,10 @@ on per layer, never per batch:
   finish adds the groups in order (``SPLIT=True``, small batches: a decode's GEMV
   needs many programs to stream the weights). Both give the same fp32 total, hence
   the same rounded result, for any row count: the tile shape, the instruction and
-  the order of every addition are the layer's, not the batch's.
+  the order of every addition are the layer's, not the batch's. With ``ROTARY`` (the
+  q/k/v projection, one head a column tile) the epilogue also rotates the query and
+  key heads and, with ``STORE``, writes keys and values to their paged-cache slots:
+  the rotary kernel's work and roundings, without its launch.
 - ``_add_rms_norm_kernel``: one program per row, the residual add and the norm.
 - ``_rotary_store_kernel``: one program per token, the rotary embedding of its query
   and key heads (in place in the q/k/v projection's output) and its keys and values
@@ -82,9 +85,62 @@ def _matmul_group(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k0, K, stride_xm, st
 
 
 @triton.jit
+def _rotate(x, x_swapped, cos, sin, HALF_SIGN, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` with each product rounded to ``DTYPE``, as eager does."""
+    first = _cast(x * cos, DTYPE, MANUAL_BF16).to(tl.float32)
+    second = _cast(x_swapped * HALF_SIGN * sin, DTYPE, MANUAL_BF16).to(tl.float32)
+    return _cast(first + second, DTYPE, MANUAL_BF16)
+
+
+@triton.jit
+def _rotary_rows(out, out_ptr, rows, row_ok, head, stride_om, pos_ptr, cos_sin_ptr, num_positions, stride_cs,
+                 HEAD_DIM: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """Head ``head`` of the product's rows ``rows`` (``out``, rounded, ``[R, HEAD_DIM]``)
+    rotated by each row's position: stored as it is, read back half-swapped (another
+    thread's elements), then returned rotated (half-split layout, as the rotary
+    kernel does)."""
+    dims = tl.arange(0, HEAD_DIM)
+    half: tl.constexpr = HEAD_DIM // 2
+    at = out_ptr + rows[:, None] * stride_om + head * HEAD_DIM
+    tl.store(at + dims[None, :], out, mask=row_ok[:, None])
+    tl.debug_barrier()  # every thread's elements stored before any is read as another's half
+    swapped = tl.load(at + ((dims + half) % HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
+    tl.debug_barrier()  # every half read before the rotated values overwrite it
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    pos_ok = row_ok & (pos >= 0) & (pos < num_positions)  # checked on the host; never read outside the table
+    cos = tl.load(cos_sin_ptr + pos[:, None] * stride_cs + dims[None, :], mask=pos_ok[:, None],
+                  other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos[:, None] * stride_cs + HEAD_DIM + dims[None, :], mask=pos_ok[:, None],
+                  other=0.0).to(tl.float32)
+    sign = tl.where(dims < half, -1.0, 1.0)
+    return _rotate(out.to(tl.float32), swapped.to(tl.float32), cos, sin, sign[None, :], out_ptr.dtype.element_ty,
+                   MANUAL_BF16)
+
+
+@triton.jit
+def _store_cache_rows(out, rows, row_ok, kv_head, cache_ptr, slot_ptr, stride_cb, stride_cblk, stride_ch,
+                      HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """KV head ``kv_head`` of the rows ``rows`` (``out``, ``[R, HEAD_DIM]``) written to
+    their cache slots (``[blocks, CACHE_BLOCK, H_kv, D]``; a negative slot stores nothing)."""
+    dims = tl.arange(0, HEAD_DIM)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    ok = row_ok & (slot >= 0)
+    at = (slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * stride_cblk + kv_head * stride_ch
+    tl.store(cache_ptr + at[:, None] + dims[None, :], _cast(out.to(tl.float32), cache_ptr.dtype.element_ty,
+                                                             MANUAL_BF16), mask=ok[:, None])
+
+
+@triton.jit
 def _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, n_out, stride_om,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MANUAL_BF16: tl.constexpr):
-    """Bias, rounding to the output dtype and, ``GATED``, SiLU(gate) * up, stored."""
+                     head, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, num_positions, stride_cs,
+                     stride_cb, stride_cblk, stride_ch,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                     ROTARY: tl.constexpr, STORE: tl.constexpr, NUM_HEADS: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    """Bias, rounding to the output dtype and, ``GATED``, SiLU(gate) * up, stored.
+    ``ROTARY``: the columns are head ``head`` of a q/k/v projection (``HEAD_DIM`` of
+    them); a query or key head is rotated by its rows' positions before the store,
+    and with ``STORE`` a key or value head also goes to the rows' cache slots."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -97,7 +153,18 @@ def _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col
         up = _cast(total_up, dtype, MANUAL_BF16).to(tl.float32)
         act = _cast(gate * tl.sigmoid(gate), dtype, MANUAL_BF16).to(tl.float32)
         out = _cast(act * up, dtype, MANUAL_BF16)
+    if ROTARY:
+        if head < NUM_HEADS + NUM_KV_HEADS:  # a query or key head (program-uniform)
+            out = _rotary_rows(out, out_ptr, rows, row_ok, head, stride_om, pos_ptr, cos_sin_ptr, num_positions,
+                               stride_cs, HEAD_DIM, MANUAL_BF16)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+    if STORE:
+        if head >= NUM_HEADS + NUM_KV_HEADS:
+            _store_cache_rows(out, rows, row_ok, head - NUM_HEADS - NUM_KV_HEADS, v_cache_ptr, slot_ptr, stride_cb,
+                              stride_cblk, stride_ch, HEAD_DIM, CACHE_BLOCK, MANUAL_BF16)
+        elif head >= NUM_HEADS:
+            _store_cache_rows(out, rows, row_ok, head - NUM_HEADS, k_cache_ptr, slot_ptr, stride_cb, stride_cblk,
+                              stride_ch, HEAD_DIM, CACHE_BLOCK, MANUAL_BF16)
 
 
 # The row count changes from step to step: no specialisation on it (a server would
@@ -106,12 +173,16 @@ def _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, K, n_out, stride_xm, stride_wn, stride_om,
+    pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, num_positions, stride_cs,
+    stride_cb, stride_cblk, stride_ch,
     NUM_GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     REDUCE_M: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr, ROW_EXACT_DOT: tl.constexpr, MANUAL_BF16: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0,
+    ROTARY: tl.constexpr = False, STORE: tl.constexpr = False, NUM_HEADS: tl.constexpr = 0,
+    NUM_KV_HEADS: tl.constexpr = 0, CACHE_BLOCK: tl.constexpr = 1,
 ):
     """``out[M, n_out] = x[M, K] @ w.T (+ bias)``; ``GATED``: ``w`` holds the gate rows
     then the up rows (``2 * n_out``) and ``out = SiLU(x @ gate.T) * (x @ up.T)``.
@@ -122,6 +193,13 @@ def _invariant_matmul_kernel(
     M, n_out]`` fp32), then counts itself in ``count[t]``; the tile's last program
     adds the groups in order (``REDUCE_M`` rows at a time, ``REDUCE_UNROLL`` groups'
     loads in flight at once), finishes the tile and puts the counter back to 0.
+
+    ``ROTARY``: ``out`` is a q/k/v projection whose column tiles are its heads
+    (``BLOCK_N`` = the head dim; ``NUM_HEADS`` query heads, then ``NUM_KV_HEADS`` key
+    heads, then as many value heads). The epilogue rotates query and key heads by
+    ``cos_sin[pos[row]]`` (``[cos | sin]`` rows, the model's dtype) and, ``STORE``,
+    writes keys and values to cache slot ``slot[row]`` (``[blocks, CACHE_BLOCK, H_kv,
+    D]`` caches): ``_rotary_store_kernel``'s arithmetic on the same rounded values.
 
     ``PDL``: launched to overlap the kernel before (``launch_overlap``); a split
     program first prefetches ``PREFETCH_STEPS`` K steps of its weights (which no
@@ -185,7 +263,9 @@ def _invariant_matmul_kernel(
                             sub_up += tl.load(part_ptr + ((g0 + j) * 2 + 1) * plane + sub_cell, mask=g_ok,
                                               other=0.0, cache_modifier=".cg")
                 _matmul_epilogue(sub_total, sub_up, bias_ptr, out_ptr, sub_rows, cols, sub_ok, col_ok, n_out,
-                                 stride_om, HAS_BIAS, GATED, MANUAL_BF16)
+                                 stride_om, tile_n, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                                 num_positions, stride_cs, stride_cb, stride_cblk, stride_ch, HAS_BIAS, GATED,
+                                 MANUAL_BF16, ROTARY, STORE, NUM_HEADS, NUM_KV_HEADS, BLOCK_N, CACHE_BLOCK)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -198,7 +278,9 @@ def _invariant_matmul_kernel(
                                           group * GROUP_K, K, stride_xm, stride_wn, BLOCK_K, GROUP_K, BLOCK_M,
                                           BLOCK_N, DOT_FP32, ROW_EXACT_DOT)
         _matmul_epilogue(total, total_up, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, n_out, stride_om,
-                         HAS_BIAS, GATED, MANUAL_BF16)
+                         tile_n, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, num_positions, stride_cs,
+                         stride_cb, stride_cblk, stride_ch, HAS_BIAS, GATED, MANUAL_BF16, ROTARY, STORE, NUM_HEADS,
+                         NUM_KV_HEADS, BLOCK_N, CACHE_BLOCK)
 
 
 @triton.jit
@@ -225,14 +307,6 @@ def _add_rms_norm_kernel(
     normed = _cast(h * tl.rsqrt(variance + eps), dtype, MANUAL_BF16).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, _cast(w * normed, dtype, MANUAL_BF16), mask=ok)
-
-
-@triton.jit
-def _rotate(x, x_swapped, cos, sin, HALF_SIGN, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
-    """``x * cos + rotate_half(x) * sin`` with each product rounded to ``DTYPE``, as eager does."""
-    first = _cast(x * cos, DTYPE, MANUAL_BF16).to(tl.float32)
-    second = _cast(x_swapped * HALF_SIGN * sin, DTYPE, MANUAL_BF16).to(tl.float32)
-    return _cast(first + second, DTYPE, MANUAL_BF16)
 
 
 @triton.jit

@@ -182,3 +182,75 @@ def test_rotary_store_is_the_eager_rotary_and_stores_keys_and_values(dtype):
     written = {s for s in slots.tolist() if s >= 0}
     untouched = [s for s in range(flat_k.shape[0]) if s not in written]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def _rotary_case(dtype, gen, heads=4, kv_heads=2, head_dim=32, k=200, tokens=70, blocks=40, block=4):
+    """A q/k/v layer, a [cos | sin] table, positions (one past the table: read as
+    zeros) and slots (one negative: stored nowhere) for ``tokens`` rows."""
+    n_out = (heads + 2 * kv_heads) * head_dim
+    weight = torch.randn(n_out, k, generator=gen).to(dtype)
+    bias = torch.randn(n_out, generator=gen).to(dtype)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    cos_sin = torch.randn(64, 2 * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    positions[3] = 64
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens]
+    slots[5] = -1
+    return weight, bias, x, cos_sin, positions, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_qkv_product_rotating_in_its_epilogue_gives_the_product_then_the_rotary_kernel(dtype):
+    """One head a column tile: the epilogue's rotated queries and keys, and the keys and
+    values it stores, are the bits of the same product followed by ``rotary_store``,
+    in both launch modes, for a decode, a 16-node tree and a batch past a row tile
+    (bf16; the other dtypes at the tree's rows); without caches it rotates only."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim, block = 4, 2, 32, 4
+    weight, bias, x, cos_sin, positions, slots = _rotary_case(dtype, gen, heads, kv_heads, head_dim, block=block)
+    config = dense_ops.qkv_config(heads, kv_heads, head_dim, x.shape[1], dtype, num_sms=132)
+    assert config.block_n == head_dim and config.num_groups > 1
+    for rows in (1, 17, 70) if dtype == torch.bfloat16 else (17,):
+        want = dense_ops.invariant_linear(x[:rows], weight, bias, config)
+        want_caches = [torch.zeros(40, block, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+        dense_ops.rotary_store(want, positions[:rows], cos_sin, heads, kv_heads, head_dim, slots[:rows],
+                               *want_caches)
+        for split in (True, False):
+            caches = [torch.zeros_like(c) for c in want_caches]
+            rotary = dense_ops.RotaryEpilogue(positions[:rows], cos_sin, heads, kv_heads, head_dim, slots[:rows],
+                                              *caches)
+            got = dense_ops.invariant_linear(x[:rows], weight, bias, config, split=split, rotary=rotary)
+            assert torch.equal(got, want), (rows, split)
+            assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1]), (rows, split)
+    rotated = dense_ops.invariant_linear(x[:17], weight, bias, config,
+                                         rotary=dense_ops.RotaryEpilogue(positions[:17], cos_sin, heads, kv_heads,
+                                                                         head_dim))
+    want = dense_ops.invariant_linear(x[:17], weight, bias, config)
+    dense_ops.rotary_store(want, positions[:17], cos_sin, heads, kv_heads, head_dim)
+    assert torch.equal(rotated, want)
+
+
+def test_a_rotating_product_refuses_what_it_cannot_do():
+    """A config not cut one head a tile, a gated layer, positions or slots of the wrong
+    length, caches of another head count: refused before anything is launched."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias, x, cos_sin, positions, slots = _rotary_case(torch.float32, gen, tokens=8)
+    caches = [torch.zeros(40, 4, 2, 32) for _ in range(2)]
+    qkv = dense_ops.qkv_config(4, 2, 32, 200, torch.float32, num_sms=132)
+    plain = matmul_config(qkv.n_out, 200, False, torch.float32, num_sms=132)
+    rotary = dense_ops.RotaryEpilogue(positions, cos_sin, 4, 2, 32, slots, *caches)
+    with pytest.raises(ValueError, match="one head|heads of 32 columns"):
+        dense_ops.invariant_linear(x, weight, bias, plain, rotary=rotary)
+    with pytest.raises(ValueError, match=r"positions must be \[8\]"):
+        dense_ops.invariant_linear(x, weight, bias, qkv, rotary=dense_ops.RotaryEpilogue(
+            positions[:2], cos_sin, 4, 2, 32, slots, *caches))
+    with pytest.raises(ValueError, match="a slot per token"):
+        dense_ops.invariant_linear(x, weight, bias, qkv, rotary=dense_ops.RotaryEpilogue(
+            positions, cos_sin, 4, 2, 32, slots[:1], *caches))
+    with pytest.raises(ValueError, match="caches must be"):
+        dense_ops.invariant_linear(x, weight, bias, qkv, rotary=dense_ops.RotaryEpilogue(
+            positions, cos_sin, 4, 2, 32, slots, torch.zeros(40, 4, 1, 32), torch.zeros(40, 4, 1, 32)))
+    with pytest.raises(ValueError, match="power of two from 16 to 64"):
+        matmul_config(64, 200, True, torch.float32, num_sms=132, block_n=128)
+    assert not dense_ops.rotates_in_epilogue(256) and not dense_ops.rotates_in_epilogue(80)
+    assert dense_ops.qkv_config(32, 8, 256, 4096, torch.bfloat16, 132).block_n == BLOCK_N

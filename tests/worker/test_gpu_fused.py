@@ -33,13 +33,19 @@ def test_fused_forward_gives_transformers_greedy_tokens(fixture, request, monkey
     assert static == want and engine.runner.graphs.num_steps >= 5
 
 
-def test_fused_hidden_states_match_the_eager_forward(tiny_qwen2):
+@pytest.mark.parametrize("epilogue", [True, False], ids=["rotary-in-qkv-epilogue", "rotary-kernel"])
+def test_fused_hidden_states_match_the_eager_forward(tiny_qwen2, monkeypatch, epilogue):
     """The fused forward's hidden states are the eager forward's within fp32 rounding
-    (the products sum in another order; everything else rounds as eager does)."""
+    (the products sum in another order; everything else rounds as eager does), with
+    the rotation in the q/k/v product's epilogue and, as for head dims it cannot
+    take, in a launch of its own."""
     from pagedtree.attention.torch_backend import TorchPagedAttention
+    from pagedtree.kernels import dense_ops
     from pagedtree.loading.loader import load_model
     from pagedtree.step_data import AttentionMetadata
 
+    if not epilogue:
+        monkeypatch.setattr(dense_ops, "rotates_in_epilogue", lambda head_dim: False)
     model = load_model(tiny_qwen2.path, pack_weights=False).model
     n = 7
     caches = [(torch.zeros(4, 4, model.num_kv_heads, model.head_dim), torch.zeros(4, 4, model.num_kv_heads,
@@ -52,6 +58,7 @@ def test_fused_hidden_states_match_the_eager_forward(tiny_qwen2):
     attention.begin_step(meta)
     eager = model(ids, positions, attention)
     fused = FusedGpuForward(model)
+    assert (fused.layers[0].qkv.config.block_n == model.head_dim) == epilogue
     attention.begin_step(meta)  # the torch backend stores keys and values itself
     torch.testing.assert_close(fused.forward(ids, positions, attention), eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused.logits(eager), model.lm_head(eager), rtol=1e-4, atol=1e-4)

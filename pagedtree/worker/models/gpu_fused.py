@@ -8,11 +8,12 @@ per-layer ``MatmulConfig`` fixes each row's summation order, and the glue is fus
   one buffer updated in place (one program a row: a row's norm never depends on the
   batch);
 - the rotary embedding of every query and key head and the keys' and values' store
-  into the paged cache: one ``rotary_store`` call per layer, in place in the q/k/v
-  projection's output (the attention backend then only attends);
+  into the paged cache: in the q/k/v product's epilogue, which takes one head a
+  column tile (head dims of 16 to 128; others take a ``rotary_store`` launch after
+  the product, the same bits); the attention backend then only attends;
 - SiLU(gate) * up: in the gate/up product's epilogue.
 
-A layer is 6 launches plus attention's (about 50 eager ops before), and a token's
+A layer is 5 launches plus attention's (about 50 eager ops before), and a token's
 result is the same bits in a one-token decode, a 65-token tree or a batch of
 either, without padding: what greedy speculation needs to equal plain decoding in
 16-bit types, at the cost of one row rather than a padded block of rows.
@@ -38,20 +39,34 @@ class _Product:
     bias: torch.Tensor | None
     config: MatmulConfig
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_ops.invariant_linear(x, self.weight, self.bias, self.config)
+    def __call__(self, x: torch.Tensor, rotary: dense_ops.RotaryEpilogue | None = None) -> torch.Tensor:
+        return dense_ops.invariant_linear(x, self.weight, self.bias, self.config, rotary=rotary)
 
 
-def product(linear, device_kind: tuple[int, int], gated: bool = False) -> _Product:
+def product(linear, device_kind: tuple[int, int], gated: bool = False,
+            config: MatmulConfig | None = None) -> _Product:
     """``linear`` (a dense ``Linear``) as a batch-invariant product on a GPU of
-    ``device_kind`` (SMs, compute capability)."""
+    ``device_kind`` (SMs, compute capability); ``config``: a shape other than the
+    layer's default (the q/k/v projection's, ``dense_ops.qkv_config``)."""
     weight = linear.weight
     if weight is None or weight.dim() != 2:
         raise ValueError("the fused GPU forward needs dense linear weights")
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    config = dense_ops.matmul_config(n_out, weight.shape[1], gated, weight.dtype, *device_kind)
+    if config is None:
+        config = dense_ops.matmul_config(n_out, weight.shape[1], gated, weight.dtype, *device_kind)
     bias = linear.bias.detach() if linear.bias is not None else None
     return _Product(weight.detach(), bias, config)
+
+
+def qkv_product(attn, device_kind: tuple[int, int]) -> _Product:
+    """The q/k/v projection of attention module ``attn``, one head a column tile where
+    its epilogue can rotate (``dense_ops.qkv_config``)."""
+    weight = attn.qkv_proj.weight
+    if weight is None or weight.dim() != 2:
+        raise ValueError("the fused GPU forward needs dense linear weights")
+    config = dense_ops.qkv_config(attn.num_heads, attn.num_kv_heads, attn.head_dim, weight.shape[1], weight.dtype,
+                                  *device_kind)
+    return product(attn.qkv_proj, device_kind, config=config)
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,7 +122,7 @@ class FusedGpuForward:
                 layer_index=layer.self_attn.layer_index,
                 input_norm=layer.input_layernorm.weight.detach(),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                qkv=product(layer.self_attn.qkv_proj, kind),
+                qkv=qkv_product(layer.self_attn, kind),
                 o=product(layer.self_attn.o_proj, kind),
                 gate_up=product(layer.mlp.gate_up_proj, kind, gated=True),
                 down=product(layer.mlp.down_proj, kind),
@@ -136,18 +151,22 @@ class FusedGpuForward:
             normed = dense_ops.add_rms_norm(x, part.input_norm, self.eps, residual) if x is not None else \
                 dense_ops.add_rms_norm(residual, part.input_norm, self.eps)
             t = normed.shape[0]
-            qkv = part.qkv(normed)
             q_size = part.num_heads * part.head_dim
             kv_size = part.num_kv_heads * part.head_dim
             target = attention.store_target(part.layer_index)
+            # The keys and values go to the cache with the rotation when the backend
+            # lets the caller store them; else the backend stores them.
+            rotary = dense_ops.RotaryEpilogue(positions, self.cos_sin, part.num_heads, part.num_kv_heads,
+                                              part.head_dim, *((target[2], target[0], target[1]) if target else ()))
+            if part.qkv.config.block_n == part.head_dim:  # one head a tile: the product's epilogue rotates
+                qkv = part.qkv(normed, rotary)
+            else:
+                qkv = part.qkv(normed)
+                dense_ops.rotary_store(qkv, rotary.positions, rotary.cos_sin, rotary.num_heads, rotary.num_kv_heads,
+                                       rotary.head_dim, rotary.slot_mapping, rotary.key_cache, rotary.value_cache)
             if target is not None:
-                key_cache, value_cache, slots = target
-                dense_ops.rotary_store(qkv, positions, self.cos_sin, part.num_heads, part.num_kv_heads,
-                                       part.head_dim, slots, key_cache, value_cache)
                 out = attention.attend(part.layer_index, qkv[:, :q_size].view(t, part.num_heads, part.head_dim))
             else:
-                dense_ops.rotary_store(qkv, positions, self.cos_sin, part.num_heads, part.num_kv_heads,
-                                       part.head_dim)
                 q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
                 out = attention(part.layer_index, q.view(t, part.num_heads, part.head_dim),
                                 k.view(t, part.num_kv_heads, part.head_dim),
