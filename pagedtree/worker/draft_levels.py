@@ -104,8 +104,9 @@ def run_draft_levels(runner, levels: Sequence[DraftLevel]) -> DraftRun:
     draft distribution raises ``ValueError``).
 
     A runner with step graphs runs the whole draft as one program where it can
-    (``draft_graphs.py``: one CUDA graph replay when capturing); its levels then
-    share the replay's time, each taking an equal part of it."""
+    (``draft_graphs.py``: two CUDA graph replays when capturing, the first level
+    and the rest); its levels then share the program's time, each taking an equal
+    part of it."""
     drawn = _whole_graph(runner, levels)
     if drawn is None:
         drawn = queue_draft_levels(runner, levels)

@@ -32,8 +32,8 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     # And each drafted level by level in the same engine, against its whole drafts.
     by_level = [f for f in spec if "level by level" in f["case"]]
     assert len(by_level) == 2 and all(f["detail"]["whole_speedup"] > 0 for f in by_level)
-    # And with a graph per level against the whole draft as one graph (here, as one
-    # uncaptured static program).
+    # And with a graph per level against the whole draft's two graphs (here, one
+    # uncaptured static program in two parts).
     per_level = [f for f in spec if "a graph per level" in f["case"]]
     assert len(per_level) == 2 and all(f["detail"]["one_graph_speedup"] > 0 for f in per_level)
     # (The tiny chain's short generations draft once each, from the prompt: too long a

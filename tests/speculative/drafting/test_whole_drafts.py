@@ -62,6 +62,10 @@ def _run(model, draft, whole: bool, params, prompts, static: bool = False, draft
     stats = llm.stats()
     graphs = worker.runner.graphs
     stats["whole_draft_programs"] = graphs.drafts.num_drafts if graphs is not None and graphs.drafts else 0
+    if graphs is not None and graphs.drafts:  # the graphs the draft shapes hold, a part each
+        entries = graphs.drafts._entries.values()
+        stats["draft_graphs"] = sum(len(entry.graphs) for entry in entries)
+        stats["draft_parts"] = sum(len(entry.parts) for entry in entries)
     worker.block_manager.check_invariants()
     assert_no_leaks(llm)
     return [[c.token_ids for c in o.outputs] for o in outs], stats, whole_jobs, trees
@@ -165,6 +169,7 @@ class _FakeCapture:
         from pagedtree.worker.draft_graphs import DraftGraphs
 
         self.captures = self.replays = 0
+        self.events: list[tuple] = []  # of the draft being queued: its fills and replays, in order
         recording = []
         fake = self
 
@@ -173,6 +178,7 @@ class _FakeCapture:
 
             def replay(self):
                 fake.replays += 1
+                fake.events.append(("replay",))
                 self.program()
 
             def pool(self):
@@ -196,13 +202,33 @@ class _FakeCapture:
                 pass
 
         program = DraftGraphs._program
+        queue = DraftGraphs.queue
+        self.parts: list[int] = []  # per draft run through the draft graphs, its parts
 
-        def recorded(graphs, entry):
+        def recorded(graphs, entry, start, stop):
             if recording:
-                recording[0].program = lambda: program(graphs, entry)
-            return program(graphs, entry)
+                recording[0].program = lambda: program(graphs, entry, start, stop)
+            return program(graphs, entry, start, stop)
+
+        prepare = DraftGraphs._prepare
+        self.late_fills = 0  # drafts whose later levels were filled after the first level's replay
+
+        def filled(graphs, entry, levels, start, stop):
+            self.events.append(("fill", start))
+            return prepare(graphs, entry, levels, start, stop)
+
+        def queued(graphs, levels):
+            self.events = []
+            children = queue(graphs, levels)
+            if children is not None:
+                fake.parts.append(len(graphs._entries[graphs.key_for(levels)].parts))
+                if fake.parts[-1] == 2 and self.events.index(("fill", 1)) > self.events.index(("replay",)):
+                    self.late_fills += 1
+            return children
 
         monkeypatch.setattr(DraftGraphs, "_program", recorded)
+        monkeypatch.setattr(DraftGraphs, "_prepare", filled)
+        monkeypatch.setattr(DraftGraphs, "queue", queued)
         monkeypatch.setattr(StepGraphs, "side_stream", lambda self: Stream())
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", Capture)
@@ -225,8 +251,14 @@ def test_whole_draft_graphs_capture_once_and_replay(tiny_llama, tiny_llama_draft
     fake = _FakeCapture(monkeypatch)
     got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], capture=True, **kwargs)
     _same(got, want)
-    assert 0 < fake.captures < got[1]["whole_draft_programs"]  # shapes repeat: replays without a capture
-    assert fake.replays == got[1]["whole_draft_programs"]
+    # Each shape's parts (the first level; the levels after it) captured once each.
+    assert 0 < fake.captures == got[1]["draft_graphs"] == got[1]["draft_parts"]
+    # Every draft replays every part of its shape; shapes repeat: replays without a capture.
+    assert fake.replays == sum(fake.parts) and len(fake.parts) == got[1]["whole_draft_programs"]
+    assert fake.replays > fake.captures and max(fake.parts) == 2
+    # The later levels are filled after the first level's graph is launched (on a GPU:
+    # while it runs), in every draft of two parts.
+    assert fake.late_fills == fake.parts.count(2) > 0
     assert "capture failed for a draft" not in caplog.text
     fake = _FakeCapture(monkeypatch, fail=True)
     got = _run(tiny_llama, tiny_llama_draft, True, params, prompts[:2], capture=True, **kwargs)
