@@ -23,9 +23,9 @@ static program:
 
 The program is two graphs: the first level, and the levels after it. The host fills
 the first level's buffers and replays its graph, then fills the other levels'
-buffers while the device runs the first level (a level's fill is about 0.1 ms of
-host time: plan, tree mask, uploads, where a 0.5B draft level runs for over a
-millisecond), replays the second graph and reads every level's children back in one
+buffers while the device runs the first level (a level's fill is 0.1-0.2 ms of
+host time on a 2-core CPU: plan, tree mask, uploads; a 0.5B draft level runs for
+over a millisecond on an H200), replays the second graph and reads every level's children back in one
 copy. One graph for the whole draft would leave the device idle through every
 level's fill: on an H200 a graph per level was 7% faster than that for a chain of 4
 at batch 1, 18% for a 16-node tree. The graphs are keyed by the draft's shape (each
@@ -46,6 +46,7 @@ has run).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,8 @@ class DraftGraphs:
         self.num_drafts = 0  # drafts run through a draft graph
         self.num_captures = 0  # graphs captured (a draft of several levels takes two)
         self.captured_last = False  # whether the last draft captured its graph (its time is not a replay's)
+        self.fill_seconds = 0.0  # host time spent filling levels' buffers (plans, inputs, uploads)
+        self.levels_filled = 0
         self.failed: list[str] = []  # why captures failed (those shapes run level by level)
         self._refused: set[tuple[LevelKey, ...]] = set()
 
@@ -220,6 +223,7 @@ class DraftGraphs:
         static buffers, the coupled rows' noise into theirs (queued on the device, no
         host read)."""
         runner = self.runner
+        started = time.perf_counter()
         for level, data in zip(entry.levels[start:stop], levels[start:stop]):
             chunks = data.chunks
             input_ids, positions, row_index, level.plan = self.graphs.stage(
@@ -238,6 +242,8 @@ class DraftGraphs:
                 if span is not None:
                     noise = self._noise_buffer(data.rules[group[0]].noise)
                     torch.stack([data.rules[i].noise for i in group], out=noise[span[0]:span[1]])
+        self.fill_seconds += time.perf_counter() - started
+        self.levels_filled += stop - start
 
     def _upload(self, key: tuple) -> StagedUpload:
         """The staging of ``key`` (a level and what it uploads): reused, so its device

@@ -36,6 +36,8 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     # uncaptured static program in two parts).
     per_level = [f for f in spec if "a graph per level" in f["case"]]
     assert len(per_level) == 2 and all(f["detail"]["one_graph_speedup"] > 0 for f in per_level)
+    # with the host's fill of a level's buffers timed where whole drafts ran
+    assert any(f["detail"]["fill_seconds_per_level"] > 0 for f in per_level)
     # (The tiny chain's short generations draft once each, from the prompt: too long a
     # catch-up for a padded step; the tree's later drafts run as one program.)
     assert any(f["detail"]["one_program_drafts"] > 0 for f in per_level)
