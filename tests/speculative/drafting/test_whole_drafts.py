@@ -160,9 +160,9 @@ def test_a_whole_draft_as_one_static_program_drafts_what_its_padded_levels_draft
 
 
 class _FakeCapture:
-    """CUDA's graph capture played on a CPU: a graph records the program run inside
-    its capture and replays it by running it again, over whatever the static
-    buffers hold then, as a replay reads them."""
+    """CUDA's graph capture played on a CPU: a graph records the program called inside
+    its capture without running it (a capture launches nothing) and replays it by
+    running it, over whatever the static buffers hold then, as a replay reads them."""
 
     def __init__(self, monkeypatch, fail: bool = False):
         from pagedtree.worker.cuda_graphs import StepGraphs
@@ -208,6 +208,7 @@ class _FakeCapture:
         def recorded(graphs, entry, start, stop):
             if recording:
                 recording[0].program = lambda: program(graphs, entry, start, stop)
+                return None
             return program(graphs, entry, start, stop)
 
         prepare = DraftGraphs._prepare
