@@ -249,7 +249,8 @@ def speed_rows(device: torch.device, quick: bool, seed: int = 0) -> list[Row]:
                             dict(rows=m, seconds=mine, cublas_seconds=theirs, weight_bytes=nbytes,
                                  split=dense_ops.uses_split(m, config, dense_ops.device_sms(device)))))
         del weights, weight
-    return rows + _rotary_epilogue_speed_rows(device, gen, counts, note) + _glue_rows(device, gen, note)
+    rotary_counts = counts if on_gpu else counts[:1]  # the interpreter: the code path, once
+    return rows + _rotary_epilogue_speed_rows(device, gen, rotary_counts, note) + _glue_rows(device, gen, note)
 
 
 def _rotary_epilogue_speed_rows(device: torch.device, gen: torch.Generator, counts, note: str) -> list[Row]:
