@@ -2,8 +2,8 @@
 other tile shapes than the one the launch code picks, to find the shapes that bring
 decode attention near the memory bandwidth.
 
-For each workload (B requests over L keys, a decode or trees of T nodes: the
-kernel benchmark's workloads, ``diagnostics/attention_workloads.py``; first one
+For each workload (B requests over L keys, a decode or trees of T nodes sent with
+their root, T + 1 queries as the engine sends them: the kernel benchmark's workloads, ``diagnostics/attention_workloads.py``; first one
 request's decodes, the batch-1 step's attention) the default
 tile (``triton_ops.default_tile_shape``) is timed, then every variant: keys per
 inner-loop tile (``--tile-n``: 16 keys stay inside one cache block of 16; 32 and 64

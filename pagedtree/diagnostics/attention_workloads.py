@@ -1,7 +1,8 @@
 """Attention workloads and a kernel timer, shared by the GPU-day check and the kernel benchmark.
 
 ``make_workload``: B requests over L keys each through shuffled block tables, with
-random trees of T nodes (T = 1: decode) and dense copies for the baselines;
+random trees of T nodes sent with their root, T + 1 queries as the engine sends them
+(T = 1: a decode, one query), and dense copies for the baselines;
 ``time_fn``/``timed``: a launch's GPU time from CUDA graphs of flushes and launches
 (launch overhead out, the L2 cold; eager CUDA events where a launch cannot be
 captured; wall clock on a CPU); ``peak_gbps``: a device's peak memory bandwidth from
@@ -70,7 +71,9 @@ class Workload:
 
 
 def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: random.Random) -> Workload:
-    """Random caches, shuffled block tables and random trees; dense copies for the
+    """Random caches, shuffled block tables and random trees of ``nodes`` nodes below a
+    root (``nodes + 1`` queries: a 64-node tree is 65, the shape the engine sends and
+    the kernels' tiles are chosen for; ``nodes == 1``: a decode); dense copies for the
     baselines. ``args`` has ``block_size``, ``kv_heads``, ``head_dim`` and ``heads``."""
     from pagedtree.attention import torch_backend as reference
     from pagedtree.step_data import AttentionMetadata
@@ -85,25 +88,28 @@ def make_workload(args, batch: int, ctx: int, nodes: int, dtype, device, rng: ra
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     tables = [ids[i * per_req : (i + 1) * per_req] for i in range(batch)]
-    parents = [None if nodes == 1 else [-1] + [rng.randrange(-1, j) for j in range(1, nodes)] for _ in range(batch)]
-    qsl = [i * nodes for i in range(batch + 1)]
-    slots = torch.zeros(batch * nodes, dtype=torch.long, device=device)
+    queries = 1 if nodes == 1 else nodes + 1
+    # Every node below the root (query 0) hangs from an earlier query.
+    parents = [None if nodes == 1 else [-1] + [rng.randrange(0, j) for j in range(1, queries)] for _ in range(batch)]
+    qsl = [i * queries for i in range(batch + 1)]
+    slots = torch.zeros(batch * queries, dtype=torch.long, device=device)
     meta = AttentionMetadata(bs, slots, qsl, [ctx] * batch, tables, parents)
     plan = build_kernel_plan(meta, num_blocks, PlanBuffers(device))
-    query = torch.randn(batch * nodes, args.heads, d, generator=gen).to(dtype).to(device)
+    query = torch.randn(batch * queries, args.heads, d, generator=gen).to(dtype).to(device)
     pos = torch.arange(ctx)
     gather = torch.stack([torch.tensor(t)[pos // bs] * bs + pos % bs for t in tables]).to(device)  # [B, L]
     dense_k = k_cache.view(-1, hkv, d)[gather].transpose(1, 2).contiguous()
     dense_v = v_cache.view(-1, hkv, d)[gather].transpose(1, 2).contiguous()
-    mask = torch.zeros(batch, nodes, ctx, dtype=torch.bool)
-    mask[:, :, : ctx - nodes] = True
+    mask = torch.zeros(batch, queries, ctx, dtype=torch.bool)
+    mask[:, :, : ctx - queries] = True
     for b, par in enumerate(parents):
-        mask[b, :, ctx - nodes :] = torch.ones(nodes, nodes, dtype=torch.bool).tril() if par is None else reference.ancestor_mask(par)
+        mask[b, :, ctx - queries :] = torch.ones(queries, queries, dtype=torch.bool).tril() if par is None \
+            else reference.ancestor_mask(par)
     elem = torch.empty((), dtype=dtype).element_size()
-    ideal = 2 * batch * ctx * hkv * d * elem + 2 * batch * nodes * args.heads * d * elem
+    ideal = 2 * batch * ctx * hkv * d * elem + 2 * batch * queries * args.heads * d * elem
     return Workload(
         query=query, k_cache=k_cache, v_cache=v_cache, plan=plan,
-        dense_q=query.view(batch, nodes, args.heads, d).transpose(1, 2).contiguous(),
+        dense_q=query.view(batch, queries, args.heads, d).transpose(1, 2).contiguous(),
         dense_k=dense_k, dense_v=dense_v, mask=mask.unsqueeze(1).to(device), ideal_bytes=ideal, meta=meta,
     )
 

@@ -3,7 +3,8 @@
 Uses the measurement ``benchmarks/kernels.py`` uses (``attention_workloads``: B
 requests over L keys through shuffled block tables, random trees; launches after
 L2 flushes inside a CUDA graph, less the flushes) for a decode and for trees
-of 16 and 64 nodes at two context lengths, and reports each tree's time over the
+of 16 and 64 nodes sent with their root (17 and 65 queries, as the engine sends
+them) at two context lengths, and reports each tree's time over the
 decode's at the same KV length (the design target is at most 1.1x) and the decode's
 share of the memory bandwidth. Informational: the rows never
 fail, except when the benchmark cannot run. In the interpreter the timings mean nothing.
