@@ -80,13 +80,15 @@ GPU_TILE_N = 16
 # loads in flight per iteration. Timed in CUDA graphs on an H200 (32/8 heads, D=128,
 # bf16, blocks of 16), at the same split count 64 keys took 1.35-1.8x less time than
 # 16 in every workload swept (decodes of 1 and 8 requests over 256-4,096 keys, trees
-# of 16 and 64 nodes), 32 keys 1.3-1.9x less (``benchmarks/attention_sweep.py``).
+# of 16 and 64 queries with the root among them, not yet the engine's root + 16 or 64
+# in side rows), 32 keys 1.3-1.9x less (``benchmarks/attention_sweep.py``).
 # A program takes the widest that ptxas keeps in registers without spilling, by head
 # dim and program rows (``cuda_compile`` over every case, bf16): at head dim 64, 64
 # keys up to 128 rows and 32 at 256; at head dim 128, 64 keys at 16 rows (decodes),
 # 32 up to 128 rows (at 32-64 rows 64 keys spilled 9-89 stores, at 128 rows 14-37, at
-# 256 rows 32 keys 1-26), 16 beyond; larger head dims keep 16. The 16-node trees of
-# the sweep (64 rows) took 10% less time with 64 keys, spills and all, than with 32:
+# 256 rows 32 keys 1-26; root side rows and 64 keys at 256 rows: 1,153), 16 beyond;
+# larger head dims keep 16. The 16-query trees of the sweep (64 rows) took 10% less
+# time with 64 keys, spills and all, than with 32:
 # the rule gives that up to spill nowhere. And only in launches of at most half a
 # wave of programs (where few programs must keep many loads in flight): in the engine
 # on the H200 64-key tiles made plain decoding's CUDA graph 5-7% faster at batch 1, 16
