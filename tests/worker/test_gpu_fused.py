@@ -58,6 +58,7 @@ def test_fused_hidden_states_match_the_eager_forward(tiny_qwen2, monkeypatch, ep
     attention.begin_step(meta)
     eager = model(ids, positions, attention)
     fused = FusedGpuForward(model)
+    assert fused.layers[0].rotates == epilogue
     assert (fused.layers[0].qkv.config.block_n == model.head_dim) == epilogue
     attention.begin_step(meta)  # the torch backend stores keys and values itself
     torch.testing.assert_close(fused.forward(ids, positions, attention), eager, rtol=1e-4, atol=1e-4)

@@ -61,12 +61,10 @@ def product(linear, device_kind: tuple[int, int], gated: bool = False,
 def qkv_product(attn, device_kind: tuple[int, int]) -> _Product:
     """The q/k/v projection of attention module ``attn``, one head a column tile where
     its epilogue can rotate (``dense_ops.qkv_config``)."""
-    weight = attn.qkv_proj.weight
-    if weight is None or weight.dim() != 2:
-        raise ValueError("the fused GPU forward needs dense linear weights")
-    config = dense_ops.qkv_config(attn.num_heads, attn.num_kv_heads, attn.head_dim, weight.shape[1], weight.dtype,
-                                  *device_kind)
-    return product(attn.qkv_proj, device_kind, config=config)
+    plain = product(attn.qkv_proj, device_kind)  # (checks the weight)
+    config = dense_ops.qkv_config(attn.num_heads, attn.num_kv_heads, attn.head_dim, plain.config.k,
+                                  plain.weight.dtype, *device_kind)
+    return _Product(plain.weight, plain.bias, config)
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +81,7 @@ class _LayerParts:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotates: bool  # the q/k/v product's epilogue rotates and stores (else a rotary_store launch)
 
 
 def supports(model) -> str | None:
@@ -129,6 +128,7 @@ class FusedGpuForward:
                 num_heads=layer.self_attn.num_heads,
                 num_kv_heads=layer.self_attn.num_kv_heads,
                 head_dim=layer.self_attn.head_dim,
+                rotates=dense_ops.rotates_in_epilogue(layer.self_attn.head_dim),
             )
             for layer in body.layers
         ]
@@ -158,7 +158,7 @@ class FusedGpuForward:
             # lets the caller store them; else the backend stores them.
             rotary = dense_ops.RotaryEpilogue(positions, self.cos_sin, part.num_heads, part.num_kv_heads,
                                               part.head_dim, *((target[2], target[0], target[1]) if target else ()))
-            if part.qkv.config.block_n == part.head_dim:  # one head a tile: the product's epilogue rotates
+            if part.rotates:  # one head a column tile: the product's epilogue rotates
                 qkv = part.qkv(normed, rotary)
             else:
                 qkv = part.qkv(normed)
