@@ -35,6 +35,18 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     return a.type == b.type and _index(a) == _index(b)
 
 
+def cuda_kind(device: torch.device) -> tuple[int, int]:
+    """``(SMs, compute capability)`` of CUDA ``device``, e.g. ``(132, 90)`` for an H100
+    (asked of CUDA once per GPU: launch code reads it on every launch)."""
+    return _cuda_kind(_index(torch.device(device)))
+
+
+@functools.cache
+def _cuda_kind(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, 10 * props.major + props.minor
+
+
 def _index(device: torch.device) -> int:
     if device.index is not None:
         return device.index

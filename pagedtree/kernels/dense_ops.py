@@ -13,12 +13,11 @@ is wrong before anything is launched.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from pagedtree.devices import same_device
+from pagedtree.devices import cuda_kind, same_device
 from pagedtree.kernels import dense_kernels as D
 from pagedtree.kernels import launch_overlap
 from pagedtree.kernels.tiles import next_power_of_2
@@ -108,14 +107,8 @@ def device_kind(device: torch.device) -> tuple[int, int]:
     """``(SMs, compute capability)`` of ``device``, e.g. ``(132, 90)`` for an H100 (and
     for CPU tensors, which stand in for one under the interpreter)."""
     if device.type == "cuda" and not INTERPRETED:
-        return _cuda_kind(device.index if device.index is not None else torch.cuda.current_device())
+        return cuda_kind(device)
     return 132, 90
-
-
-@functools.cache
-def _cuda_kind(index: int) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, 10 * props.major + props.minor
 
 
 def matmul_config(n_out: int, k: int, gated: bool, dtype: torch.dtype, num_sms: int,

@@ -24,12 +24,12 @@ outside the interpreter; elsewhere the kernels compile without the instructions.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator
 
 import torch
 
+from pagedtree.devices import cuda_kind
 from pagedtree.kernels import triton_kernels
 from pagedtree.kernels.triton_kernels import INTERPRETED
 
@@ -47,19 +47,12 @@ def _from_env() -> bool:
 _enabled = _from_env()
 
 
-@functools.cache
-def _capability(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return 10 * major + minor
-
-
 def supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched this way (CUDA, sm_90 or later,
     compiled kernels, a Triton with grid dependency control)."""
     if device.type != "cuda" or INTERPRETED or triton_kernels.gdc_wait is None:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= MIN_CAPABILITY
+    return cuda_kind(device)[1] >= MIN_CAPABILITY
 
 
 def active(device: torch.device) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedtree.devices import same_device
+from pagedtree.devices import cuda_kind, same_device
 from pagedtree.kernels import launch_overlap
 from pagedtree.kernels import triton_kernels as K
 from pagedtree.kernels.attention_plan import KernelPlan
@@ -106,8 +106,7 @@ def store_kv(
 def _device_kind(device: torch.device) -> tuple[int, int]:
     """``(SMs, compute capability)`` of ``device`` (an H100's for CPU and the interpreter)."""
     if device.type == "cuda" and not K.INTERPRETED:
-        props = torch.cuda.get_device_properties(device)
-        return props.multi_processor_count, 10 * props.major + props.minor
+        return cuda_kind(device)
     return 132, 90
 
 
