@@ -14,14 +14,16 @@
 # else python3 (a GPU machine's own PyTorch). PAGEDTREE_CHECK_SECONDS,
 # PAGEDTREE_BENCH_SECONDS, PAGEDTREE_SWEEP_SECONDS, PAGEDTREE_ATTENTION_SECONDS and
 # PAGEDTREE_TEST_SECONDS bound each part (default 300, 330, 90, 120 and 120; 0 skips
-# a sweep or the tests). A .flashinfer/site folder (scripts/pack_flashinfer.sh, carried
+# a sweep or the tests). PAGEDTREE_TEST_PATHS: what the tests run (default
+# "tests/kernels tests/worker/test_cuda_graphs.py"; "tests" for the whole suite, which
+# wants PAGEDTREE_TEST_SECONDS of 600 or so). A .flashinfer/site folder (scripts/pack_flashinfer.sh, carried
 # to a machine without a registry) goes on PYTHONPATH: the attention sweep then times
 # FlashInfer's kernels beside the tiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-    sed -n '2,20s/^# \{0,1\}//p' "$0"
+    sed -n '2,23s/^# \{0,1\}//p' "$0"
     exit 0
   fi
 done
@@ -61,8 +63,9 @@ if [ "$seconds" != "0" ]; then
   # pytest-xdist is installed (GPU images usually have it).
   workers=()
   if "$python" -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))"); fi
+  read -r -a test_paths <<< "${PAGEDTREE_TEST_PATHS:-tests/kernels tests/worker/test_cuda_graphs.py}"
   PAGEDTREE_TEST_CUDA=1 timeout "$seconds" "$python" -m pytest -rfE --maxfail=20 \
-    ${workers[@]+"${workers[@]}"} tests/kernels tests/worker/test_cuda_graphs.py > "$out/tests.txt" 2>&1
+    ${workers[@]+"${workers[@]}"} "${test_paths[@]}" > "$out/tests.txt" 2>&1
   echo "tests (PAGEDTREE_TEST_CUDA=1, ${seconds} s at most): exit $?; $(tail -1 "$out/tests.txt")"
 fi
 exit "$status"

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedtree.structured.compile_worker import CompileTimeout, CompileWorker
+from pagedtree.structured.compile_worker import CompiledPayload, CompileTimeout, CompileWorker
 from pagedtree.structured_params import GrammarCompileConfig
 
 logger = logging.getLogger("pagedtree")
@@ -71,7 +71,7 @@ class CompileJob:
     key: Any
     request: tuple  # (kind, value, any_whitespace), what the worker compiles
     deadline: float  # time.monotonic() by which it must be compiled
-    finish: Callable[[str], Any]  # the worker's JSON -> the job's result (raises ValueError)
+    finish: Callable[[CompiledPayload], Any]  # the worker's reply -> the job's result (raises ValueError)
     owner: str | None = None  # the client whose request queued it (its per-client count)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     waiters: int = 1
@@ -108,7 +108,7 @@ class CompileService:
             thread.start()
 
     # ------------------------------------------------------------ requests
-    def submit(self, key: Any, request: tuple, timeout_s: float, finish: Callable[[str], Any],
+    def submit(self, key: Any, request: tuple, timeout_s: float, finish: Callable[[CompiledPayload], Any],
                client: str | None = None) -> CompileJob:
         """The job compiling ``request`` (``key`` identifies it): joined when the same
         constraint is already queued or running, else queued with a deadline of now +
@@ -232,7 +232,7 @@ class CompileService:
                 remaining = job.deadline - time.monotonic()
             started = time.monotonic()
             try:
-                text = worker.compile(job.request, max(remaining, 0.001))
+                compiled = worker.compile(job.request, max(remaining, 0.001))
             except CompileTimeout as exc:
                 self._count_kill(job)
                 self._settle(job, exception=exc)
@@ -246,7 +246,7 @@ class CompileService:
                 continue
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - started)
             try:
-                result = job.finish(text)
+                result = job.finish(compiled)
             except Exception as exc:  # noqa: BLE001 - the job's own error (a ValueError naming the field)
                 self._settle(job, exception=exc)
                 continue

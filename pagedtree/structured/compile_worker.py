@@ -19,19 +19,23 @@ import subprocess
 import sys
 from typing import Any, BinaryIO
 
-
 logger = logging.getLogger("pagedtree")
 
 STARTUP_TIMEOUT_S = 120.0
+# A compiled grammar's JSON, and the most characters its grammar can force (None:
+# maybe too many to build; ``forced_bound``).
+CompiledPayload = tuple[str, int | None]
 
 
 class CompileTimeout(RuntimeError):
     """A compile ran past its time limit (the worker was killed)."""
 
 
-def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bool) -> Any:
+def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bool) -> tuple[Any, int | None]:
     """Compile one constraint with an ``xgrammar.GrammarCompiler`` (in whichever
-    process calls it); raises ``ValueError`` for a constraint xgrammar rejects.
+    process calls it): the ``CompiledGrammar`` and the most characters its grammar
+    can force (``forced_bound``: None where that may be too many to build). Raises
+    ``ValueError`` for a constraint xgrammar rejects.
 
     JSON schemas compile in xgrammar's strict mode, as vLLM compiles them: an object
     whose schema does not say ``additionalProperties`` takes only its listed
@@ -55,12 +59,35 @@ def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bo
             grammar = xgr.Grammar.from_ebnf(value) if "::=" in value else xgr.Grammar.from_lark(value)
         else:
             raise ValueError(f"unknown constraint kind {kind!r}")
-        return compiler.compile_grammar(repair_ebnf(str(grammar), json_strings=kind in ("json", "json_object")))
+        text = repair_ebnf(str(grammar), json_strings=kind in ("json", "json_object"))
+        compiled = compiler.compile_grammar(text)
+        # Measured here, where a hostile grammar's cost is bounded by the compile's limits.
+        return compiled, _forced_bound().forced_chars_bound(text, lambda pattern: str(xgr.Grammar.from_regex(pattern)))
     except (RuntimeError, ValueError, TypeError) as exc:
         # xgrammar's messages start with a C++ source location: keep the reason.
         reason = str(exc).split("\n")[0]
         reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
         raise ValueError(reason[:500]) from None
+
+
+def _forced_bound() -> Any:
+    """The ``forced_bound`` module, also in the child, which runs this file as a
+    script and imports nothing of pagedtree's (its start stays light)."""
+    if __package__:
+        from pagedtree.structured import forced_bound
+
+        return forced_bound
+    import importlib.util
+
+    name = "_pagedtree_forced_bound"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "forced_bound.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (its dataclass looks its module up there)
+        spec.loader.exec_module(module)
+    return module
 
 
 # The character class xgrammar 0.2.8 gives the characters of a JSON string with a
@@ -138,8 +165,8 @@ def _serve(tokenizer_info_json: str, reader: BinaryIO, writer: BinaryIO) -> None
         if request is None:
             return
         try:
-            compiled = compile_in_xgrammar(compiler, *request)
-            _send(writer, ("ok", compiled.serialize_json()))
+            compiled, forced_bound = compile_in_xgrammar(compiler, *request)
+            _send(writer, ("ok", (compiled.serialize_json(), forced_bound)))
         except ValueError as exc:
             _send(writer, ("invalid", str(exc)))
         except Exception as exc:  # noqa: BLE001 - report, keep serving
@@ -200,8 +227,9 @@ class CompileWorker:
         """Whether the child runs."""
         return self._process is not None and self._process.poll() is None
 
-    def compile(self, request: tuple, timeout_s: float) -> str:
-        """The compiled grammar's JSON for ``request`` = (kind, value, any_whitespace);
+    def compile(self, request: tuple, timeout_s: float) -> CompiledPayload:
+        """The compiled grammar's JSON for ``request`` = (kind, value, any_whitespace),
+        with the most characters it can force (``compile_in_xgrammar``);
         ``ValueError`` if xgrammar rejects it or the child dies on it (out of memory,
         or interrupted), ``CompileTimeout`` if it takes longer than ``timeout_s`` (the
         child is then killed)."""

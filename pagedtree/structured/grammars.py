@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedtree.structured.compile_service import CompileJob, CompileService, release_service, shared_service
-from pagedtree.structured.compile_worker import CompileTimeout
+from pagedtree.structured.compile_worker import CompiledPayload, CompileTimeout
 from pagedtree.structured.matcher import RequestGrammar
 from pagedtree.structured.schema_check import SchemaRefused, checked_schema
 from pagedtree.structured_params import GrammarCompileConfig, StructuredOutputLimits, StructuredOutputsParams
@@ -31,6 +31,15 @@ logger = logging.getLogger("pagedtree")
 # Compiled grammars kept for reuse, by their own size (a JSON schema's is tens to
 # hundreds of KiB with a 150k vocabulary).
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class _Cached:
+    """A compiled grammar, and whether the strings it forces are short enough to
+    build each step (``forced_bound``)."""
+
+    compiled: Any
+    forces: bool
 
 
 @dataclass(eq=False)
@@ -63,7 +72,7 @@ class Grammars:
         self._worker_factory = worker_factory
         self._info: Any = None
         self._service: CompileService | None = None
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Cached] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()  # the cache and the service (held briefly: lookups never wait on compiles)
         self._info_lock = threading.Lock()  # building the vocabulary's view (a second; cache hits must not wait)
@@ -87,11 +96,12 @@ class Grammars:
         """The compiled grammar of ``spec`` if it is cached (counted as a hit), else None;
         never waits for a compile."""
         with self._lock:
-            compiled = self._cache.get(spec.key)
-            if compiled is not None:
-                self._cache.move_to_end(spec.key)
-                self.num_cache_hits += 1
-            return compiled
+            cached = self._cache.get(spec.key)
+            if cached is None:
+                return None
+            self._cache.move_to_end(spec.key)
+            self.num_cache_hits += 1
+            return cached.compiled
 
     def submit(self, spec: StructuredOutputsParams, client: str | None = None) -> GrammarTicket:
         """Start getting ``spec``'s grammar: from the cache at once, or checked against
@@ -107,7 +117,7 @@ class Grammars:
             return GrammarTicket(spec, done)
         info = self.tokenizer_info()
         job = self._compile_service(info).submit(spec.key, _worker_request(spec), self.limits.compile_timeout_s,
-                                                 lambda text: self._finish(spec, info, text), client)
+                                                 lambda payload: self._finish(spec, info, payload), client)
         return GrammarTicket(spec, job.future, job)
 
     def result(self, ticket: GrammarTicket, timeout: float | None = None) -> Any:
@@ -140,7 +150,11 @@ class Grammars:
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A new matcher for one request (compiling first if needed)."""
-        return RequestGrammar(self.compile(spec), self.vocab_size, self.stop_token_ids, self.tokenizer)
+        compiled = self.compile(spec)
+        with self._lock:
+            cached = self._cache.get(spec.key)
+        forces = cached is not None and cached.forces  # (evicted meanwhile: not measured, not built)
+        return RequestGrammar(compiled, self.vocab_size, self.stop_token_ids, self.tokenizer, jump_forward=forces)
 
     def stats(self) -> dict[str, int]:
         """Cache and compile counters."""
@@ -166,11 +180,12 @@ class Grammars:
         else:
             release_service(service)
 
-    def _finish(self, spec: StructuredOutputsParams, info: Any, text: str) -> Any:
-        """A compile's JSON to the cached ``CompiledGrammar`` (in the compile's
+    def _finish(self, spec: StructuredOutputsParams, info: Any, payload: CompiledPayload) -> Any:
+        """A compile's reply to the cached ``CompiledGrammar`` (in the compile's
         dispatcher thread); ``ValueError`` naming the field for one no output can start."""
         import xgrammar as xgr
 
+        text, forced_bound = payload
         compiled = xgr.CompiledGrammar.deserialize_json(text, info)
         if not _allows_a_token(compiled, self.vocab_size):
             # A schema that only refers to itself, say: every request would fail on its
@@ -182,11 +197,11 @@ class Grammars:
         with self._lock:
             self.num_compiled += 1
             if key not in self._cache:
-                self._cache[key] = compiled
+                self._cache[key] = _Cached(compiled, forces=forced_bound is not None)
                 self._cached_bytes += size
             while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                 _, dropped = self._cache.popitem(last=False)
-                self._cached_bytes -= int(dropped.memory_size_bytes)
+                self._cached_bytes -= int(dropped.compiled.memory_size_bytes)
         return compiled
 
     def _compile_service(self, info: Any) -> CompileService:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedtree.structured.forced_bound import FORCED_CHARS_LIMIT
 from pagedtree.uploads import to_device
 
 # Characters of a forced string looked at (a tree holds at most a few dozen nodes).
@@ -27,12 +28,16 @@ _DEAD = object()
 class RequestGrammar:
     """The grammar state of one request (see module docstring)."""
 
-    def __init__(self, compiled: Any, vocab_size: int, stop_token_ids: Sequence[int], tokenizer: Any = None):
+    def __init__(self, compiled: Any, vocab_size: int, stop_token_ids: Sequence[int], tokenizer: Any = None,
+                 jump_forward: bool = False):
+        """``jump_forward``: the grammar's forced strings are bounded (``forced_bound``)
+        and may be built for proposals (``forced_tokens``); otherwise none are."""
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self.jump_forward = jump_forward
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
         self.width = xgr.get_bitmask_shape(1, vocab_size)[1]
         self._forks: dict[tuple[int, ...], Any] = {}
@@ -103,9 +108,14 @@ class RequestGrammar:
         return self._forced[:max(0, max_tokens)]
 
     def _find_forced(self) -> list[int]:
-        if self.tokenizer is None or self.terminated:
+        if not self.jump_forward or self.tokenizer is None or self.terminated:
             return []
         text = self.matcher.find_jump_forward_string()
+        if len(text) > FORCED_CHARS_LIMIT:
+            # A self-calling rule's frames grew with the output (``forced_bound``): this
+            # request's forced strings are not built again.
+            self.jump_forward = False
+            return []
         if not text:
             return []
         # Bounded: a grammar may force a long literal; a tree holds at most a few dozen nodes.

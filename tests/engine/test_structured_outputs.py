@@ -571,9 +571,10 @@ class InProcessWorker:
     def alive(self) -> bool:
         return True
 
-    def compile(self, request: tuple, timeout_s: float) -> str:
+    def compile(self, request: tuple, timeout_s: float) -> tuple[str, int | None]:
         self.requests.append(request)
-        return compile_worker_module.compile_in_xgrammar(self.compiler, *request).serialize_json()
+        compiled, forced_bound = compile_worker_module.compile_in_xgrammar(self.compiler, *request)
+        return compiled.serialize_json(), forced_bound
 
     def interrupt(self) -> None:
         pass
