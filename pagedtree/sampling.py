@@ -183,6 +183,12 @@ class SampleResult:
 # they stay finite in fp32 (3.4e38), so no penalty, however tiny or huge, can turn a
 # row into infinities (and its softmax into NaN).
 PENALISED_LOGIT_LIMIT = 1e30
+# What min_tokens leaves a stop token's logit: far below any other finite logit (a
+# penalised one stops at -1e30), so the stop has probability 0 wherever anything else
+# may be drawn, yet finite (still finite over a 1e-5 temperature), so that where a
+# grammar or the stop list allows nothing else the stop is drawn and the output ends,
+# instead of a row of -inf that no token can be drawn from.
+MIN_TOKENS_STOP_LOGIT = -1e33
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -200,7 +206,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         if row.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
-                logits[i, host_index(banned, logits.device)] = -float("inf")
+                stops = host_index(banned, logits.device)
+                logits[i, stops] = logits[i, stops].clamp(max=MIN_TOKENS_STOP_LOGIT)  # (an -inf stays)
     return logits
 
 

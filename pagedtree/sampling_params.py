@@ -27,7 +27,9 @@ class SamplingParams:
     engines by changing one import. ``temperature == 0`` means greedy decoding
     (temperatures below ``MIN_TEMPERATURE`` = 1e-5 are taken as 0). ``seed`` (0 to
     2**63 - 1) makes the request's tokens a function of the seed: the same whatever
-    the batch, preemptions or speculation.
+    the batch, preemptions or speculation. ``min_tokens`` holds the stop tokens (EOS,
+    ``stop_token_ids``) back until that many tokens are out, except where nothing else
+    may follow (a structured output's end): the output then ends there.
     Every field is checked in ``__post_init__``: an invalid value raises a
     ``ValueError`` naming the field before any work is done.
     """

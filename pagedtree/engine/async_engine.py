@@ -76,7 +76,8 @@ class AsyncEngine:
     that runs batches faster in dense weights gets them) plus:
 
     * ``max_waiting_requests``: how many requests may wait for their first token
-      before ``generate`` raises ``EngineOverloadedError`` (None: no bound);
+      before ``generate`` raises ``EngineOverloadedError`` (None: no bound); a
+      request of ``n`` choices counts ``n`` (each is a sequence the engine runs);
     * ``freeze_gc`` (True): once the model is loaded, ``gc.collect()`` then
       ``gc.freeze()``, so later full garbage collections skip the hundreds of
       thousands of long-lived torch/transformers objects. Without it a full
@@ -123,7 +124,8 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._lock = threading.Lock()  # streams may live on several event loops
         self._streams: dict[str, RequestStream] = {}
-        self._waiting: set[str] = set()  # accepted, no generated token yet
+        self._waiting: dict[str, int] = {}  # accepted, no generated token yet: their sequences (n)
+        self._waiting_sequences = 0
         self._listeners: list[MetricsListener] = []
         self._stopping = False
         self._shutdown_deadline = float("inf")
@@ -228,12 +230,15 @@ class AsyncEngine:
             for rid in ids:
                 if rid in self._streams:
                     raise ValueError(f"request_id {rid!r} is already in use")
-            if self.max_waiting_requests is not None and len(self._waiting) + len(ids) > self.max_waiting_requests:
-                raise EngineOverloadedError(len(self._waiting), self.max_waiting_requests)
+            sequences = [params.n for params in params_list]
+            if (self.max_waiting_requests is not None
+                    and self._waiting_sequences + sum(sequences) > self.max_waiting_requests):
+                raise EngineOverloadedError(self._waiting_sequences, self.max_waiting_requests)
             # Counted before the engine thread sees the requests, so a burst of
             # concurrent callers cannot all slip under the bound.
-            for rid, stream in zip(ids, streams):
-                self._waiting.add(rid)
+            for rid, stream, n in zip(ids, streams, sequences):
+                self._waiting[rid] = n
+                self._waiting_sequences += n
                 self._streams[rid] = stream
         command: AddCommand | None = None
         try:
@@ -459,7 +464,7 @@ class AsyncEngine:
     # ------------------------------------------------- stream bookkeeping
     def _on_first_token(self, stream: RequestStream) -> None:
         with self._lock:
-            self._waiting.discard(stream.request_id)
+            self._stop_waiting(stream.request_id)
 
     def _on_finished(self, stream: RequestStream) -> None:
         self._forget(stream.request_id, stream)
@@ -473,7 +478,11 @@ class AsyncEngine:
         with self._lock:
             if stream is None or self._streams.get(request_id) is stream:
                 self._streams.pop(request_id, None)
-                self._waiting.discard(request_id)
+                self._stop_waiting(request_id)
+
+    def _stop_waiting(self, request_id: str) -> None:
+        """(Under ``_lock``.) The request no longer counts against ``max_waiting_requests``."""
+        self._waiting_sequences -= self._waiting.pop(request_id, 0)
 
 
 async def _done(future: concurrent.futures.Future, loop: asyncio.AbstractEventLoop) -> None:

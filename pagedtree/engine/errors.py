@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later (HTTP 429).
+    """Too many requests are waiting (counted in sequences: a request of ``n``
+    choices counts ``n``); the caller should retry later (HTTP 429).
 
     Raised by ``AsyncEngine.generate``/``add_request`` before anything is queued,
     so a rejected request costs the engine nothing.
@@ -12,7 +13,7 @@ class EngineOverloadedError(RuntimeError):
 
     def __init__(self, num_waiting: int, max_waiting: int):
         super().__init__(
-            f"the engine is overloaded: {num_waiting} requests are already waiting "
+            f"the engine is overloaded: {num_waiting} sequences are already waiting "
             f"(max_waiting_requests={max_waiting}); retry later"
         )
         self.num_waiting = num_waiting

@@ -247,6 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_json_depth=args.max_json_depth,
         max_prompts_per_request=args.max_prompts_per_request,
+        max_sequences_per_request=args.max_sequences_per_request,
         max_stop_sequences=args.max_stop_sequences,
         max_stop_length=args.max_stop_length,
         body_timeout=args.body_timeout,
@@ -327,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"deepest nesting of JSON arrays/objects (default {defaults.max_json_depth})")
     limits.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request,
                         help=f"items of a prompt list (default {defaults.max_prompts_per_request})")
+    limits.add_argument("--max-sequences-per-request", type=int, default=defaults.max_sequences_per_request,
+                        help=f"prompts x n of one request (default {defaults.max_sequences_per_request})")
     limits.add_argument("--max-stop-sequences", type=int, default=defaults.max_stop_sequences,
                         help=f"stop strings per request (default {defaults.max_stop_sequences})")
     limits.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,

@@ -104,13 +104,17 @@ class Fields:
             return default
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise self.error(key, "must be a number")
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past float's range (JSON's integers have no bound)
+            raise self.error(key, "must be a finite number") from None
         if math.isnan(value) or math.isinf(value):
             raise self.error(key, "must be a finite number")
         if minimum is not None and (value < minimum or (exclusive_minimum and value == minimum)):
             raise self.error(key, f"must be {'>' if exclusive_minimum else '>='} {minimum}")
         if maximum is not None and value > maximum:
             raise self.error(key, f"must be <= {maximum}")
-        return float(value)
+        return value
 
     def get_bool(self, key: str, default: bool) -> bool:
         """An optional boolean."""
@@ -166,7 +170,8 @@ class Fields:
     def unsupported(self, key: str, *allowed: Any) -> None:
         """Reject a field this engine does not implement unless it holds a neutral value."""
         value = self.data.get(key)
-        if value is None or value in allowed:
+        # Compared as JSON kinds too: false == 0 in Python, not in JSON.
+        if value is None or any(kind_of(value) == kind_of(a) and value == a for a in allowed):
             return
         raise BadRequest(
             f"{self.name(key)} is not supported by this server"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from pagedtree.entrypoints.fields import BadRequest, kind_of
 from pagedtree.text_checks import has_surrogate
@@ -30,6 +32,8 @@ class ServerLimits:
     - ``max_request_bytes`` [--max-request-bytes]: body size (413 beyond it);
     - ``max_json_depth`` [--max-json-depth]: nesting of arrays and objects;
     - ``max_prompts_per_request`` [--max-prompts-per-request]: items of a prompt list;
+    - ``max_sequences_per_request`` [--max-sequences-per-request]: prompts times
+      ``n``, the sequences one request makes the engine run;
     - ``max_stop_sequences``, ``max_stop_length`` [--max-stop-sequences,
       --max-stop-length]: stop strings per request and characters per stop string;
     - ``body_timeout`` [--body-timeout]: seconds to receive a body (408 beyond it);
@@ -41,14 +45,15 @@ class ServerLimits:
     max_request_bytes: int = 2_000_000
     max_json_depth: int = 32
     max_prompts_per_request: int = 256
+    max_sequences_per_request: int = 256
     max_stop_sequences: int = 16
     max_stop_length: int = 512
     body_timeout: float = 30.0
     keepalive_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_json_depth", "max_prompts_per_request", "max_stop_sequences",
-                     "max_stop_length"):
+        for name in ("max_request_bytes", "max_json_depth", "max_prompts_per_request", "max_sequences_per_request",
+                     "max_stop_sequences", "max_stop_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -89,6 +94,8 @@ async def read_json_object(request: web.Request, limits: ServerLimits) -> dict[s
     except TimeoutError as exc:
         raise BadRequest(f"the request body did not arrive within {limits.body_timeout:g} s",
                          status=408, code="request_timeout") from exc
+    except RequestPayloadError as exc:  # a Content-Encoding (gzip, deflate) whose bytes do not decode
+        raise BadRequest(f"the request body could not be read: {exc}") from None
     if len(raw) > limit:
         raise _too_large(len(raw), limit)
     if not raw:
@@ -114,6 +121,9 @@ def _parse(raw: bytes, max_depth: int) -> Any:
         raise BadRequest(f"the request body nests JSON more than {max_depth} levels deep") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    except ValueError:  # Python's bound on integer digits (sys.get_int_max_str_digits)
+        raise BadRequest(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                         "digits") from None
     if json_depth(body, max_depth) > max_depth:
         raise BadRequest(f"the request body nests JSON more than {max_depth} levels deep (--max-json-depth)")
     where = invalid_text_path(body)

@@ -223,10 +223,14 @@ class ServerContext:
         ``structured_field`` is the field the output constraint came from, named when
         the engine refuses the constraint (it does not compile, or not in time).
         """
-        limit = self.config.limits.max_prompts_per_request
-        if len(prompts) > limit:
-            raise BadRequest(f"prompt has {len(prompts)} items, at most {limit} per request (--max-prompts-per-request)",
-                             (names or {}).get("prompt", "prompt"))
+        limits = self.config.limits
+        if len(prompts) > limits.max_prompts_per_request:
+            raise BadRequest(f"prompt has {len(prompts)} items, at most {limits.max_prompts_per_request} per request "
+                             "(--max-prompts-per-request)", (names or {}).get("prompt", "prompt"))
+        if len(prompts) * params.n > limits.max_sequences_per_request:
+            raise BadRequest(f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} sequences, at most "
+                             f"{limits.max_sequences_per_request} per request (--max-sequences-per-request)",
+                             (names or {}).get("n", "n"))
         engine_ids = [new_request_id() for _ in prompts]
         logger.debug("request %s: engine ids %s", request_id_of(request), engine_ids)
         try:

@@ -289,6 +289,31 @@ def test_overload_is_rejected_before_queueing(tiny_text_model):
     assert again[-1].finished
 
 
+def test_a_request_of_n_choices_counts_n_against_the_waiting_bound(tiny_text_model):
+    """Each of a request's ``n`` choices is a sequence the engine runs: one request
+    cannot queue more work than the bound allows by asking for many choices."""
+    engine = AsyncEngine(str(tiny_text_model.path), block_size=4, max_model_len=128, max_waiting_requests=4)
+
+    async def main():
+        release = threading.Event()
+        blocker = asyncio.ensure_future(engine.call(lambda e: release.wait(10)))
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests=4"):
+            await engine.add_request("Hello", greedy(3, n=5))
+        first = asyncio.ensure_future(collect(engine, "Hello", greedy(3, n=3)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineOverloadedError, match="3 sequences are already waiting"):
+            await engine.add_request("Hello", greedy(3, n=2))
+        release.set()
+        await blocker
+        done = await first
+        again = await collect(engine, "Hello", greedy(3, n=4))  # room again once they generate
+        await engine.shutdown()
+        return done, again
+
+    done, again = asyncio.run(main())
+    assert len(done[-1].outputs) == 3 and len(again[-1].outputs) == 4
+
+
 def test_a_failing_request_ends_with_error_and_others_finish(tiny_text_model):
     engine = AsyncEngine(str(tiny_text_model.path), block_size=4, max_model_len=128)
     poison = 299

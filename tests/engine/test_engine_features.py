@@ -53,6 +53,30 @@ def test_stop_token_ids_and_eos(llm):
     assert target not in late.token_ids[: first + 2]
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_min_tokens_gives_way_where_only_a_stop_may_follow(tiny_text_model, speculative):
+    """min_tokens holds stop tokens back, but where nothing else may be drawn (a
+    grammar's end; a stop list of the whole vocabulary) the stop comes and the output
+    ends, greedy or sampled, with or without speculation: never a failed request."""
+    from pagedtree import StructuredOutputsParams
+    from pagedtree.speculative import SpeculativeConfig
+
+    extra = dict(draft_model=[str(tiny_text_model.path)],
+                 speculative=SpeculativeConfig(tree="chain", depth=3, max_nodes=3, adaptive=False)) if speculative else {}
+    llm = LLM(str(tiny_text_model.path), dtype="float32", block_size=4, max_model_len=128, **extra)
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=8, min_tokens=4,
+                                structured_outputs=StructuredOutputsParams(regex="a"))
+        out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.text == "a", out
+    everything = list(range(len(tiny_text_model.tokenizer)))
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=8, min_tokens=3, stop_token_ids=everything)
+        out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) == 3, out
+    assert_no_leaks(llm)
+
+
 def test_eos_stops_unless_ignored(tiny_llama):
     llm = LLM(str(tiny_llama.path), dtype="float32")
     eos = 2

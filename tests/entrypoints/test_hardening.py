@@ -198,6 +198,12 @@ def test_a_prompt_list_joins_the_batch_in_one_step(live):
     assert passes <= 4 + 2, passes  # the batch prefills together, then 3 more decode steps
     status, _, text = post(live, "/v1/completions", {"prompt": ["x"] * 257, "max_tokens": 1})
     assert status == 400 and "256" in text
+    # Each prompt runs n sequences: 256 prompts of 64 choices would be 16,384.
+    status, _, text = post(live, "/v1/completions", {"prompt": ["x"] * 256, "n": 64, "max_tokens": 200})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "n" and "16384 sequences" in error["message"]
+    status, _, text = post(live, "/v1/completions", {"prompt": ["x"] * 4, "n": 64, "max_tokens": 1})
+    assert status == 200 and len(json.loads(text)["choices"]) == 256
     wait_until_idle(live)
 
 
@@ -250,6 +256,25 @@ def test_tiny_temperature_and_top_p_are_not_errors(live):
         status, _, text = post(live, "/v1/completions", {"prompt": "Hello", "max_tokens": 3} | body)
         assert status == 200, text
         assert json.loads(text)["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_numbers_past_a_float_bad_encodings_and_false_for_zero_are_400s(live):
+    """JSON integers have no bound (a float field given 10**400, a body with a
+    5,000-digit number), a compressed body may not decode, and false is no 0."""
+    huge = "1" + "0" * 400
+    for route, raw, field in (("/v1/completions", f'{{"prompt": "Hi", "temperature": {huge}}}', "temperature"),
+                              ("/generate", f'{{"inputs": "Hi", "parameters": {{"top_p": {huge}}}}}', "top_p")):
+        status, _, text = post(live, route, raw=raw.encode())
+        assert status == 400 and "finite" in text and field in text, text
+    status, _, text = post(live, "/v1/completions", raw=b'{"prompt": "Hi", "seed": ' + b"7" * 5000 + b"}")
+    assert status == 400 and "digits" in text
+    for encoding in ("deflate", "gzip"):
+        status, _, text = post(live, "/v1/completions", raw=b"not compressed", headers={"Content-Encoding": encoding})
+        assert status == 400 and "could not be read" in text, text
+    status, _, text = post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "presence_penalty": False})
+    assert status == 400 and "presence_penalty" in text
+    status, _, text = post(live, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 1, "typical_p": 1}})
+    assert status == 200, text
 
 
 def test_only_json_bodies_are_accepted(live):
@@ -392,7 +417,8 @@ _text = st.lists(st.one_of(st.characters(exclude_categories=()), st.characters(c
                  max_size=12).map("".join)
 _float = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                    st.sampled_from([0.0, -0.0, 5e-324, 1e-300, 1e-45, 1e-38, 1e-5, 0.5, 1.0, 2.0, 1e38, 1e300, 1.7e308]))
-_int = st.one_of(st.integers(-3, 40), st.integers(-2**70, 2**70), st.sampled_from([0, 2**31, 2**63 - 1, 2**63, 2**64]))
+_int = st.one_of(st.integers(-3, 40), st.integers(-2**70, 2**70),
+                 st.sampled_from([0, 2**31, 2**63 - 1, 2**63, 2**64, 10**400, -10**400]))
 _number = st.one_of(_int, _float)
 _scalar = st.one_of(st.none(), st.booleans(), _number, _text)
 _any = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
