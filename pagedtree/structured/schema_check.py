@@ -39,6 +39,11 @@ NOT_ENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSche
 ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                          "writeOnly", "$schema", "$id", "$anchor", "$defs", "definitions", "format",
                          "contentEncoding", "contentMediaType", "discriminator"))
+# String formats the grammar enforces (xgrammar 0.2.8's). With one of them, or with a
+# ``pattern``, the grammar drops ``minLength``/``maxLength`` (and a format drops the
+# pattern): such pairs are refused.
+GRAMMAR_FORMATS = frozenset(("date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                             "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
 # Where subschemas are: keyword -> how they are held.
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -138,6 +143,13 @@ def _check_node(path: str, node: dict, strict_objects: bool) -> None:
                                 "properties, anyOf, enum or const)")
     if node.get("uniqueItems") is True:
         raise SchemaRefused(f"{path}: 'uniqueItems: true' is not enforced by the grammar")
+    lengths = [k for k in ("minLength", "maxLength") if k in node]
+    shape = "format" if node.get("format") in GRAMMAR_FORMATS else "pattern" if "pattern" in node else None
+    beside = lengths + (["pattern"] if shape == "format" and "pattern" in node else [])
+    if shape is not None and beside:
+        raise SchemaRefused(f"{path}: '{shape}' with {' and '.join(repr(k) for k in beside)} is not enforced by the "
+                            f"grammar (it keeps the {shape} only): express the length in a 'pattern' alone, "
+                            "such as ^[a-z]{3,8}$")
     if "allOf" in node:
         raise SchemaRefused(f"{path}: 'allOf' is enforced only as a single subschema with nothing beside it "
                             "(merge its subschemas into one)")

@@ -830,6 +830,10 @@ REFUSED = {
     "if/then": ({"if": {"type": "integer"}, "then": {"minimum": 3}}, "'if'"),
     "dependentRequired": (_obj({"a": BOOL, "b": BOOL}, required=[], dependentRequired={"a": ["b"]}),
                           "dependentRequired"),
+    # The grammar keeps a pattern or a format and drops the length (or the pattern) beside it.
+    "pattern and minLength": ({"type": "string", "pattern": "^a+$", "minLength": 100000}, "'minLength'"),
+    "format and maxLength": ({"type": "string", "format": "email", "maxLength": 8}, "'maxLength'"),
+    "format and pattern": ({"type": "string", "format": "date", "pattern": "^2"}, "'pattern'"),
     # The meta-schema check parses a pattern with a recursive parser (a fuzzed request got a 500).
     "pattern nested too deeply": ({"type": "string", "pattern": "(" * 2000 + ")" * 2000}, "nests too deeply"),
 }
@@ -841,6 +845,22 @@ def test_schemas_the_grammar_would_not_enforce_are_refused(grammars, case):
     with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json") as refused:
         grammars.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
     assert named in str(refused.value)
+
+
+def test_the_formats_refused_beside_a_length_are_those_whose_length_the_grammar_drops():
+    """``GRAMMAR_FORMATS`` is the set of formats beside which the grammar drops a
+    ``minLength`` (the others are annotations, and the length is kept)."""
+    import xgrammar as xgr
+
+    from pagedtree.structured.schema_check import GRAMMAR_FORMATS
+
+    def keeps_length(schema: dict) -> bool:
+        return "{3, -1}" in str(xgr.Grammar.from_json_schema(json.dumps({**schema, "minLength": 3})))
+
+    assert keeps_length({"type": "string"}) and not keeps_length({"type": "string", "pattern": "^a+$"})
+    others = {"idn-email", "idn-hostname", "iri", "iri-reference", "regex", "a-format-of-ones-own", "int32"}
+    dropped = {f for f in GRAMMAR_FORMATS | others if not keeps_length({"type": "string", "format": f})}
+    assert dropped == GRAMMAR_FORMATS
 
 
 def test_equivalent_keywords_are_kept_and_enforced(grammars):
