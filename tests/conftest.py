@@ -65,6 +65,30 @@ def _triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setattr(triton_ops, "check_device", check_device_or_skip)
 
 
+def pin_auto_device_to_the_cpu(monkeypatch) -> None:
+    """An engine built with ``device="auto"`` runs on the CPU (in-process engines)."""
+    from pagedtree.executor import launcher, worker
+    from pagedtree.loading import resolve
+
+    original = resolve.resolve_device
+
+    def cpu_for_auto(device: str) -> torch.device:
+        return original("cpu" if device == "auto" else device)
+
+    for module in (resolve, worker, launcher):
+        monkeypatch.setattr(module, "resolve_device", cpu_for_auto)
+
+
+@pytest.fixture(autouse=True)
+def _auto_device_is_the_cpu(monkeypatch):
+    """Tests state CPU properties unless they name a CUDA device: on a GPU machine an
+    engine a test builds with ``device="auto"`` runs on the CPU, as in CI (CPU-only
+    formats, fp32 against transformers on the CPU); the tests of the CUDA path say
+    ``device="cuda"``."""
+    if torch.cuda.is_available():
+        pin_auto_device_to_the_cpu(monkeypatch)
+
+
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! Hello there, general Kenobi.",

@@ -98,3 +98,26 @@ def test_hidden_cpu_flags_make_an_avx512_machine_an_avx2_one_to_the_engine(cpuin
     monkeypatch.setenv(cpuinfo.HIDE_CPU_FLAGS_ENV, "avx512f")  # an exact name hides that flag only
     cpuinfo.cpu_flags.cache_clear()
     assert "avx512f" not in cpuinfo.cpu_flags() and "avx512bw" in cpuinfo.cpu_flags()
+
+
+def test_the_tests_run_an_auto_engine_on_the_cpu_of_a_gpu_machine(monkeypatch):
+    """(tests/conftest.py) Every place the engine resolves ``device="auto"`` takes the
+    CPU in the tests of a GPU machine; a named device is kept."""
+    from pagedtree.executor import launcher, worker
+    from pagedtree.loading import resolve
+    from tests.conftest import pin_auto_device_to_the_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve.resolve_device("auto") == torch.device("cuda", 0)
+    pin_auto_device_to_the_cpu(monkeypatch)
+    for module in (resolve, worker, launcher):
+        assert module.resolve_device("auto") == torch.device("cpu")
+        assert module.resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_config(EngineConfig(model="m")).target.device == torch.device("cpu")
+    # Those are all the engine's places (the GPU check resolves its own --device).
+    from pathlib import Path
+
+    package = Path(resolve.__file__).parents[1]
+    users = {p.relative_to(package).as_posix() for p in package.rglob("*.py") if "resolve_device" in p.read_text()}
+    assert users == {"loading/resolve.py", "executor/worker.py", "executor/launcher.py", "diagnostics/gpu_check.py"}

@@ -70,7 +70,7 @@ def test_attention_before_begin_step_is_an_error():
 
 
 def _greedy(model_path, prompts, backend, **kwargs):
-    llm = LLM(str(model_path), dtype="float32", attention_backend=backend, **kwargs)
+    llm = LLM(str(model_path), dtype="float32", device=DEVICE.type, attention_backend=backend, **kwargs)
     assert llm.engine.runner.attention.name == backend
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
