@@ -211,7 +211,11 @@ class _Parser:
             json_string = option == "name" and self._take()[1] == "true"
         self._expect(")")
         pattern = _ESCAPE.sub(lambda m: _unescape(m.group(0)), text[1:-1])
-        inner = _measure_root(self.regex_ebnf(pattern), self.regex_ebnf)
+        try:
+            printed = self.regex_ebnf(pattern)
+        except (RuntimeError, ValueError) as exc:  # a pattern the reader unescaped wrongly, say
+            raise _Unreadable("Regex") from exc
+        inner = _measure_root(printed, self.regex_ebnf)
         if inner is None:
             raise _Unreadable("Regex")
         shortest, bound = inner

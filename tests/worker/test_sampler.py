@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedtree.sampling_params import SamplingParams
-from pagedtree.sampling import SamplingRow, apply_penalties, sample, target_probs
+from pagedtree.sampling import MIN_TOKENS_STOP_LOGIT, SamplingRow, apply_penalties, sample, target_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -43,7 +43,11 @@ def test_repetition_penalty_and_min_tokens():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
     row = SamplingRow(SamplingParams(repetition_penalty=2.0, min_tokens=3, stop_token_ids=[3], eos_token_ids=(2,)), [0, 1], 1, None)
     out = apply_penalties(logits.clone(), [row])
-    assert out.tolist() == [[1.0, -2.0, -float("inf"), -float("inf")]]
+    # The held-back stops sit far below every other logit (probability 0), finite
+    # for the rows where nothing else may be drawn.
+    stop = torch.tensor(MIN_TOKENS_STOP_LOGIT).item()
+    assert out.tolist() == [[1.0, -2.0, stop, stop]]
+    assert torch.softmax(out / 1e-5, dim=-1)[0, 2:].tolist() == [0.0, 0.0]
 
 
 def test_mixed_batch_equals_each_row_alone():
