@@ -244,6 +244,10 @@ class CompileService:
                 else:
                     self._settle(job, exception=exc)
                 continue
+            with self._lock:
+                # Done with the worker: a waiter who leaves now must not kill it (it
+                # may be on another client's job by then).
+                job.worker = None
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - started)
             try:
                 result = job.finish(compiled)

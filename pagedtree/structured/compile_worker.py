@@ -209,10 +209,15 @@ class CompileWorker:
         self._info_json = tokenizer_info_json
         self.memory_bytes = memory_bytes
         self._process: subprocess.Popen | None = None
+        # Set by ``interrupt`` (any thread): the child is gone for callers from then on,
+        # even before the kill has taken it (a killed child still polls as running).
+        self._interrupted = False
 
     def start(self) -> None:
         """Start the child and wait until it is ready (its own bound: starting is not
         a request's compile time)."""
+        self._kill()  # a child interrupted before: reaped
+        self._interrupted = False
         process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(self.memory_bytes))
@@ -224,8 +229,8 @@ class CompileWorker:
             raise RuntimeError(f"the grammar compiler process did not start within {STARTUP_TIMEOUT_S:g} s")
 
     def alive(self) -> bool:
-        """Whether the child runs."""
-        return self._process is not None and self._process.poll() is None
+        """Whether the child runs and was not interrupted."""
+        return self._process is not None and not self._interrupted and self._process.poll() is None
 
     def compile(self, request: tuple, timeout_s: float) -> CompiledPayload:
         """The compiled grammar's JSON for ``request`` = (kind, value, any_whitespace),
@@ -260,6 +265,7 @@ class CompileWorker:
     def interrupt(self) -> None:
         """Kill the child now, from any thread: the compile it runs ends (its caller
         sees the child die)."""
+        self._interrupted = True
         process = self._process
         if process is not None and process.poll() is None:
             process.kill()

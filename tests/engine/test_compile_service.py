@@ -196,6 +196,52 @@ def test_a_compile_nobody_waits_for_is_dropped_or_killed(service):
     assert len(GatedWorker.instances) == 2 and fresh.started == 1
 
 
+def test_a_waiter_who_leaves_after_the_compile_leaves_the_worker_alone(service):
+    """Its worker has compiled: a waiter that leaves while the result is read back
+    (``finish``) must not kill it, or the next client's compile would meet a dying
+    process and be refused for nothing."""
+    in_finish, left = threading.Event(), threading.Event()
+
+    def finish(text):
+        in_finish.set()
+        assert left.wait(5)
+        return text.upper()
+
+    first = service.submit("a", ("regex", "a", True), 5.0, finish)
+    worker = _running(service)
+    worker.gate.set()
+    assert in_finish.wait(5)
+    service.leave(first)
+    left.set()
+    assert first.future.result(5) == "COMPILED A" and worker.interrupted == 0
+    worker.gate.clear()
+    second = _submit(service, "b")
+    assert _running(service) is worker
+    worker.gate.set()
+    assert second.future.result(5) == "COMPILED B" and len(GatedWorker.instances) == 1
+
+
+def test_an_interrupted_worker_is_gone_at_once_and_starts_again():
+    """(The real process.) A killed child still polls as running for a moment: the
+    worker says it is not alive from the interrupt on, and its next compile starts a
+    new child."""
+    import xgrammar as xgr
+
+    from pagedtree.structured.compile_worker import CompileWorker
+
+    vocab = [chr(c) for c in range(32, 127)] + ["</s>"]
+    worker = CompileWorker(xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1]).serialize_json())
+    try:
+        worker.start()
+        assert worker.alive()
+        worker.interrupt()
+        assert not worker.alive()
+        payload, _ = worker.compile(("regex", "[a-z]{3}", True), 60.0)
+        assert payload and worker.alive()
+    finally:
+        worker.close()
+
+
 async def _until(condition, limit_s: float = 30.0) -> None:
     """Wait for ``condition`` (polled); fail past ``limit_s``, a bound on a hang."""
     deadline = time.monotonic() + limit_s
