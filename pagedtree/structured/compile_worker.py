@@ -64,10 +64,14 @@ def compile_in_xgrammar(compiler: Any, kind: str, value: Any, any_whitespace: bo
         # Measured here, where a hostile grammar's cost is bounded by the compile's limits.
         return compiled, _forced_bound().forced_chars_bound(text, lambda pattern: str(xgr.Grammar.from_regex(pattern)))
     except (RuntimeError, ValueError, TypeError) as exc:
-        # xgrammar's messages start with a C++ source location: keep the reason.
-        reason = str(exc).split("\n")[0]
-        reason = reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
-        raise ValueError(reason[:500]) from None
+        raise ValueError(xgrammar_reason(exc)[:500]) from None
+
+
+def xgrammar_reason(exc: BaseException) -> str:
+    """An xgrammar error's reason: its first line without the C++ source location
+    its messages start with."""
+    reason = str(exc).split("\n")[0]
+    return reason.split(": ", 1)[1] if reason.startswith("[") and ": " in reason else reason
 
 
 def _forced_bound() -> Any:

@@ -18,7 +18,9 @@ So every schema is first:
    any of them, which ``oneOf`` forbids where two match), a ``$ref`` that is not
    local (never fetched), and a ``required`` property an object that takes no other
    property than its listed ones cannot hold, are refused with the path of the
-   subschema and the keyword.
+   subschema and the keyword; so is a ``pattern`` the grammar's regex reader refuses
+   (lookarounds, backreferences, word boundaries: the schema converter would take
+   some for literal characters).
 
 What passes is a schema the grammar enforces whole (``format`` included: names the
 grammar knows are enforced, others are annotations, as JSON Schema says).
@@ -143,6 +145,13 @@ def _check_node(path: str, node: dict, strict_objects: bool) -> None:
                                 "properties, anyOf, enum or const)")
     if node.get("uniqueItems") is True:
         raise SchemaRefused(f"{path}: 'uniqueItems: true' is not enforced by the grammar")
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += list(node["patternProperties"])
+    for pattern in patterns:
+        reason = _regex_refusal(pattern)
+        if reason is not None:
+            raise SchemaRefused(f"{path}: the pattern {pattern[:80]!r} is not enforced by the grammar: {reason}")
     lengths = [k for k in ("minLength", "maxLength") if k in node]
     shape = "format" if node.get("format") in GRAMMAR_FORMATS else "pattern" if "pattern" in node else None
     beside = lengths + (["pattern"] if shape == "format" and "pattern" in node else [])
@@ -161,6 +170,21 @@ def _check_node(path: str, node: dict, strict_objects: bool) -> None:
         raise SchemaRefused(f"{path}: 'oneOf' alternatives that may overlap are not enforced (exactly one must "
                             "match): give them distinct types or a distinct const/enum property, or use anyOf")
     _check_required(path, node, strict_objects)
+
+
+def _regex_refusal(pattern: str) -> str | None:
+    """Why the grammar's regex reader refuses ``pattern`` (a lookaround, a
+    backreference, a word boundary, ...), or None. Its JSON-schema converter would
+    otherwise take some of these for literal characters."""
+    import xgrammar as xgr
+
+    from pagedtree.structured.compile_worker import xgrammar_reason
+
+    try:
+        xgr.Grammar.from_regex(pattern)
+    except (RuntimeError, ValueError) as exc:
+        return xgrammar_reason(exc)[:200]
+    return None
 
 
 def _check_ref_chain(path: str, node: dict, root: Any) -> None:

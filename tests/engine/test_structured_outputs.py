@@ -834,6 +834,12 @@ REFUSED = {
     "pattern and minLength": ({"type": "string", "pattern": "^a+$", "minLength": 100000}, "'minLength'"),
     "format and maxLength": ({"type": "string", "format": "email", "maxLength": 8}, "'maxLength'"),
     "format and pattern": ({"type": "string", "format": "date", "pattern": "^2"}, "'pattern'"),
+    # Regex features the grammar's reader refuses in guided_regex; the schema converter
+    # took the lookahead's '?' for a literal.
+    "a lookahead in a pattern": ({"type": "string", "pattern": "^(?=b)a$"}, "Lookahead is not supported"),
+    "a backreference in a pattern": ({"type": "string", "pattern": "^(a)\\1$"}, "pattern"),
+    "a word boundary in a property pattern": ({"type": "object", "patternProperties": {"^a\\bb$": BOOL}},
+                                              "not enforced"),
     # The meta-schema check parses a pattern with a recursive parser (a fuzzed request got a 500).
     "pattern nested too deeply": ({"type": "string", "pattern": "(" * 2000 + ")" * 2000}, "nests too deeply"),
 }
