@@ -202,8 +202,15 @@ class OpenAIRoutes:
         params = parse_sampling_params(body, None, (top or 0) if want_logprobs else None, self.ctx.config.limits,
                                        max_key, _params_of(constraint))
         stream, include_usage = parse_stream_options(body)
-        add_generation_prompt = body.get_bool("add_generation_prompt", True)
+        body.unsupported("echo", False)  # (on /v1/completions it is)
+        continue_final = body.get_bool("continue_final_message", False)
+        add_generation_prompt = body.get_bool("add_generation_prompt", not continue_final)
+        if continue_final and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+            raise BadRequest("continue_final_message continues a final assistant message: the last message must "
+                             "be the assistant's, and add_generation_prompt false", "continue_final_message")
         kwargs = parse_template_kwargs(body, self._reserved_template_args)
+        if continue_final:
+            kwargs["continue_final_message"] = True  # (a reserved name: clients cannot pass it in kwargs)
         # Rendering and tokenizing run in the engine's tokenizer pool, off the loop.
         prompt = await self.ctx.engine.run_in_tokenizer_pool(
             self._render_chat, messages, add_generation_prompt, kwargs, tools.template_tools() if tools else None)

@@ -277,6 +277,27 @@ def test_numbers_past_a_float_bad_encodings_and_false_for_zero_are_400s(live):
     assert status == 200, text
 
 
+def test_a_final_assistant_message_is_continued_and_chat_echo_is_refused(live):
+    """``continue_final_message`` renders the last assistant message open (the
+    template's end of turn dropped), as vLLM does; chat ``echo`` is refused, not
+    ignored."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    usage = {}
+    for flags in ({"add_generation_prompt": False}, {"continue_final_message": True}):
+        status, _, text = post(live, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, **flags})
+        assert status == 200, text
+        usage[len(usage)] = json.loads(text)["usage"]["prompt_tokens"]
+    assert usage[1] < usage[0]  # the closed turn's end is not in the prompt
+    for bad, field in (({"continue_final_message": "yes"}, "continue_final_message"),
+                       ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+                       ({"echo": True}, "echo")):
+        status, _, text = post(live, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, **bad})
+        assert status == 400 and json.loads(text)["error"]["param"] == field, text
+    status, _, text = post(live, "/v1/chat/completions", {"messages": messages[:1], "max_tokens": 2,
+                                                          "continue_final_message": True})
+    assert status == 400 and "assistant" in text
+
+
 def test_only_json_bodies_are_accepted(live):
     """A web page can POST text/plain across sites without a preflight; not JSON."""
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
