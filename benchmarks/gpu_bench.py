@@ -82,6 +82,7 @@ TINY = dict(QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 TINY_DRAFT = dict(TINY, num_hidden_layers=1)
 TINY_FLASHINFER = dict(TINY, hidden_size=256)  # head dim 64, FlashInfer's smallest
+TINY_BATCHES = (1,)  # the dry run's batches: every code path, at one batch size
 
 
 @dataclass(slots=True)
@@ -297,7 +298,7 @@ def section_plain(run: Runner, gpu: str) -> tuple[list[Figure], dict]:
     figures = []
     plain_steps = {}
     llm = run.llm(run.target, max_num_seqs=4 if run.tiny else 64)
-    for batch in ((1, 2) if run.tiny else (1, 16, 64)):
+    for batch in (TINY_BATCHES if run.tiny else (1, 16, 64)):
         # The same engine one step at a time first (the baseline of this row), then
         # with each step launched ahead of the previous one's readback.
         llm.engine.set_async_scheduling(False)
@@ -433,7 +434,7 @@ def section_flashinfer(run: Runner) -> list[Figure]:
     reason = FlashInferPagedAttention.unavailable(torch.device(run.device), torch.bfloat16)
     if reason is not None:
         return [Figure("flashinfer", "skipped", "-", reason)]
-    batches = (1, 2) if run.tiny else (1, 16, 64)
+    batches = TINY_BATCHES if run.tiny else (1, 16, 64)
     steps = {}
     for backend in ("triton", "flashinfer"):
         llm = run.llm(run.flashinfer_target, max_num_seqs=4 if run.tiny else 64, attention_backend=backend,
@@ -470,7 +471,7 @@ def section_tiles(run: Runner) -> list[Figure]:
 
     if run.device == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         return [Figure("tiles", "skipped", "-", "the key-tile rules differ on sm_90 only")]
-    batches = (1, 2) if run.tiny else (1, 16, 64)
+    batches = TINY_BATCHES if run.tiny else (1, 16, 64)
     figures, baseline = [], {}
     for name, settings in TILE_RULES.items():
         saved = {key: getattr(tiles, key) for key in settings}
@@ -507,7 +508,7 @@ def section_overlap(run: Runner) -> list[Figure]:
 
     if run.device == "cuda" and not launch_overlap.supported(torch.device("cuda")):
         return [Figure("overlap", "skipped", "-", "overlapping launches need a GPU of sm_90 or later")]
-    batches = (1,) if run.tiny else (1, 16, 64)
+    batches = TINY_BATCHES if run.tiny else (1, 16, 64)
     timed: dict[tuple[str, bool], tuple[dict, float | None]] = {}
     for on in (False, True):
         with launch_overlap.overlapping(on):
