@@ -47,6 +47,7 @@ _TOKEN = re.compile(r"""
     | (?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)
     | (?P<punct>[()|*+?,=])
     )""", re.VERBOSE)
+_SPACE = re.compile(r"\s*")
 _ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)")
 
 
@@ -106,15 +107,13 @@ class _Parser:
 
     def __init__(self, text: str, regex_ebnf: Callable[[str], str] | None):
         self.tokens: list[tuple[str, str]] = []
-        pos = 0
+        pos = _SPACE.match(text).end()
         while pos < len(text):
-            if text[pos:].strip() == "":
-                break
             match = _TOKEN.match(text, pos)
             if match is None:
                 raise _Unreadable(text[pos:pos + 40])
             self.tokens.append((match.lastgroup or "", match.group(match.lastgroup or 0)))
-            pos = match.end()
+            pos = _SPACE.match(text, match.end()).end()
         self.at = 0
         self.regex_ebnf = regex_ebnf
 
