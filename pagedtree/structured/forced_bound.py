@@ -74,7 +74,7 @@ def forced_chars_bound(ebnf: str, regex_ebnf: Callable[[str], str] | None = None
     ``Grammar.from_regex``); without it such leaves are unknown."""
     try:
         measured = _measure_root(ebnf, regex_ebnf)
-    except (_Unreadable, RecursionError):
+    except (ValueError, RecursionError):  # _Unreadable, or an escape that is not one
         return None
     return None if measured is None else measured[1]
 
