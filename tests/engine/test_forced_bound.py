@@ -10,6 +10,8 @@ import json
 import random
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from pagedtree.structured import forced_bound, matcher
 from pagedtree.structured.forced_bound import FORCED_CHARS_LIMIT, forced_chars_bound
@@ -164,3 +166,15 @@ def test_the_compile_worker_process_measures_what_it_compiles():
     finally:
         worker.close()
     assert bomb is None and 0 < schema < 100
+
+
+@settings(max_examples=300, deadline=None)
+@example(body='Regex("\\xzz")').via("an escape that is not one")
+@example(body='Regex("\\U0fffffff")').via("past Unicode")
+@given(body=st.text(alphabet='ab"\\()[]|*+?{},=- \nxuRegex0123456789', max_size=60))
+def test_the_reader_answers_any_text_with_a_bound_or_none(body):
+    """Whatever the text (a grammar printed by a later xgrammar, say), the reader
+    gives a bound or None: it never raises into the compile, which would refuse the
+    constraint."""
+    bound = forced_chars_bound("root ::= " + body, lambda pattern: str(xgr.Grammar.from_regex(pattern)))
+    assert bound is None or 0 <= bound <= FORCED_CHARS_LIMIT
