@@ -239,19 +239,15 @@ def _refs(node: _Node, out: set[str]) -> set[str]:
     return out
 
 
-def _components(rules: dict[str, _Node]) -> list[list[str]]:
-    """Strongly connected components of the rule graph, callees before callers
-    (Tarjan's algorithm, iterative)."""
-    edges = {name: sorted(_refs(body, set())) for name, body in rules.items()}
-    for targets in edges.values():
-        if any(t not in rules for t in targets):
-            raise _Unreadable("a rule refers to an undefined rule")
+def _components(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components of the rule graph (``edges``: each rule's
+    callees), callees before callers (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     out: list[list[str]] = []
-    for start in rules:
+    for start in edges:
         if start in index:
             continue
         work = [(start, 0)]
@@ -286,11 +282,14 @@ def _components(rules: dict[str, _Node]) -> list[list[str]]:
 
 def _measure(rules: dict[str, _Node]) -> tuple[dict[str, int], dict[str, int] | None]:
     """Each rule's shortest length and forced bound (None past the frame limit)."""
+    edges = {name: sorted(_refs(body, set())) for name, body in rules.items()}
+    if any(target not in rules for targets in edges.values() for target in targets):
+        raise _Unreadable("a rule refers to an undefined rule")
     shortest: dict[str, int] = {}
     bound: dict[str, int] = {}
-    for component in _components(rules):
+    for component in _components(edges):
         members = set(component)
-        recursive = len(component) > 1 or component[0] in _refs(rules[component[0]], set())
+        recursive = len(component) > 1 or component[0] in edges[component[0]]
         for name in component:
             shortest[name] = _INF
         for _ in range(len(component) + 1):  # shortest lengths only fall; a cycle settles in this many rounds
