@@ -10,6 +10,9 @@ relative error against the fp32 product.
 Formats (every one a thin call into a library kernel):
 
 - ``fp32``: oneDNN inner product on a prepacked fp32 weight (``Linear.pack_for_cpu``);
+- ``bf16``: the same on a bf16 weight and bf16 activations (torch's own GEMM where
+  oneDNN cannot pack bf16: AVX2); ``bf16-chunked``: as a speculating engine runs it (``Linear.make_rows_consistent``:
+  where oneDNN runs AMX kernels, products of more than 32 rows in chunks of at most 32);
 - ``fp16-fbgemm``: FBGEMM's fp16-weight GEMM (``quantized.linear_dynamic_fp16``);
 - ``int8``, ``int4``: torch's weight-only kernels (``Linear.quantize``; bf16 activations);
 - ``q8``, ``q4``: ONNX Runtime's MatMulNBits (MLAS) with int8 activations (``Linear.quantize``);
@@ -67,6 +70,16 @@ def fp32(weight: torch.Tensor) -> Callable:
     layer = _layer(weight)
     layer.pack_for_cpu()
     return layer
+
+
+def bf16(chunked: bool) -> Callable[[torch.Tensor], Callable]:
+    def make(weight: torch.Tensor) -> Callable:
+        layer = _layer(weight).to(torch.bfloat16)
+        layer.pack_for_cpu()  # where oneDNN cannot pack bf16 (AVX2), torch's own GEMM runs it
+        if chunked:
+            layer.make_rows_consistent()
+        return lambda x: layer(x.to(torch.bfloat16)).float()
+    return make
 
 
 def quantized(mode: str) -> Callable[[torch.Tensor], Callable]:
@@ -131,7 +144,7 @@ def zen_int4(weight: torch.Tensor, group: int = 128) -> Callable:
 
 
 FORMATS: dict[str, Callable[[torch.Tensor], Callable]] = {
-    "fp32": fp32, "fp16-fbgemm": fp16_fbgemm, "int8": quantized("int8"), "int4": quantized("int4"),
+    "fp32": fp32, "bf16": bf16(chunked=False), "bf16-chunked": bf16(chunked=True), "fp16-fbgemm": fp16_fbgemm, "int8": quantized("int8"), "int4": quantized("int4"),
     "q8": quantized("q8"), "q4": quantized("q4"), "q4-b64": q4_blocks_of(64), "q4-b128": q4_blocks_of(128),
     "ggml-q4_k": ggml_format("Q4_K"), "ggml-q4_k-repack": ggml_format("Q4_K", repack=True),
     "ggml-q4_0": ggml_format("Q4_0"), "ggml-q4_0-repack": ggml_format("Q4_0", repack=True),

@@ -79,7 +79,9 @@ def calibrate_speculation(speculator: Speculator, config: ResolvedConfig, target
                                  config.parallel.tensor_parallel_size,
                                  streamed_layers=tuple(streamer.order) if streamer is not None else (),
                                  padded_layers=sum(bool(getattr(m, "pad_single_rows", False))
-                                                   for m in target_runner.model.modules()))
+                                                   for m in target_runner.model.modules()),
+                                 chunked_layers=sum(getattr(m, "row_chunk", None) is not None
+                                                    for m in target_runner.model.modules()))
     target_costs = calibrate(target_runner, cache, target_key, largest, label="target")
     draft_costs = None
     if speculator.drafts:

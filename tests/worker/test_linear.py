@@ -12,6 +12,7 @@ from pagedtree.worker.models.linear import (
     onednn_packs,
     quantize_int4,
     quantize_int8,
+    row_chunks,
 )
 
 
@@ -124,9 +125,10 @@ def test_speculating_engines_make_the_target_rows_consistent(tiny_llama):
 ])
 def test_layers_pad_lone_rows_exactly_where_their_library_needs_it(mode, dtype, n_in, n_out):
     """``make_rows_consistent`` pads a one-row product only where the library would give
-    the row other bits alone (padding costs 1.1-1.5x a lone row): with the padding it
-    chose, a row alone equals the same row inside products of 2-65 rows, whatever this
-    CPU's kernels do."""
+    the row other bits alone (padding costs 1.1-1.5x a lone row), and chunks long
+    products where the library blocks them by their row count (oneDNN's AMX kernels):
+    as it set the layer, a row alone equals the same row inside products of 2-130
+    rows (two 64-node trees and their roots), whatever this CPU's kernels do."""
     if mode in ("q4", "q8"):
         pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
@@ -135,15 +137,83 @@ def test_layers_pad_lone_rows_exactly_where_their_library_needs_it(mode, dtype, 
         layer.quantize(mode)
     elif not layer.pack_for_cpu():
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
-    layer.pad_single_rows = layer.lone_row_needs_padding()
+    layer.make_rows_consistent()
     assert layer.pad_single_rows or dtype == torch.float32  # 16-bit outputs always pad
-    x = torch.randn(65, n_in).to(dtype)
+    x = torch.randn(130, n_in).to(dtype)
     with torch.inference_mode():
         full = layer(x)
-        for rows in (2, 3, 17):
-            assert torch.equal(layer(x[:rows]), full[:rows])
-        for i in (0, 31, 64):
+        for rows in (2, 3, 17, 33, 65):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        assert torch.equal(layer(x[40:105]), full[40:105])
+        for i in (0, 31, 64, 129):
             assert torch.equal(layer(x[i : i + 1]), full[i : i + 1]), i
+
+
+def test_row_chunks_cover_the_rows_evenly_and_never_leave_a_lone_row():
+    """Chunked products (oneDNN's AMX kernels) cover every row once, in the fewest
+    chunks of at most the limit, none a lone row once there are more rows than the limit."""
+    for limit in (3, 4, 32):
+        for rows in range(1, 200):
+            chunks = row_chunks(rows, limit)
+            assert [a for a, _ in chunks][1:] == [b for _, b in chunks][:-1]
+            assert chunks[0][0] == 0 and chunks[-1][1] == rows
+            assert len(chunks) == -(-rows // limit)
+            sizes = [b - a for a, b in chunks]
+            assert max(sizes) <= limit and max(sizes) - min(sizes) <= 1
+            assert rows <= limit or min(sizes) >= 2
+
+
+def test_a_chunked_layer_gives_the_whole_product_chunk_by_chunk(monkeypatch):
+    """A layer with ``row_chunk`` calls the library once per chunk, each on that chunk's
+    rows, and returns their rows in order (fp32 here, whose rows agree on any CPU)."""
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True)
+    if not layer.pack_for_cpu():
+        pytest.skip("oneDNN cannot pack fp32 here")
+    x = torch.randn(70, 64)
+    with torch.inference_mode():
+        whole = layer(x)
+        calls = []
+        product = torch.ops.mkldnn._linear_pointwise
+
+        def counted(rows, *args):
+            calls.append(rows.shape[0])
+            return product(rows, *args)
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+        layer.row_chunk = 32
+        assert torch.equal(layer(x), whole) and calls == [23, 23, 24]
+        calls.clear()
+        assert torch.equal(layer(x[:32]), whole[:32]) and calls == [32]
+
+
+def test_chunking_follows_whether_onednn_may_run_amx(monkeypatch):
+    """16-bit oneDNN layers chunk on a CPU with AMX unless oneDNN is capped below it;
+    fp32 ones never do (AMX has no fp32 products)."""
+    import pagedtree.worker.models.linear as linear
+
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16", "amx_tile"}))
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert linear.onednn_may_run_amx()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert linear.onednn_may_run_amx()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx10_1_512")
+    assert not linear.onednn_may_run_amx()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    assert not linear.onednn_may_run_amx()
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert not linear.onednn_may_run_amx()
+
+    monkeypatch.setattr(linear, "onednn_may_run_amx", lambda: True)
+    for dtype, chunk in ((torch.bfloat16, linear.ONEDNN_AMX_ROW_LIMIT), (torch.float32, None)):
+        layer = Linear(32, 16, bias=False).to(dtype)
+        if not layer.pack_for_cpu():
+            continue
+        layer.make_rows_consistent()
+        assert layer.row_chunk == chunk
 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])

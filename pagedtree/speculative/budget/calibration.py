@@ -65,12 +65,13 @@ def _weights_identity(model_path: str | os.PathLike) -> list:
 def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
                     quantization: str | None, max_tokens: int, tensor_parallel_size: int = 1,
                     head_vocab: int | None = None, streamed_layers: tuple[int, ...] = (),
-                    padded_layers: int = 0) -> dict:
+                    padded_layers: int = 0, chunked_layers: int = 0) -> dict:
     """Everything a cost curve depends on (a model split over ranks costs otherwise, a
     draft whose LM head is cut to ``head_vocab`` ids costs less per forward, and a
     target streaming ``streamed_layers`` from host memory costs about the same at any
-    number of tokens, and ``padded_layers`` that compute a lone row as two cost more
-    at one token)."""
+    number of tokens, ``padded_layers`` that compute a lone row as two cost more
+    at one token, and ``chunked_layers`` that split long products into chunks cost
+    more at many)."""
     return {
         "version": CALIBRATION_VERSION,
         "weights": _weights_identity(model_path),
@@ -88,6 +89,7 @@ def calibration_key(model_path: str | os.PathLike, device: torch.device, dtype: 
         "head_vocab": head_vocab,
         "streamed_layers": list(streamed_layers),
         "padded_layers": padded_layers,
+        "chunked_layers": chunked_layers,
     }
 
 

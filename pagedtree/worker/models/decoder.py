@@ -437,11 +437,13 @@ class DecoderForCausalLM(nn.Module):
         row through another kernel than several rows, whose rows are independent
         (``Linear.lone_row_needs_padding``: always for 16-bit outputs, measured per
         shape for fp32 ones; MLAS's 4-bit kernels send it elsewhere on an AVX2 CPU and
-        not on the AVX-512 one). With ``row_block`` (CUDA, ``row_blocks.row_block_for``): every
+        not on the AVX-512 one), and where oneDNN runs AMX kernels, 16-bit products
+        of more than 32 rows run in chunks of at most 32 (``Linear.row_chunk``). With
+        ``row_block`` (CUDA, ``row_blocks.row_block_for``): every
         dense product and RMSNorm runs in blocks of exactly that many rows, one
         kernel on one shape whatever the batch. Tree speculation needs it for greedy
         outputs equal to plain decoding in every dtype; returns how many layers it
-        switched (on CPU: how many pad)."""
+        switched (on CPU: how many pad or chunk)."""
         if row_block is not None:
             layers = [m for m in self.modules() if (isinstance(m, Linear) and m.weight is not None
                                                      and m.quantization is None) or isinstance(m, RMSNorm)]
@@ -450,11 +452,9 @@ class DecoderForCausalLM(nn.Module):
             return len(layers)
         layers = [m for m in self.modules() if isinstance(m, Linear)
                   and (m.packed_weight is not None or m.quantization in ("q4", "q8"))]
-        for layer in layers:
-            # Padding costs 1.1-1.5x a one-row product: only where the library's lone
-            # row may differ.
-            layer.pad_single_rows = layer.lone_row_needs_padding()
-        return sum(layer.pad_single_rows for layer in layers)
+        # Padding costs 1.1-1.5x a one-row product and chunking reads the weights once
+        # a chunk: each only where the library needs it.
+        return sum(layer.make_rows_consistent() for layer in layers)
 
     def quantize_weights(self, mode: str) -> int:
         """``mode`` (one of ``linear.QUANTIZATIONS``) for every linear layer; returns how many.

@@ -28,11 +28,13 @@ and ONNX Runtime's own CPU kernels.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedtree.devices import cpu_flags
 from pagedtree.worker.models import block_quant, ggml_matmul
 from pagedtree.worker.models.row_blocks import in_row_blocks
 
@@ -43,6 +45,12 @@ _PACK_ROWS_HINT = 16
 _ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 # The int4 kernel's packing tiles the input dimension by this many 16-element tiles.
 _INT4_INNER_K_TILES = 8
+# oneDNN's AMX kernels (Intel Xeon from Sapphire Rapids on) choose how they block a
+# 16-bit product by its row count: a row among 33 or more gets other bits than the
+# same row among 2-32 (1-ulp differences in 1-55 of 64 rows of the Qwen layers'
+# shapes), while products of 2-32 rows share one kernel whose rows are independent
+# (measured at 1, 2, 8 and 32 threads on 13 shapes, every row at every position).
+ONEDNN_AMX_ROW_LIMIT = 32
 # (library, out, in, threads) -> whether an fp32 row alone gets other bits than among others
 # (``Linear.lone_row_needs_padding``).
 _LONE_ROW_DIFFERS: dict[tuple, bool] = {}
@@ -63,6 +71,23 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def onednn_may_run_amx() -> bool:
+    """Whether oneDNN may run its AMX kernels in this process: the CPU has AMX-BF16 and
+    ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) does not cap oneDNN below them."""
+    if "amx_bf16" not in cpu_flags():
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return cap in ("ALL", "DEFAULT") or "AMX" in cap
+
+
+def row_chunks(rows: int, limit: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the fewest chunks of at most ``limit`` rows covering
+    ``rows``, as even as can be (so no chunk is a lone row once ``rows`` > ``limit`` >= 3)."""
+    count = max(1, -(-rows // limit))
+    bounds = [rows * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +132,9 @@ class Linear(nn.Linear):
     # Compute dense products in blocks of exactly this many rows (``row_blocks``); set
     # by ``make_rows_consistent`` on CUDA, where cuBLAS picks its kernel by row count.
     row_block: int | None = None
+    # Compute oneDNN products of more rows than this in chunks of at most this many
+    # (``row_chunks``); set by ``make_rows_consistent`` where oneDNN runs AMX kernels.
+    row_chunk: int | None = None
     # Quantization: "int8"/"int4" (codes and scales for torch's kernels), "q4"/"q8"
     # (blocks multiplied through ONNX Runtime) or "ggml" (llama.cpp's blocks and kernels).
     quantization: str | None = None
@@ -221,12 +249,30 @@ class Linear(nn.Linear):
             # alone would not get the logits it gets inside a verified tree; as two rows
             # it takes the multi-row kernel, whose rows are independent.
             pad = self.pad_single_rows and x.shape[0] == 1
-            rows = (x.expand(2, -1) if pad else x).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+            out = self._onednn_product((x.expand(2, -1) if pad else x).contiguous())
             return out[:1] if pad else out
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        out = self._onednn_product(x.reshape(-1, self.in_features).contiguous())
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _onednn_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The packed weight's product with ``rows`` ([n, in_features], contiguous), in
+        chunks of at most ``row_chunk`` rows where that is set."""
+        if self.row_chunk is None or rows.shape[0] <= self.row_chunk:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return torch.cat([torch.ops.mkldnn._linear_pointwise(rows[start:stop], self.packed_weight, self.bias,
+                                                             "none", [], "")
+                          for start, stop in row_chunks(rows.shape[0], self.row_chunk)])
+
+    def make_rows_consistent(self) -> bool:
+        """Compute each row as it is computed alone (padded), whatever the row count of
+        the product: pad lone rows where the library needs it
+        (``lone_row_needs_padding``) and, where oneDNN runs AMX kernels, split 16-bit
+        products into chunks of at most ``ONEDNN_AMX_ROW_LIMIT`` rows. Returns whether
+        the layer now computes otherwise than before."""
+        self.pad_single_rows = self.lone_row_needs_padding()
+        sixteen_bit = self.packed_weight is not None and self.packed_weight.dtype != torch.float32
+        self.row_chunk = ONEDNN_AMX_ROW_LIMIT if sixteen_bit and onednn_may_run_amx() else None
+        return self.pad_single_rows or self.row_chunk is not None
 
     def lone_row_needs_padding(self) -> bool:
         """Whether this layer may compute a row alone with other bits than the same row
