@@ -318,7 +318,8 @@ def test_the_script_answers_help():
 
 
 @pytest.mark.parametrize(("script", "words"), [("gpu_day.sh", ["OUTDIR", ".flashinfer/site"]),
-                                                ("pack_flashinfer.sh", ["FlashInfer 0.5.3", "PYTHONPATH"])])
+                                                ("pack_flashinfer.sh", ["FlashInfer 0.5.3", "PYTHONPATH"]),
+                                                ("pack_gpu_wheels.sh", ["xgrammar", "OUTDIR", "PYTHONPATH"])])
 def test_the_gpu_day_scripts_answer_help_without_running(script, words):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
                           timeout=60)

@@ -370,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="compiles one client (address) may have queued or running before its new ones get "
                               f"HTTP 429 (default {gc_defaults.max_per_client})")
     grammar.add_argument("--grammar-worker-memory", type=float, default=gc_defaults.worker_memory_bytes / 1024**3,
-                         help="GiB of data each compile worker process may use (a constraint needing more is "
-                              "refused; 0: unbounded; default %(default)g)")
+                         help="GiB of data each compile worker process may use beyond its loaded compiler (a "
+                              "constraint needing more is refused; 0: unbounded; default %(default)g)")
     serve.set_defaults(func=cmd_serve)
 
     worker = sub.add_parser(

@@ -157,12 +157,15 @@ def ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _serve(tokenizer_info_json: str, reader: BinaryIO, writer: BinaryIO) -> None:  # pragma: no cover - child
+def _serve(tokenizer_info_json: str, reader: BinaryIO, writer: BinaryIO,
+           memory_bytes: int | None = None) -> None:  # pragma: no cover - child
     """The child's loop: a request in, a compiled grammar's JSON (or an error) out."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    if memory_bytes is not None:
+        bound_data(memory_bytes)
     _send(writer, ("ready", None))
     while True:
         request = _receive(reader)
@@ -202,9 +205,10 @@ class CompileWorker:
     parent has threads), nor a multiprocessing spawn (which re-imports the user's
     main script: one without a ``__main__`` guard would run again in it), and
     without importing pagedtree (the engine's modules would double its memory: it
-    holds about 270 MiB, xgrammar with torch). ``memory_bytes`` bounds the child's
-    data (``RLIMIT_DATA``: heap and private mappings): a constraint that needs more
-    fails in the child, not in the server.
+    holds about 270 MiB, xgrammar with torch). ``memory_bytes`` bounds what the
+    child's data (``RLIMIT_DATA``: heap and private mappings) may grow by once its
+    compiler is loaded: a constraint that needs more fails in the child, not in the
+    server.
 
     One thread uses a worker (its ``CompileService`` dispatcher); ``interrupt`` may
     come from another (a compile nobody waits for any more)."""
@@ -323,21 +327,40 @@ def _child_env(memory_bytes: int | None = None) -> dict[str, str]:
     return env
 
 
+def data_bytes() -> int | None:
+    """This process's data (heap and private mappings, what ``RLIMIT_DATA`` counts:
+    ``VmData``), or None where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def bound_data(memory_bytes: int) -> None:
+    """Bound what this process's data may grow by from now to ``memory_bytes``
+    (``RLIMIT_DATA``): a constraint whose automaton needs more fails here. Counted from
+    the loaded compiler, so the bound is a compile's whatever the libraries hold: a
+    CUDA build of torch under xgrammar holds 810 MB of data, a CPU build 250 MB."""
+    import resource
+
+    limit = memory_bytes + (data_bytes() or 0)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def main() -> None:  # pragma: no cover - the child process
     """The child process's entry point (this file run as a script)."""
     # The script's folder is first on the path; its modules must not shadow others'.
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
     limit = os.environ.get(MEMORY_ENV)
-    if limit:
-        import resource
-
-        # Heap and private mappings: a constraint whose automaton needs more fails here.
-        resource.setrlimit(resource.RLIMIT_DATA, (int(limit), int(limit)))
     # Replies go out on a private copy of stdout; anything a library prints goes to stderr.
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    _serve(_receive(sys.stdin.buffer), sys.stdin.buffer, replies)
+    _serve(_receive(sys.stdin.buffer), sys.stdin.buffer, replies, int(limit) if limit else None)
 
 
 if __name__ == "__main__":  # pragma: no cover - the child process

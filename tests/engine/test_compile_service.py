@@ -331,3 +331,32 @@ def test_a_request_that_goes_away_kills_its_compile(tiny_text_model):
 
     out, stats = asyncio.run(main())
     assert out.finished and stats["grammar_compiles_killed"] == 1 and stats["grammars_compiled"] >= 1
+
+
+def test_a_workers_memory_bound_counts_from_its_loaded_compiler():
+    """(The real process.) The bound is what a compile may add to the child's data
+    once xgrammar and the vocabulary are loaded (a CUDA build of torch alone holds 810
+    MB of data there): at the smallest bound, 256 MiB, a plain constraint compiles and
+    a constraint whose automaton needs gigabytes fails in the child, within seconds,
+    as a refusal; the next compile starts a fresh child."""
+    import xgrammar as xgr
+
+    from pagedtree.structured.compile_worker import CompileWorker, data_bytes
+
+    # slow_regex()'s first 300 alternatives: about 0.6 s to a failed allocation at 256 MiB.
+    hungry = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 300)) + ")"
+    assert data_bytes() > 0  # read from /proc, as the child reads its own
+    vocab = [chr(c) for c in range(32, 127)] + ["</s>"]
+    worker = CompileWorker(xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1]).serialize_json(),
+                           memory_bytes=2**28)
+    try:
+        payload, _ = worker.compile(("regex", "[a-z]{3}", True), 60.0)
+        assert payload
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="failed on this constraint"):
+            worker.compile(("regex", hungry, True), 60.0)
+        assert time.monotonic() - started < 30  # the bound ended it, not a time limit
+        payload, _ = worker.compile(("regex", "[0-9]+", True), 60.0)
+        assert payload
+    finally:
+        worker.close()

@@ -185,8 +185,8 @@ def test_a_loaded_engine_leaves_the_files_pages_to_the_page_cache(tensors_of):
     pages in this process are a small part of it (the embedding, a view of the mapping,
     is not read until a step looks rows up)."""
     pytest.importorskip("onnxruntime")
+    tensors_of(pm.SMOLLM2_135M)  # (skips where the model is not installed)
     path = pm.gguf_path(pm.SMOLLM2_135M)
-    tensors_of(pm.SMOLLM2_135M)
     engine = LLM(pm.SMOLLM2_135M.name, quantization="q4", max_model_len=128, kv_cache_memory=2**26)
     resident, mapping = 0, False
     with open("/proc/self/smaps") as f:

@@ -139,6 +139,9 @@ def test_layers_pad_lone_rows_exactly_where_their_library_needs_it(mode, dtype, 
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     layer.make_rows_consistent()
     assert layer.pad_single_rows or dtype == torch.float32  # 16-bit outputs always pad
+    if layer.row_chunk is not None and not layer.chunks_agree():
+        pytest.skip(f"this oneDNN's AMX kernels (torch {torch.__version__}) give rows other bits in chunks of "
+                    "any size, which the engine warns of; torch 2.13's keep chunks of up to 32 rows exact")
     x = torch.randn(130, n_in).to(dtype)
     with torch.inference_mode():
         full = layer(x)
@@ -185,6 +188,33 @@ def test_a_chunked_layer_gives_the_whole_product_chunk_by_chunk(monkeypatch):
         assert torch.equal(layer(x), whole) and calls == [23, 23, 24]
         calls.clear()
         assert torch.equal(layer(x[:32]), whole[:32]) and calls == [32]
+
+
+def test_a_library_whose_chunks_disagree_is_found_and_warned_of(monkeypatch, caplog):
+    """The chunk probe compares rows computed in one chunk and in smaller ones: a
+    library whose bits follow the row count is found, and the engine warns once per
+    layer that speculation may then leave plain decoding's tokens."""
+    import pagedtree.worker.models.linear as linear
+
+    layer = Linear(64, 48, bias=False)
+    if not layer.pack_for_cpu():
+        pytest.skip("oneDNN cannot pack fp32 here")
+    monkeypatch.setattr(linear, "_CHUNKS_AGREE", {})
+    layer.row_chunk = 32
+    assert layer.chunks_agree()
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda rows, *args: product(rows, *args) + 1e-3 * rows.shape[0])
+    monkeypatch.setattr(linear, "_CHUNKS_AGREE", {})
+    assert not layer.chunks_agree()
+    monkeypatch.setattr(linear, "_CHUNKS_AGREE", {})
+    monkeypatch.setattr(linear, "onednn_may_run_amx", lambda: True)
+    layer = Linear(64, 48, bias=False).to(torch.bfloat16)
+    if not layer.pack_for_cpu():
+        pytest.skip("oneDNN cannot pack bf16 here")
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        assert layer.make_rows_consistent() and layer.row_chunk == linear.ONEDNN_AMX_ROW_LIMIT
+    assert "other bits by row count" in caplog.text and "ONEDNN_MAX_CPU_ISA" in caplog.text
 
 
 def test_chunking_follows_whether_onednn_may_run_amx(monkeypatch):

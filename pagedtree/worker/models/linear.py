@@ -28,6 +28,7 @@ and ONNX Runtime's own CPU kernels.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -37,6 +38,8 @@ from torch import nn
 from pagedtree.devices import cpu_flags
 from pagedtree.worker.models import block_quant, ggml_matmul
 from pagedtree.worker.models.row_blocks import in_row_blocks
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "q4", "q8", "q4-rounded", "ggml")
 INT4_GROUP_SIZE = 32
@@ -51,6 +54,12 @@ _INT4_INNER_K_TILES = 8
 # shapes), while products of 2-32 rows share one kernel whose rows are independent
 # (measured at 1, 2, 8 and 32 threads on 13 shapes, every row at every position).
 ONEDNN_AMX_ROW_LIMIT = 32
+# Row counts of the probe that checks, per shape, that chunks of up to the limit agree
+# (older oneDNN releases, torch 2.11's among them, give rows other bits at nearly
+# every row count on AMX).
+_CHUNK_PROBE_SIZES = (2, 3, 5, 22)
+# (out, in, dtype, threads) -> whether rows agree in every chunk of up to the limit.
+_CHUNKS_AGREE: dict[tuple, bool] = {}
 # (library, out, in, threads) -> whether an fp32 row alone gets other bits than among others
 # (``Linear.lone_row_needs_padding``).
 _LONE_ROW_DIFFERS: dict[tuple, bool] = {}
@@ -272,7 +281,37 @@ class Linear(nn.Linear):
         self.pad_single_rows = self.lone_row_needs_padding()
         sixteen_bit = self.packed_weight is not None and self.packed_weight.dtype != torch.float32
         self.row_chunk = ONEDNN_AMX_ROW_LIMIT if sixteen_bit and onednn_may_run_amx() else None
+        if self.row_chunk is not None and not self.chunks_agree():
+            logger.warning(
+                "oneDNN's AMX kernels give a %dx%d layer's rows other bits by row count even in chunks of up to "
+                "%d rows (torch %s): greedy speculation in bf16 may leave plain decoding's tokens at near-ties. "
+                "torch 2.13 (scripts/setup.sh) keeps such chunks exact; ONEDNN_MAX_CPU_ISA=AVX10_1_512, set "
+                "before the process starts, keeps every product exact without AMX.",
+                self.out_features, self.in_features, self.row_chunk, torch.__version__)
         return self.pad_single_rows or self.row_chunk is not None
+
+    def chunks_agree(self) -> bool:
+        """Whether this layer's chunked products give every row the bits of the same
+        row in any other chunk of up to ``row_chunk`` rows: seeded rows computed as one
+        full chunk and again in chunks of ``_CHUNK_PROBE_SIZES`` rows, compared bit for
+        bit (once per shape, dtype and thread count; in 16 bits a different kernel
+        changed 1 to 55 of 64 rows of the Qwen shapes)."""
+        limit = self.row_chunk or 1
+        key = (self.out_features, self.in_features, self.packed_weight.dtype, torch.get_num_threads())
+        if key not in _CHUNKS_AGREE:
+            rows = torch.randn(limit, self.in_features, generator=torch.Generator().manual_seed(0))
+            rows = rows.to(self.packed_weight.dtype)
+            with torch.inference_mode():
+                whole = self._onednn_product(rows)
+                start, parts = 0, []
+                for size in (*_CHUNK_PROBE_SIZES, limit):
+                    size = min(size, limit - start)
+                    if size <= 0:
+                        break
+                    parts.append(self._onednn_product(rows[start:start + size].contiguous()))
+                    start += size
+                _CHUNKS_AGREE[key] = torch.equal(torch.cat(parts), whole)
+        return _CHUNKS_AGREE[key]
 
     def lone_row_needs_padding(self) -> bool:
         """Whether this layer may compute a row alone with other bits than the same row
