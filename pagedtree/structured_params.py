@@ -61,9 +61,10 @@ def default_compile_workers() -> int:
 class GrammarCompileConfig:
     """How a server's grammar compiles are served (``structured/compile_service.py``):
     ``workers`` processes compile at once, each bounded to ``worker_memory_bytes`` of
-    data beyond what its loaded compiler holds (None: unbounded); at most ``max_queued`` compiles wait for a worker, and a
-    client has at most ``max_per_client`` compiles queued or running (beyond either,
-    HTTP 429 with ``Retry-After``). Server flags: ``--grammar-compile-workers``,
+    data beyond what its loaded compiler holds (None: unbounded); at most
+    ``max_queued`` compiles wait for a worker, and a client has at most
+    ``max_per_client`` compiles queued or running (beyond either, HTTP 429 with
+    ``Retry-After``). Server flags: ``--grammar-compile-workers``,
     ``--max-queued-grammar-compiles``, ``--max-grammar-compiles-per-client``,
     ``--grammar-worker-memory``."""
 

@@ -208,6 +208,7 @@ def test_a_library_whose_chunks_disagree_is_found_and_warned_of(monkeypatch, cap
     monkeypatch.setattr(linear, "_CHUNKS_AGREE", {})
     assert not layer.chunks_agree()
     monkeypatch.setattr(linear, "_CHUNKS_AGREE", {})
+    monkeypatch.setattr(linear, "_WARNED_SHAPES", set())
     monkeypatch.setattr(linear, "onednn_may_run_amx", lambda: True)
     layer = Linear(64, 48, bias=False).to(torch.bfloat16)
     if not layer.pack_for_cpu():
@@ -215,6 +216,10 @@ def test_a_library_whose_chunks_disagree_is_found_and_warned_of(monkeypatch, cap
     with caplog.at_level("WARNING", logger=linear.__name__):
         assert layer.make_rows_consistent() and layer.row_chunk == linear.ONEDNN_AMX_ROW_LIMIT
     assert "other bits by row count" in caplog.text and "ONEDNN_MAX_CPU_ISA" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        layer.make_rows_consistent()  # the same shape again (a model's next layer): said once
+    assert "other bits by row count" not in caplog.text
 
 
 def test_chunking_follows_whether_onednn_may_run_amx(monkeypatch):

@@ -60,6 +60,7 @@ ONEDNN_AMX_ROW_LIMIT = 32
 _CHUNK_PROBE_SIZES = (2, 3, 5, 22)
 # (out, in, dtype, threads) -> whether rows agree in every chunk of up to the limit.
 _CHUNKS_AGREE: dict[tuple, bool] = {}
+_WARNED_SHAPES: set[tuple[int, int]] = set()
 # (library, out, in, threads) -> whether an fp32 row alone gets other bits than among others
 # (``Linear.lone_row_needs_padding``).
 _LONE_ROW_DIFFERS: dict[tuple, bool] = {}
@@ -277,11 +278,13 @@ class Linear(nn.Linear):
         the product: pad lone rows where the library needs it
         (``lone_row_needs_padding``) and, where oneDNN runs AMX kernels, split 16-bit
         products into chunks of at most ``ONEDNN_AMX_ROW_LIMIT`` rows. Returns whether
-        the layer now computes otherwise than before."""
+        it pads or chunks."""
         self.pad_single_rows = self.lone_row_needs_padding()
         sixteen_bit = self.packed_weight is not None and self.packed_weight.dtype != torch.float32
         self.row_chunk = ONEDNN_AMX_ROW_LIMIT if sixteen_bit and onednn_may_run_amx() else None
-        if self.row_chunk is not None and not self.chunks_agree():
+        shape = (self.out_features, self.in_features)
+        if self.row_chunk is not None and not self.chunks_agree() and shape not in _WARNED_SHAPES:
+            _WARNED_SHAPES.add(shape)  # once a shape: a model repeats its layers' shapes
             logger.warning(
                 "oneDNN's AMX kernels give a %dx%d layer's rows other bits by row count even in chunks of up to "
                 "%d rows (torch %s): greedy speculation in bf16 may leave plain decoding's tokens at near-ties. "
