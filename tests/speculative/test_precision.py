@@ -116,6 +116,9 @@ def test_a_prompt_longer_than_a_step_gives_its_one_step_tokens_in_every_format(t
     assert tokens(16, speculate=True) == whole
 
 
+# -m slow: 10 s; the default suite holds the same layers' rows to it
+# (tests/worker/test_linear.py, real shapes, 2-130 rows).
+@pytest.mark.slow
 def test_a_real_model_in_bf16_speculates_exactly_with_trees_of_more_than_32_rows():
     """The packaged SmolLM2 in dense bf16, verifying 40-node trees (41 rows a request,
     164 a step): oneDNN's AMX kernels block such products otherwise than a decode
