@@ -6,6 +6,7 @@ code paths a GPU run takes are the same)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -28,14 +29,17 @@ def test_the_gpu_bench_dry_run_gives_every_section(tmp_path):
     # Each speculative step's cost is against the plain step of its batch, with the
     # speed-up at the acceptance lengths measured on CPU.
     whole = [f for f in spec if "level by level" not in f["case"] and "a graph per level" not in f["case"]]
-    assert len(whole) == 2 and all(f["detail"]["vs_plain"] > 0 and "CPU's acceptance" in f["versus"] for f in whole)
+    # (A step's time is the difference of two timed generations: on a tiny CPU model
+    # noise can give it any sign, so the dry run checks that each figure was measured.)
+    assert len(whole) == 2 and all(math.isfinite(f["detail"]["vs_plain"]) and "CPU's acceptance" in f["versus"]
+                                   for f in whole)
     # And each drafted level by level in the same engine, against its whole drafts.
     by_level = [f for f in spec if "level by level" in f["case"]]
-    assert len(by_level) == 2 and all(f["detail"]["whole_speedup"] > 0 for f in by_level)
+    assert len(by_level) == 2 and all(math.isfinite(f["detail"]["whole_speedup"]) for f in by_level)
     # And with a graph per level against the whole draft's two graphs (here, one
     # uncaptured static program in two parts).
     per_level = [f for f in spec if "a graph per level" in f["case"]]
-    assert len(per_level) == 2 and all(f["detail"]["one_graph_speedup"] > 0 for f in per_level)
+    assert len(per_level) == 2 and all(math.isfinite(f["detail"]["one_graph_speedup"]) for f in per_level)
     # with the host's fill of a level's buffers timed where whole drafts ran
     assert any(f["detail"]["fill_seconds_per_level"] > 0 for f in per_level)
     # (The tiny chain's short generations draft once each, from the prompt: too long a
@@ -62,7 +66,8 @@ def test_the_flashinfer_section_times_both_backends_in_one_run(tmp_path, monkeyp
                        "flashinfer"]) == 0
     figures = json.loads(out.read_text())["figures"]
     assert [f["case"] for f in figures] == ["1.5B, batch 1, eager steps"]
-    assert all(f["detail"]["flashinfer"]["step_seconds"] > 0 and f["detail"]["triton"]["step_seconds"] > 0
+    assert all(math.isfinite(f["detail"]["flashinfer"]["step_seconds"])
+               and math.isfinite(f["detail"]["triton"]["step_seconds"])
                for f in figures)
 
 
@@ -112,7 +117,8 @@ def test_the_overlap_section_times_each_setting_with_it_in_force(tmp_path, monke
     assert [f["case"] for f in figures] == [f"{case}, launches overlapping" for case in (
         "1.5B, batch 1", "0.5B draft alone, batch 1", "chain-4, batch 1")]
     assert seen == [False] * 3 + [True] * 3 and launch_overlap.enabled() == before
-    assert all(f["detail"]["apart"]["step_seconds"] > 0 and f["detail"]["overlapping"]["step_seconds"] > 0
+    assert all(math.isfinite(f["detail"]["apart"]["step_seconds"])
+               and math.isfinite(f["detail"]["overlapping"]["step_seconds"])
                for f in figures)
 
 
